@@ -1,0 +1,1 @@
+"""Decoder service: paged KV cache, continuous batching, sampling, the Generate stream."""

@@ -1,0 +1,1 @@
+"""Encoder service: batched encoder forward, cross-attention KV projection and hand-off."""

@@ -1,0 +1,1 @@
+"""Attention kernels, each beside its plain-torch reference."""

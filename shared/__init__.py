@@ -1,0 +1,1 @@
+"""Code both services use: config, models, audio, KV transport, request state."""

@@ -1,0 +1,60 @@
+"""Per-step inputs of paged attention, built by the decoder's model runner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Describes one decode step over a flat (varlen) batch.
+
+    A step carries ``T`` query tokens from ``B`` sequences laid end to end:
+    sequence ``b`` owns tokens ``query_start_loc[b]:query_start_loc[b+1]``
+    (several for a prefill or a recompute after preemption, one for a decode
+    step). KV caches have the layout
+    ``[num_layers, 2, num_blocks, block_size, num_heads, head_dim]`` (index 0 = K,
+    1 = V); slot ``s`` is block ``s // block_size``, offset ``s % block_size``.
+
+    Attributes:
+        query_start_loc: ``[B + 1]`` int64, cumulative query lengths (starts at 0).
+        slot_mapping: ``[T]`` int64, self-attention cache slot each new token's
+            K/V is written to.
+        seq_lens: ``[B]`` int64, self-attention context length of each sequence
+            after this step (cached tokens + this step's tokens). Query ``i`` of
+            sequence ``b`` sits at position ``seq_lens[b] - q_len_b + i`` and
+            attends causally to keys ``0..position``.
+        block_tables: ``[B, max_num_blocks]`` int64 self-attention block ids,
+            padded with 0 past each sequence's blocks.
+        cross_block_tables: ``[B, max_num_cross_blocks]`` int64 cross-attention
+            block ids, padded with 0.
+        encoder_lens: ``[B]`` int64, cross-attention KV length of each sequence
+            (every query attends to all of them; no mask inside).
+        logits_indices: ``[B]`` int64, index into ``T`` of each sequence's last
+            token, whose hidden state is turned into logits.
+        max_query_len: longest query run in the batch.
+        max_seq_len: longest ``seq_lens`` entry.
+        max_encoder_len: longest ``encoder_lens`` entry.
+    """
+
+    query_start_loc: torch.Tensor
+    slot_mapping: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    cross_block_tables: torch.Tensor
+    encoder_lens: torch.Tensor
+    logits_indices: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    max_encoder_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def query_lens(self) -> torch.Tensor:
+        """``[B]`` int64 number of query tokens of each sequence."""
+        return self.query_start_loc[1:] - self.query_start_loc[:-1]

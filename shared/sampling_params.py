@@ -1,0 +1,49 @@
+"""Sampling parameters of one request, validated where they are read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token.
+
+    Attributes:
+        temperature: softmax temperature; 0 means greedy (argmax).
+        top_k: keep the k most likely tokens; 0 keeps all.
+        top_p: nucleus sampling, keep the smallest set whose probability
+            reaches top_p (Holtzman et al. 2019); 1.0 keeps all.
+        seed: seed of this request's own ``torch.Generator``; None draws from
+            a fresh nondeterministic seed. Never the global RNG.
+        max_tokens: most new tokens (end token included); None means up to the
+            model's max decoder length.
+
+    Raises:
+        ValueError: from ``validate`` with a message naming the bad field.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if not (self.temperature >= 0.0) or self.temperature != self.temperature or self.temperature == float("inf"):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.seed is not None and not (0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
