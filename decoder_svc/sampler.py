@@ -1,0 +1,116 @@
+"""Per-row token sampling over a batch of logits.
+
+Order follows HF ``generate``: logits processors first (Whisper's
+``SuppressTokensLogitsProcessor`` on every step and
+``SuppressTokensAtBeginLogitsProcessor`` on the first generated token, both
+setting scores to ``-inf``), then warpers in HF order: temperature, top-k,
+top-p (``TemperatureLogitsWarper``, ``TopKLogitsWarper``, ``TopPLogitsWarper``
+with ``min_tokens_to_keep=1``), then greedy argmax or a multinomial draw from
+each request's own ``torch.Generator`` so a seeded request gets the same
+tokens whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from shared.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """One row of a batch: its request, params, and whether it samples its first token."""
+
+    request_id: str
+    params: SamplingParams
+    is_first_token: bool
+
+
+def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return logits / temperature
+
+
+def apply_top_k(logits: torch.Tensor, top_k: int, filter_value: float = -float("inf")) -> torch.Tensor:
+    """``[..., V]``: keep scores >= the k-th largest (ties kept), as HF ``TopKLogitsWarper``."""
+    if top_k <= 0:
+        return logits
+    k = min(max(top_k, 1), logits.size(-1))
+    kth = torch.topk(logits, k)[0][..., -1, None]
+    return logits.masked_fill(logits < kth, filter_value)
+
+
+def apply_top_p(logits: torch.Tensor, top_p: float, filter_value: float = -float("inf")) -> torch.Tensor:
+    """``[..., V]``: nucleus filter exactly as HF ``TopPLogitsWarper`` (keeps at least one token)."""
+    if top_p >= 1.0:
+        return logits
+    sorted_logits, sorted_idx = torch.sort(logits, descending=False)
+    cum_probs = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    sorted_remove = cum_probs <= (1 - top_p)
+    sorted_remove[..., -1:] = False
+    remove = sorted_remove.scatter(-1, sorted_idx, sorted_remove)
+    return logits.masked_fill(remove, filter_value)
+
+
+class Sampler:
+    """Picks one token per row.
+
+    Args:
+        suppress_tokens: ids masked to ``-inf`` on every step.
+        begin_suppress_tokens: ids masked on a sequence's first generated token.
+    """
+
+    def __init__(self, suppress_tokens: Seq[int] = (), begin_suppress_tokens: Seq[int] = ()) -> None:
+        self.suppress_tokens = torch.tensor(sorted(set(suppress_tokens)), dtype=torch.long)
+        self.begin_suppress_tokens = torch.tensor(sorted(set(begin_suppress_tokens)), dtype=torch.long)
+        self._generators: dict[str, torch.Generator] = {}
+
+    def generator(self, request_id: str, seed: int | None) -> torch.Generator:
+        """The request's own generator, created (seeded) on first use."""
+        gen = self._generators.get(request_id)
+        if gen is None:
+            gen = torch.Generator()
+            gen.manual_seed(seed if seed is not None else random.SystemRandom().randrange(2**63))
+            self._generators[request_id] = gen
+        return gen
+
+    def release(self, request_id: str) -> None:
+        """Forgets a finished or aborted request's generator."""
+        self._generators.pop(request_id, None)
+
+    def process_logits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """``[N, V]`` float32 -> ``[N, V]`` after suppression (processors only, no warpers)."""
+        logits = logits.float().clone()
+        if self.suppress_tokens.numel():
+            logits[:, self.suppress_tokens] = -float("inf")
+        first = [i for i, r in enumerate(rows) if r.is_first_token]
+        if first and self.begin_suppress_tokens.numel():
+            idx = torch.tensor(first, dtype=torch.long)
+            logits[idx[:, None], self.begin_suppress_tokens[None, :]] = -float("inf")
+        return logits
+
+    @staticmethod
+    def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """``[..., V]`` -> warped scores: temperature, then top-k, then top-p."""
+        logits = apply_temperature(logits, params.temperature)
+        logits = apply_top_k(logits, params.top_k)
+        return apply_top_p(logits, params.top_p)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+        """``logits``: ``[N, V]`` (row i for ``rows[i]``) -> N token ids."""
+        if logits.shape[0] != len(rows):
+            raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} sampling rows")
+        if not rows:
+            return []
+        logits = self.process_logits(logits, rows)
+        out = logits.argmax(dim=-1).tolist()  # greedy rows are done in one batched op
+        for i, row in enumerate(rows):
+            if row.params.greedy:
+                continue
+            probs = self.warp(logits[i], row.params).softmax(dim=-1)  # [V]
+            gen = self.generator(row.request_id, row.params.seed)
+            out[i] = int(torch.multinomial(probs, 1, generator=gen).item())
+        return out

@@ -1,0 +1,127 @@
+"""One decoder request's state as the scheduler and block manager see it (pure Python)."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+
+from shared.sampling_params import SamplingParams
+
+_arrival_counter = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    """Life cycle: WAITING_CROSS_BLOCKS -> ENCODING -> WAITING <-> RUNNING -> FINISHED_*."""
+
+    WAITING_CROSS_BLOCKS = enum.auto()  # queued until its cross-attention KV blocks fit
+    ENCODING = enum.auto()  # cross blocks reserved; the encoder service is filling them
+    WAITING = enum.auto()  # cross KV present; waiting for self blocks / a batch seat
+    RUNNING = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISH_REASONS
+
+
+_FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Sequence:
+    """A request's decoder tokens, blocks and progress.
+
+    Attributes:
+        request_id: caller's id, unique among unfinished requests.
+        prompt_token_ids: decoder prompt (e.g. Whisper's start-of-transcript ids).
+        output_token_ids: generated tokens, end token included once sampled.
+        encoder_len: cross-attention KV length (encoder output frames / tokens).
+        sampling_params: how to pick each next token.
+        eos_token_id: token that stops the sequence ("stop").
+        max_total_len: model's max decoder length (prompt + output), e.g. 448.
+        status: a `SequenceStatus`.
+        block_table: self-attention KV block ids, in order.
+        cross_block_ids: cross-attention KV block ids, allocated once.
+        num_computed_tokens: tokens whose self-attention K/V are in the cache.
+        arrival_time: `time.monotonic()` at creation.
+        arrival_order: monotonically increasing tie-breaker (preemption picks the largest).
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        encoder_len: int,
+        sampling_params: SamplingParams,
+        eos_token_id: int,
+        max_total_len: int,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.encoder_len = encoder_len
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.max_total_len = max_total_len
+        self.status = SequenceStatus.WAITING_CROSS_BLOCKS
+        self.block_table: list[int] = []
+        self.cross_block_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.arrival_time = time.monotonic()
+        self.arrival_order = next(_arrival_counter)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def max_len(self) -> int:
+        """Most tokens (prompt + output) this sequence can ever hold."""
+        max_tokens = self.sampling_params.max_tokens
+        if max_tokens is None:
+            return self.max_total_len
+        return min(self.max_total_len, self.num_prompt_tokens + max_tokens)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        """"stop", "length", "abort", or None while unfinished."""
+        return _FINISH_REASONS.get(self.status)
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+
+    def check_stop(self) -> SequenceStatus | None:
+        """The finished status the last appended token implies, or None."""
+        if self.output_token_ids and self.output_token_ids[-1] == self.eos_token_id:
+            return SequenceStatus.FINISHED_STOPPED
+        if self.num_tokens >= self.max_len:
+            return SequenceStatus.FINISHED_LENGTH
+        return None
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={self.block_table}, cross={self.cross_block_ids})"
+        )
