@@ -1,0 +1,100 @@
+"""Builds the step's tensors, runs the decoder, samples (the only tensor code of the engine)."""
+
+from __future__ import annotations
+
+import torch
+
+from decoder_svc.sampler import Sampler, SamplingRow
+from decoder_svc.scheduler import SchedulerOutput
+from shared.attention_metadata import AttentionMetadata
+
+
+class ModelRunner:
+    """Owns the self-attention KV cache; reads a caller-owned cross-attention KV cache.
+
+    Args:
+        model: decoder model with ``forward(input_ids, positions, attn_metadata,
+            self_kv_cache, cross_kv_cache) -> [T, d]`` and ``compute_logits``,
+            and ``config`` (``decoder_layers``, ``num_heads``, ``head_dim``).
+        cross_kv_cache: ``[num_layers, 2, num_cross_blocks, block_size, H, Dh]``,
+            filled by the encoder service (in production a view of shared memory;
+            never allocated here).
+        num_self_blocks: blocks of the self-attention KV cache allocated here.
+        block_size: tokens per block (both caches).
+        sampler: picks tokens from logits.
+    """
+
+    def __init__(self, model, cross_kv_cache: torch.Tensor, num_self_blocks: int, block_size: int, sampler: Sampler) -> None:
+        c = model.config
+        expected = (c.decoder_layers, 2, cross_kv_cache.shape[2], block_size, c.num_heads, c.head_dim)
+        if tuple(cross_kv_cache.shape) != expected:
+            raise ValueError(
+                f"cross_kv_cache shape {tuple(cross_kv_cache.shape)} != expected "
+                f"[num_layers, 2, num_blocks, block_size, H, Dh] = {list(expected)}"
+            )
+        self.model = model
+        self.block_size = block_size
+        self.sampler = sampler
+        self.device = cross_kv_cache.device
+        self.cross_kv_cache = cross_kv_cache
+        self.self_kv_cache = torch.zeros(  # [L, 2, num_self_blocks, block_size, H, Dh]
+            c.decoder_layers, 2, num_self_blocks, block_size, c.num_heads, c.head_dim,
+            dtype=cross_kv_cache.dtype, device=self.device,
+        )
+
+    def prepare_inputs(self, so: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Flat varlen batch: ``input_ids [T]``, ``positions [T]`` and the attention metadata."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        block_tables: list[list[int]] = []
+        cross_tables: list[list[int]] = []
+        encoder_lens: list[int] = []
+        for seq, n in zip(so.scheduled_seqs, so.num_scheduled_tokens):
+            start = seq.num_computed_tokens
+            end = start + n
+            input_ids.extend(seq.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            query_start_loc.append(query_start_loc[-1] + n)
+            seq_lens.append(end)
+            block_tables.append(table)
+            cross_tables.append(seq.cross_block_ids)
+            encoder_lens.append(seq.encoder_len)
+
+        def padded(rows: list[list[int]]) -> torch.Tensor:
+            width = max((len(r) for r in rows), default=0)
+            return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long, device=self.device).view(len(rows), width)
+
+        def t(xs: list[int]) -> torch.Tensor:
+            return torch.tensor(xs, dtype=torch.long, device=self.device)
+
+        qsl = t(query_start_loc)
+        md = AttentionMetadata(
+            query_start_loc=qsl,
+            slot_mapping=t(slot_mapping),
+            seq_lens=t(seq_lens),
+            block_tables=padded(block_tables),
+            cross_block_tables=padded(cross_tables),
+            encoder_lens=t(encoder_lens),
+            logits_indices=qsl[1:] - 1,
+            max_query_len=max(so.num_scheduled_tokens, default=0),
+            max_seq_len=max(seq_lens, default=0),
+            max_encoder_len=max(encoder_lens, default=0),
+        )
+        return t(input_ids), t(positions), md
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> list[int]:
+        """Runs one step; returns one sampled token id per scheduled sequence, in order."""
+        if so.is_empty:
+            return []
+        input_ids, positions, md = self.prepare_inputs(so)
+        hidden = self.model.forward(input_ids, positions, md, self.self_kv_cache, self.cross_kv_cache)  # [T, d]
+        logits = self.model.compute_logits(hidden[md.logits_indices])  # [B, V] float32
+        rows = [SamplingRow(s.request_id, s.sampling_params, s.num_output_tokens == 0) for s in so.scheduled_seqs]
+        return self.sampler(logits.cpu(), rows)
