@@ -1,0 +1,281 @@
+"""The decoder service process: public ``DecoderService`` over the engine thread.
+
+Per Generate request: validate and decode the audio, record QUEUED in Redis,
+add to the engine (which reserves cross blocks), call the encoder's Encode
+into those blocks (ENCODING), mark the request runnable (DECODING), stream
+text deltas, record FINISHED / ABORTED / FAILED. Redis sees a handful of
+writes per request, never one per token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+import torch
+
+from decoder_svc.engine import DecoderEngine
+from decoder_svc.engine_loop import EngineLoop
+from shared.audio import decode_audio, pcm_to_array
+from shared.config import DecoderServiceConfig
+from shared.errors import AlreadyExistsError, InvalidRequestError, NotFoundError, UnavailableError
+from shared.grpc_server import GRPC_OPTIONS, abort_with, serve
+from shared.kv_transport import create_pool
+from shared.models.registry import load_model, resolve_model
+from shared.proto import decoder_pb2, decoder_pb2_grpc, encoder_pb2, encoder_pb2_grpc
+from shared.request_state import RequestState, RequestStateStore
+from shared.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+SAMPLE_RATE = 16000
+FINISH_REASONS = {
+    "stop": decoder_pb2.FINISH_REASON_STOP,
+    "length": decoder_pb2.FINISH_REASON_LENGTH,
+    "abort": decoder_pb2.FINISH_REASON_ABORT,
+}
+
+
+@dataclass
+class _Active:
+    """A request this replica is serving."""
+
+    pcm: np.ndarray
+    stream: asyncio.Queue = field(default_factory=asyncio.Queue)
+    encoding: asyncio.Task | None = None
+    abort_requested: bool = False
+
+
+class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
+    """Thin servicer: convert, call the engine loop, convert back."""
+
+    def __init__(self, config: DecoderServiceConfig, model, engine: DecoderEngine, pool, store: RequestStateStore) -> None:
+        self.config = config
+        self.model = model
+        self.engine = engine
+        self.pool = pool
+        self.store = store
+        self.model_path = resolve_model(config.model)[1]
+        self.active: dict[str, _Active] = {}
+        self.loop: EngineLoop | None = None
+        self.channel = grpc.aio.insecure_channel(config.encoder_address, options=GRPC_OPTIONS)
+        self.encoder = encoder_pb2_grpc.EncoderServiceStub(self.channel)
+
+    def start(self) -> None:
+        self.loop = EngineLoop(self.engine, asyncio.get_running_loop(), self._on_encode, self._on_output, self._on_step_error)
+
+    async def close(self) -> None:
+        self.loop.stop()
+        await self.channel.close()
+
+    # -- validation -------------------------------------------------------
+    def _check_model(self, name: str) -> None:
+        if name and resolve_model(name)[1] != self.model_path:
+            raise NotFoundError(f"model {name!r} is not served here; this decoder serves {self.config.model!r}")
+
+    @staticmethod
+    def _sampling(pb: decoder_pb2.SamplingParams) -> SamplingParams:
+        kwargs = {f: getattr(pb, f) for f in ("temperature", "top_k", "top_p", "seed", "max_tokens") if pb.HasField(f)}
+        return SamplingParams(**kwargs)
+
+    def _audio(self, request: decoder_pb2.GenerateRequest) -> np.ndarray:
+        kind = request.WhichOneof("input")
+        if kind == "audio":
+            pcm = decode_audio(request.audio)
+        elif kind == "pcm":
+            pcm = pcm_to_array(request.pcm.samples, request.pcm.sample_rate)
+        else:
+            raise InvalidRequestError("request has no input: set `audio` (WAV/FLAC bytes) or `pcm`")
+        seconds = len(pcm) / SAMPLE_RATE
+        if seconds > self.config.max_audio_s:
+            raise InvalidRequestError(f"audio is {seconds:.1f} s long; this server accepts at most {self.config.max_audio_s:.1f} s")
+        return pcm
+
+    # -- engine callbacks (event loop) --------------------------------------
+    def _on_encode(self, request_id: str, block_ids: list[int]) -> None:
+        active = self.active.get(request_id)
+        if active is not None:
+            active.encoding = asyncio.create_task(self._encode(request_id, active, block_ids))
+
+    def _on_output(self, output) -> None:
+        active = self.active.get(output.request_id)
+        if active is not None:
+            active.stream.put_nowait(output)
+
+    def _on_step_error(self, exc: BaseException) -> None:
+        for active in self.active.values():
+            active.stream.put_nowait(exc)
+
+    async def _encode(self, request_id: str, active: _Active, block_ids: list[int]) -> None:
+        spec = self.pool.spec
+        target = encoder_pb2.KVTarget(transport=spec.transport, segment=spec.segment, shape=spec.shape, dtype=spec.dtype, instance_id=spec.instance_id)
+        try:
+            await asyncio.to_thread(self.store.set_state, request_id, RequestState.ENCODING)
+            await self.encoder.Encode(
+                encoder_pb2.EncodeRequest(request_id=request_id, model=self.config.model, pcm=active.pcm.astype("<f4").tobytes(), block_ids=block_ids, target=target),
+                timeout=self.config.encode_timeout_s,
+            )
+        except grpc.aio.AioRpcError as exc:
+            active.stream.put_nowait(UnavailableError(f"encoder failed: {exc.code().name}: {exc.details()}"))
+            return
+        except Exception as exc:  # noqa: BLE001 - reported on the request's stream
+            active.stream.put_nowait(exc)
+            return
+        if active.abort_requested:
+            return
+        await asyncio.to_thread(self.store.set_state, request_id, RequestState.DECODING)
+        await self.loop.call(self.engine.mark_encoded, request_id)
+
+    # -- RPCs ---------------------------------------------------------------
+    async def Generate(self, request, context):
+        request_id = request.request_id or uuid.uuid4().hex
+        try:
+            self._check_model(request.model)
+            params = self._sampling(request.sampling)
+            pcm = self._audio(request)
+            if request_id in self.active:
+                raise AlreadyExistsError(f"request id {request_id!r} is already running")
+            await asyncio.to_thread(self.store.create, request_id, self.config.model)
+        except Exception as exc:  # noqa: BLE001 - nothing reserved yet
+            await abort_with(context, exc)
+        active = self.active[request_id] = _Active(pcm)
+        state, fields = RequestState.FAILED, {}
+        try:
+            encoder_len = self.model.config.max_source_positions
+            await self.loop.call(self.engine.add_request, request_id, encoder_len, params)
+            while True:
+                item = await active.stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                final = item.finished
+                message = decoder_pb2.GenerateResponse(request_id=request_id, text=item.text, token_ids=item.new_token_ids)
+                if final:
+                    reason = item.finish_reason
+                    message.finish_reason = FINISH_REASONS[reason]
+                    message.usage.CopyFrom(decoder_pb2.Usage(prompt_tokens=item.prompt_tokens, completion_tokens=item.completion_tokens, encoder_tokens=encoder_len))
+                    state = RequestState.ABORTED if reason == "abort" else RequestState.FINISHED
+                    fields = {"finish_reason": reason, "prompt_tokens": item.prompt_tokens, "completion_tokens": item.completion_tokens}
+                if item.text or item.new_token_ids or final:
+                    yield message
+                if final:
+                    return
+        except asyncio.CancelledError:  # client went away
+            state, fields = RequestState.ABORTED, {"finish_reason": "abort"}
+            raise
+        except Exception as exc:  # noqa: BLE001 - mapped to a status code
+            fields = {"error": str(exc)}
+            await abort_with(context, exc)
+        finally:
+            await self._release(request_id, active, state, fields)
+
+    async def _release(self, request_id: str, active: _Active, state: RequestState, fields: dict) -> None:
+        """Frees the request's blocks (after any in-flight Encode wrote them) and records its end."""
+        active.abort_requested = True
+        if active.encoding is not None and not active.encoding.done():
+            # The encoder may still write into the reserved cross blocks: keep them until it answers.
+            await asyncio.wait([active.encoding])
+        await self.loop.call(self.engine.abort, request_id)
+        self.active.pop(request_id, None)
+        try:
+            await asyncio.to_thread(self.store.set_state, request_id, state, **fields)
+        except Exception:  # noqa: BLE001 - the stream's outcome stands; log the lost record
+            log.exception("could not record %s for %s", state.name, request_id)
+
+    async def GetRequest(self, request, context):
+        record = await asyncio.to_thread(self.store.get, request.request_id)
+        if record is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no request {request.request_id!r} (unknown or expired)")
+        return decoder_pb2.RequestRecord(
+            request_id=record.request_id,
+            state=getattr(decoder_pb2, f"REQUEST_STATE_{record.state.name}"),
+            model=record.model,
+            created_at=record.created_at,
+            updated_at=record.updated_at,
+            prompt_tokens=record.prompt_tokens or 0,
+            completion_tokens=record.completion_tokens or 0,
+            finish_reason=record.finish_reason or "",
+            error=record.error or "",
+        )
+
+    async def Abort(self, request, context):
+        active = self.active.get(request.request_id)
+        if active is None:
+            return decoder_pb2.AbortResponse(aborted=False)
+        active.abort_requested = True
+        active.stream.put_nowait(_aborted(request.request_id))
+        return decoder_pb2.AbortResponse(aborted=True)
+
+    async def GetStats(self, request, context):
+        stats = await self.loop.call(self.engine.stats)
+        return decoder_pb2.DecoderStats(**{k: int(v) for k, v in stats.items() if k in decoder_pb2.DecoderStats.DESCRIPTOR.fields_by_name})
+
+
+@dataclass
+class _AbortOutput:
+    request_id: str
+    text: str = ""
+    new_token_ids: tuple = ()
+    finished: bool = True
+    finish_reason: str = "abort"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+def _aborted(request_id: str) -> _AbortOutput:
+    return _AbortOutput(request_id)
+
+
+def build_engine(config: DecoderServiceConfig, model):
+    """Creates the cross-KV pool (shared with the encoder) and the engine over it."""
+    cfg = model.config
+    max_len = model.generation.max_length
+    num_cross = config.num_cross_blocks or config.max_num_seqs * math.ceil(cfg.max_source_positions / config.block_size)
+    num_self = config.num_self_blocks or config.max_num_seqs * math.ceil(max_len / config.block_size)
+    pool = create_pool(config.kv_transport, (cfg.decoder_layers, 2, num_cross, config.block_size, cfg.num_heads, cfg.head_dim))
+    engine = DecoderEngine(
+        model,
+        model.tokenizer,
+        pool.tensor,
+        num_self_blocks=num_self,
+        block_size=config.block_size,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+    )
+    log.info("KV cache: %d self blocks, %d cross blocks of %d tokens (%s)", num_self, num_cross, config.block_size, pool.spec.segment)
+    return engine, pool
+
+
+def run(config: DecoderServiceConfig) -> None:
+    """Loads the model, creates the KV pools and serves until SIGINT/SIGTERM."""
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    model = load_model(config.model)
+    store = RequestStateStore(config.redis_url)
+    store.ping()
+    engine, pool = build_engine(config, model)
+
+    async def main() -> None:
+        servicer = DecoderServicer(config, model, engine, pool, store)
+        servicer.start()
+
+        async def on_stop() -> None:
+            await servicer.close()
+            pool.close()
+
+        await serve(
+            lambda server: decoder_pb2_grpc.add_DecoderServiceServicer_to_server(servicer, server),
+            ["encdec.v1.DecoderService"],
+            f"{config.host}:{config.port}",
+            on_stop,
+        )
+
+    try:
+        asyncio.run(main())
+    finally:
+        pool.close()

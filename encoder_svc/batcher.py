@@ -1,0 +1,117 @@
+"""Batches pending Encode requests into one encoder forward and hands off cross KV."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from shared.kv_transport import CrossKVWriter, KVTargetSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EncodeItem:
+    """One pending Encode request.
+
+    Attributes:
+        request_id: the decoder's request id.
+        pcm: float32 mono samples at the model's sample rate, ``[N]``.
+        spec: where the cross KV goes.
+        block_ids: the decoder's reserved cross blocks, in token order.
+        future: resolves to ``(encoder_len, encode_ms, batch_size)`` or an error.
+    """
+
+    request_id: str
+    pcm: np.ndarray
+    spec: KVTargetSpec
+    block_ids: list[int]
+    future: Future = field(default_factory=Future)
+
+
+class EncodeBatcher:
+    """A worker thread that runs the encoder over batches of pending requests.
+
+    The first pending request waits at most ``batch_wait_ms`` for others;
+    up to ``max_batch_size`` run in one forward. Per request: log-mel
+    features, encoder, every decoder layer's cross-attention K/V projection,
+    then ``writer.write`` into the decoder's blocks. A failure in one request's
+    write fails only that request.
+
+    Args:
+        model: exposes ``encode``, ``compute_cross_kv`` (see
+            ``shared.models.whisper``) and ``features(pcm)``.
+        writer: the KV transport's encoder-side writer.
+        max_batch_size: most requests per forward.
+        batch_wait_ms: batching window in milliseconds.
+    """
+
+    def __init__(self, model, featurize, writer: CrossKVWriter, max_batch_size: int, batch_wait_ms: float) -> None:
+        self.model = model
+        self.featurize = featurize
+        self.writer = writer
+        self.max_batch_size = max_batch_size
+        self.batch_wait_s = batch_wait_ms / 1000.0
+        self._queue: queue.Queue[EncodeItem | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name="encode-batcher", daemon=True)
+        self._thread.start()
+
+    def submit(self, item: EncodeItem) -> Future:
+        self._queue.put(item)
+        return item.future
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=10)
+
+    def _next_batch(self) -> list[EncodeItem] | None:
+        first = self._queue.get()
+        if first is None:
+            return None
+        batch = [first]
+        deadline = time.monotonic() + self.batch_wait_s
+        while len(batch) < self.max_batch_size:
+            try:
+                item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if item is None:
+                self._queue.put(None)
+                break
+            batch.append(item)
+        return batch
+
+    def _loop(self) -> None:
+        while (batch := self._next_batch()) is not None:
+            batch = [item for item in batch if item.future.set_running_or_notify_cancel()]
+            if batch:
+                self._run(batch)
+
+    def _run(self, batch: list[EncodeItem]) -> None:
+        start = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                features = torch.stack([self.featurize(item.pcm) for item in batch])  # [B, n_mels, frames]
+                encoder_out = self.model.encode(features)  # [B, S, d_model]
+                cross_kv = self.model.compute_cross_kv(encoder_out)  # [L, 2, B, S, H, D]
+        except Exception as exc:  # noqa: BLE001 - every waiting request must hear of it
+            log.exception("encoder forward failed")
+            for item in batch:
+                item.future.set_exception(exc)
+            return
+        encoder_len = cross_kv.shape[3]
+        for i, item in enumerate(batch):
+            try:
+                self.writer.write(item.spec, item.block_ids, cross_kv[:, :, i])
+            except Exception as exc:  # noqa: BLE001 - fail this request only
+                item.future.set_exception(exc)
+                continue
+            item.future.set_result((encoder_len, (time.perf_counter() - start) * 1000.0, len(batch)))
+        log.debug("encoded %d requests in %.1f ms", len(batch), (time.perf_counter() - start) * 1000.0)

@@ -1,0 +1,86 @@
+"""The encoder service process: gRPC ``EncoderService`` over an ``EncodeBatcher``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+
+import grpc
+import numpy as np
+import torch
+
+from encoder_svc.batcher import EncodeBatcher, EncodeItem
+from shared.config import EncoderServiceConfig
+from shared.errors import InvalidRequestError, NotFoundError
+from shared.grpc_server import abort_with, serve
+from shared.kv_transport import KVTargetSpec, create_writer
+from shared.models.registry import load_model, model_names
+from shared.proto import encoder_pb2, encoder_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
+    """Thin servicer: validate and convert, submit to the batcher, convert back."""
+
+    def __init__(self, config: EncoderServiceConfig, model, batcher: EncodeBatcher) -> None:
+        self.config = config
+        self.model = model
+        self.batcher = batcher
+        self.served_names = model_names(config.model)
+
+    def _item(self, request: encoder_pb2.EncodeRequest) -> EncodeItem:
+        if request.model and request.model not in self.served_names:
+            raise NotFoundError(f"model {request.model!r} is not served here; this encoder serves {self.config.model!r}")
+        if not request.pcm or len(request.pcm) % 4:
+            raise InvalidRequestError(f"pcm must be non-empty float32 bytes, got {len(request.pcm)} bytes")
+        target = request.target
+        spec = KVTargetSpec(target.transport, target.segment, tuple(target.shape), target.dtype, target.instance_id)
+        cfg = self.model.config
+        expected = (cfg.decoder_layers, 2, cfg.num_heads, cfg.head_dim)
+        if len(spec.shape) != 6 or (spec.shape[0], spec.shape[1], spec.shape[4], spec.shape[5]) != expected:
+            raise InvalidRequestError(
+                f"KV target shape {list(spec.shape)} does not fit this model: expected "
+                f"[{expected[0]}, 2, num_blocks, block_size, {expected[2]}, {expected[3]}]"
+            )
+        needed = math.ceil(cfg.max_source_positions / spec.shape[3])
+        if len(request.block_ids) != needed:
+            raise InvalidRequestError(f"{cfg.max_source_positions} encoder positions need {needed} blocks, got {len(request.block_ids)}")
+        pcm = np.frombuffer(request.pcm, dtype="<f4").astype(np.float32)
+        return EncodeItem(request.request_id, pcm, spec, list(request.block_ids))
+
+    async def Encode(self, request, context):
+        try:
+            item = self._item(request)
+            encoder_len, encode_ms, batch_size = await asyncio.wrap_future(self.batcher.submit(item))
+        except Exception as exc:  # noqa: BLE001 - mapped to a status code
+            await abort_with(context, exc)
+        return encoder_pb2.EncodeResponse(
+            request_id=request.request_id, encoder_len=encoder_len, encode_ms=encode_ms, batch_size=batch_size
+        )
+
+
+def run(config: EncoderServiceConfig) -> None:
+    """Loads the model and serves until SIGINT/SIGTERM."""
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    model = load_model(config.model)
+    from shared.models.whisper import log_mel_spectrogram
+
+    writer = create_writer("shm")
+    batcher = EncodeBatcher(model, log_mel_spectrogram, writer, config.max_batch_size, config.batch_wait_ms)
+    servicer = EncoderServicer(config, model, batcher)
+
+    async def on_stop() -> None:
+        batcher.stop()
+        writer.close()
+
+    asyncio.run(
+        serve(
+            lambda server: encoder_pb2_grpc.add_EncoderServiceServicer_to_server(servicer, server),
+            ["encdec.v1.EncoderService"],
+            f"{config.host}:{config.port}",
+            on_stop,
+        )
+    )

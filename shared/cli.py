@@ -1,0 +1,160 @@
+"""The ``encdec`` command line: serve, run everything, transcribe."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from shared.config import (
+    DEFAULT_DECODER_ADDRESS,
+    DecoderServiceConfig,
+    EncoderServiceConfig,
+    add_config_arguments,
+    config_from,
+)
+
+BUNDLED_CLIP = Path(__file__).resolve().parent.parent / "tests" / "data" / "sample.wav"
+
+
+def _serve_encoder(args: argparse.Namespace) -> int:
+    from encoder_svc.server import run
+
+    run(config_from(EncoderServiceConfig, args))
+    return 0
+
+
+def _serve_decoder(args: argparse.Namespace) -> int:
+    from decoder_svc.server import run
+
+    run(config_from(DecoderServiceConfig, args))
+    return 0
+
+
+def _services(args: argparse.Namespace):
+    from shared.launcher import Services
+
+    return Services(
+        model=args.model,
+        redis_url=args.redis_url or os.environ.get("REDIS_URL"),
+        encoder_port=args.encoder_port,
+        decoder_port=args.decoder_port,
+    )
+
+
+def _up(args: argparse.Namespace) -> int:
+    services = _services(args)
+    print("starting redis, encoder and decoder ...", flush=True)
+    with services:
+        print(f"ready: decoder (public API) at {services.decoder_address}, encoder at {services.encoder_address}, "
+              f"redis at {services.redis_url}. Ctrl-C stops all.", flush=True)
+        stop = []
+        signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+        try:
+            while not stop and all(p.poll() is None for p in services.procs):
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            pass
+        print("stopping ...", flush=True)
+    return 0
+
+
+def _print_results(results, start: float) -> int:
+    from shared.client import Transcript
+
+    failed = 0
+    for r in results:
+        if isinstance(r, Transcript):
+            print(f"\n{r.path}: {r.completion_tokens} tokens, finish_reason={r.finish_reason}, {r.seconds:.2f} s", file=sys.stderr)
+        else:
+            failed += 1
+            detail = f"{r.code().name}: {r.details()}" if hasattr(r, "code") else repr(r)
+            print(f"\nerror: {detail}", file=sys.stderr)
+    print(f"wall time {time.perf_counter() - start:.2f} s for {len(results)} file(s)", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _transcribe(args: argparse.Namespace) -> int:
+    from shared.client import transcribe_files
+
+    start = time.perf_counter()
+    results = asyncio.run(transcribe_files(args.address, args.files, temperature=args.temperature, top_k=args.top_k,
+                                           top_p=args.top_p, seed=args.seed, max_tokens=args.max_tokens))
+    return _print_results(results, start)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from shared.client import transcribe_files
+
+    files = args.files or [str(BUNDLED_CLIP)]
+    print("starting redis, encoder and decoder as separate processes ...", file=sys.stderr, flush=True)
+    with _services(args) as services:
+        print(f"transcribing {', '.join(files)} through {services.decoder_address}:", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        results = asyncio.run(transcribe_files(services.decoder_address, files))
+        code = _print_results(results, start)
+    return code
+
+
+def _add_sampling(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=None, help="0 (default) = greedy")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=None)
+
+
+def _add_services(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model name or directory (default whisper-tiny.en)")
+    p.add_argument("--redis-url", default=None, help="external Redis (default: $REDIS_URL, else start a local redis-server)")
+    p.add_argument("--encoder-port", type=int, default=50061)
+    p.add_argument("--decoder-port", type=int, default=50051)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="encdec", description="Encoder-decoder serving: Whisper over split encoder/decoder services.")
+    parser.add_argument("--log-level", default=os.environ.get("ENCDEC_LOG_LEVEL", "INFO"))
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve-encoder", help="run the encoder service")
+    add_config_arguments(p, EncoderServiceConfig)
+    p.set_defaults(func=_serve_encoder)
+
+    p = sub.add_parser("serve-decoder", help="run the decoder service")
+    add_config_arguments(p, DecoderServiceConfig)
+    p.set_defaults(func=_serve_decoder)
+
+    p = sub.add_parser("up", help="start redis (if needed), encoder and decoder; Ctrl-C stops all")
+    _add_services(p)
+    p.set_defaults(func=_up)
+
+    p = sub.add_parser("transcribe", help="transcribe audio files (sent concurrently) and stream the text")
+    p.add_argument("files", nargs="+")
+    p.add_argument("--address", default=os.environ.get("ENCDEC_DECODER_ADDRESS", DEFAULT_DECODER_ADDRESS))
+    _add_sampling(p)
+    p.set_defaults(func=_transcribe)
+
+    p = sub.add_parser("demo", help="start everything, transcribe the bundled clip (or FILES), stop")
+    p.add_argument("files", nargs="*")
+    _add_services(p)
+    p.set_defaults(func=_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ValueError as exc:  # config validation
+        print(f"encdec: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

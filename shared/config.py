@@ -1,0 +1,154 @@
+"""Typed configuration of both services: one source of defaults.
+
+Every field maps onto a CLI flag (``--max-num-seqs``) and an environment
+variable (``ENCDEC_MAX_NUM_SEQS``); the flag wins over the variable, the
+variable over the default here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+DEFAULT_MODEL = "whisper-tiny.en"
+DEFAULT_ENCODER_ADDRESS = "127.0.0.1:50061"
+DEFAULT_DECODER_ADDRESS = "127.0.0.1:50051"
+
+C = TypeVar("C")
+
+
+@dataclass(frozen=True)
+class EncoderServiceConfig:
+    """Settings of the encoder service.
+
+    Attributes:
+        model: model name (``whisper-tiny.en``) or a model directory.
+        host: address to listen on.
+        port: gRPC port.
+        max_batch_size: most Encode requests run in one encoder forward.
+        batch_wait_ms: how long the first pending request waits for company
+            before its batch runs (milliseconds).
+        num_threads: torch intra-op threads; 0 keeps torch's default.
+    """
+
+    model: str = DEFAULT_MODEL
+    host: str = "127.0.0.1"
+    port: int = 50061
+    max_batch_size: int = 8
+    batch_wait_ms: float = 5.0
+    num_threads: int = 0
+
+    def __post_init__(self) -> None:
+        _check_port(self.port)
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.batch_wait_ms < 0:
+            raise ValueError(f"batch_wait_ms must be >= 0, got {self.batch_wait_ms}")
+
+
+@dataclass(frozen=True)
+class DecoderServiceConfig:
+    """Settings of the decoder service.
+
+    Attributes:
+        model: model name (``whisper-tiny.en``) or a model directory.
+        host: address to listen on.
+        port: gRPC port of the public API.
+        encoder_address: ``host:port`` of the encoder service.
+        redis_url: Redis holding request state.
+        block_size: tokens per KV block (both cache groups).
+        max_num_seqs: most sequences in the running batch.
+        max_num_batched_tokens: most query tokens in one step.
+        num_self_blocks: self-attention KV blocks; 0 sizes the pool for
+            ``max_num_seqs`` sequences of the model's max decoder length.
+        num_cross_blocks: cross-attention KV blocks (the shared pool the
+            encoder writes into); 0 sizes it for ``max_num_seqs`` requests of
+            the model's max encoder length.
+        kv_transport: how cross-attention KV arrives (``shm``).
+        encode_timeout_s: an Encode call slower than this fails the request
+            with UNAVAILABLE and frees its blocks (seconds).
+        max_audio_s: longest accepted audio (seconds).
+        num_threads: torch intra-op threads; 0 keeps torch's default.
+    """
+
+    model: str = DEFAULT_MODEL
+    host: str = "127.0.0.1"
+    port: int = 50051
+    encoder_address: str = DEFAULT_ENCODER_ADDRESS
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    block_size: int = 16
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 4096
+    num_self_blocks: int = 0
+    num_cross_blocks: int = 0
+    kv_transport: str = "shm"
+    encode_timeout_s: float = 120.0
+    max_audio_s: float = 30.0
+    num_threads: int = 0
+
+    def __post_init__(self) -> None:
+        _check_port(self.port)
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("num_self_blocks", "num_cross_blocks"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0 = sized automatically), got {getattr(self, name)}")
+        if self.kv_transport not in ("shm",):
+            raise ValueError(f"kv_transport must be one of: shm; got {self.kv_transport!r}")
+        if self.encode_timeout_s <= 0 or self.max_audio_s <= 0:
+            raise ValueError("encode_timeout_s and max_audio_s must be > 0")
+
+
+def _check_port(port: int) -> None:
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port must be in 0..65535, got {port}")
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
+    """Adds one ``--field-name`` flag per dataclass field, defaulting to None."""
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        parser.add_argument(flag, dest=f.name, type=_field_type(f),
+                            default=None, help=f"(env ENCDEC_{f.name.upper()}, default {f.default!r})")
+
+
+def _field_type(f: dataclasses.Field) -> Any:
+    return {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
+
+
+def config_from(cls: type[C], args: argparse.Namespace | None = None, env: dict[str, str] | None = None) -> C:
+    """Builds ``cls`` from CLI args over ``ENCDEC_*`` environment variables over defaults.
+
+    Raises:
+        ValueError: a value does not parse or fails validation.
+    """
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        convert = _field_type(f)
+        raw = getattr(args, f.name, None) if args is not None else None
+        if raw is None and f"ENCDEC_{f.name.upper()}" in env:
+            raw = env[f"ENCDEC_{f.name.upper()}"]
+        if raw is None and f.name == "redis_url" and "REDIS_URL" in env:
+            raw = env["REDIS_URL"]
+        if raw is not None:
+            try:
+                values[f.name] = convert(raw)
+            except ValueError as exc:
+                raise ValueError(f"{f.name}: cannot parse {raw!r} as {convert.__name__}") from exc
+    return cls(**values)
+
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "DEFAULT_ENCODER_ADDRESS",
+    "DEFAULT_DECODER_ADDRESS",
+    "EncoderServiceConfig",
+    "DecoderServiceConfig",
+    "add_config_arguments",
+    "config_from",
+]

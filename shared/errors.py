@@ -1,0 +1,57 @@
+"""Errors users can act on, and the one place they become gRPC status codes."""
+
+from __future__ import annotations
+
+import grpc
+
+
+class ServiceError(Exception):
+    """Base of errors carrying their gRPC status code."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
+class InvalidRequestError(ServiceError, ValueError):
+    """The request itself is wrong (bad field, undecodable input)."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFoundError(ServiceError, LookupError):
+    """A named thing (model, request id) does not exist here."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class AlreadyExistsError(ServiceError):
+    """A request id is already in use."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class ResourceExhaustedError(ServiceError):
+    """The request can never fit this server's KV cache or limits."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class UnavailableError(ServiceError):
+    """A peer service (encoder, Redis) failed or timed out; retrying may work."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """Maps an exception to ``(status code, message)``.
+
+    ``ServiceError`` subclasses carry their own code; other ``ValueError``s
+    (validation in dataclasses, audio decoding) are INVALID_ARGUMENT; other
+    ``LookupError``s are NOT_FOUND; anything else is INTERNAL.
+    """
+    if isinstance(exc, ServiceError):
+        return exc.code, str(exc)
+    if isinstance(exc, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, LookupError):
+        return grpc.StatusCode.NOT_FOUND, str(exc).strip("'\"")
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"

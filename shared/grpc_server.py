@@ -1,0 +1,70 @@
+"""Serving plumbing both services share: health, errors to status codes, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+
+from shared.errors import status_for
+
+log = logging.getLogger(__name__)
+
+# Cross-attention KV never travels in gRPC, but audio does: allow a few minutes of float32 PCM.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    """Ends the call with the status ``status_for(exc)`` gives (never returns)."""
+    code, message = status_for(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        log.exception("internal error", exc_info=exc)
+    await context.abort(code, message)
+
+
+async def serve(
+    add_servicers: Callable[[grpc.aio.Server], None],
+    service_names: list[str],
+    address: str,
+    on_stop: Callable[[], Awaitable[None]] | None = None,
+) -> None:
+    """Runs a grpc.aio server with the standard health service until SIGINT/SIGTERM.
+
+    Args:
+        add_servicers: registers the service's servicers on the server.
+        service_names: full names reported SERVING by health checks (plus "").
+        address: ``host:port`` to bind.
+        on_stop: awaited after the server stops accepting calls.
+
+    Raises:
+        RuntimeError: the address cannot be bound.
+    """
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    add_servicers(server)
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    if server.add_insecure_port(address) == 0:
+        raise RuntimeError(f"cannot bind {address}")
+    await server.start()
+    for name in ["", *service_names]:
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("serving %s on %s", ", ".join(service_names), address)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down")
+    await health.enter_graceful_shutdown()
+    await server.stop(grace=2.0)
+    if on_stop is not None:
+        await on_stop()

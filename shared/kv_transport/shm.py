@@ -1,0 +1,126 @@
+"""``shm`` transport: the cross-KV pool is a POSIX shared-memory segment.
+
+The decoder creates the segment (name unguessable, mode 0600 as
+``multiprocessing.shared_memory`` creates it) and unlinks it on close. The
+encoder maps each segment once, caches the mapping, and writes blocks in
+place: no pickling and no copy through gRPC.
+"""
+
+from __future__ import annotations
+
+import _posixshmem
+import mmap
+import os
+import secrets
+import threading
+from multiprocessing import shared_memory
+
+import torch
+
+from shared.errors import InvalidRequestError, UnavailableError
+from shared.kv_transport.base import DTYPES, CrossKVPool, CrossKVWriter, KVTargetSpec, write_blocks
+
+
+def _tensor_over(buf, spec: KVTargetSpec) -> torch.Tensor:
+    count = spec.nbytes // DTYPES[spec.dtype].itemsize
+    return torch.frombuffer(buf, dtype=DTYPES[spec.dtype], count=count).view(spec.shape)
+
+
+class ShmCrossKVPool(CrossKVPool):
+    """Decoder-side pool in a new shared-memory segment.
+
+    Args:
+        shape: ``[num_layers, 2, num_blocks, block_size, num_heads, head_dim]``.
+        dtype: ``float32``, ``float16`` or ``bfloat16``.
+
+    Raises:
+        ValueError: unknown dtype or empty shape.
+        OSError: the segment cannot be created (e.g. /dev/shm too small).
+    """
+
+    def __init__(self, shape: tuple[int, ...], dtype: str = "float32") -> None:
+        if dtype not in DTYPES:
+            raise ValueError(f"unknown pool dtype {dtype!r}; known: {sorted(DTYPES)}")
+        instance_id = secrets.token_hex(8)
+        self.spec = KVTargetSpec("shm", f"encdec-kv-{instance_id}", tuple(int(s) for s in shape), dtype, instance_id)
+        if self.spec.nbytes <= 0:
+            raise ValueError(f"pool shape {shape} is empty")
+        self._shm = shared_memory.SharedMemory(name=self.spec.segment, create=True, size=self.spec.nbytes)
+        self.tensor = _tensor_over(self._shm.buf, self.spec)
+
+    def close(self) -> None:
+        if self._shm is None:
+            return
+        del self.tensor
+        try:
+            self._shm.close()
+        except BufferError:  # a view is still alive somewhere; the unlink below still frees the name
+            pass
+        self._shm.unlink()
+        self._shm = None
+
+
+class ShmCrossKVWriter(CrossKVWriter):
+    """Encoder-side writer; maps each segment once and caches the mapping.
+
+    Segments are opened with ``shm_open`` + ``mmap`` directly rather than
+    through ``SharedMemory``: on Python 3.11 an attached ``SharedMemory`` is
+    registered with the resource tracker, which would unlink the decoder's
+    segment when the encoder exits.
+    """
+
+    def __init__(self) -> None:
+        self._maps: dict[str, tuple[mmap.mmap, torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def _attach(self, spec: KVTargetSpec) -> torch.Tensor:
+        with self._lock:
+            cached = self._maps.get(spec.segment)
+            if cached is not None and tuple(cached[1].shape) == spec.shape:
+                return cached[1]
+            try:
+                fd = _posixshmem.shm_open("/" + spec.segment, os.O_RDWR, mode=0o600)
+            except FileNotFoundError as exc:
+                raise UnavailableError(f"cross-KV segment {spec.segment} is gone (decoder restarted?)") from exc
+            try:
+                size = os.fstat(fd).st_size
+                if size < spec.nbytes:
+                    raise InvalidRequestError(f"segment {spec.segment} holds {size} bytes, target needs {spec.nbytes}")
+                mm = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+            self._drop_stale()
+            tensor = _tensor_over(mm, spec)
+            self._maps[spec.segment] = (mm, tensor)
+            return tensor
+
+    def _drop_stale(self) -> None:
+        # A restarted decoder brings a new segment; mappings of unlinked ones only pin memory.
+        if not os.path.isdir("/dev/shm"):
+            return
+        for name in [n for n in self._maps if not os.path.exists(f"/dev/shm/{n}")]:
+            self._close_one(name)
+
+    def _close_one(self, name: str) -> None:
+        mm, tensor = self._maps.pop(name)
+        del tensor
+        try:
+            mm.close()
+        except BufferError:  # a tensor view is still alive; the GC closes it later
+            pass
+
+    def write(self, spec: KVTargetSpec, block_ids: list[int], cross_kv: torch.Tensor) -> None:
+        if spec.transport != "shm":
+            raise InvalidRequestError(f"shm writer got a {spec.transport!r} target")
+        if spec.dtype not in DTYPES or len(spec.shape) != 6 or not spec.segment.startswith("encdec-kv-"):
+            raise InvalidRequestError(f"malformed KV target: {spec}")
+        pool = self._attach(spec)
+        try:
+            write_blocks(pool, block_ids, cross_kv)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from exc
+
+    def close(self) -> None:
+        with self._lock:
+            for name in list(self._maps):
+                self._close_one(name)

@@ -1,0 +1,142 @@
+"""Starts Redis, the encoder and the decoder as separate processes, and stops them.
+
+Used by ``encdec up``, ``encdec demo`` and the integration tests, so all three
+run the services exactly the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(address: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    """Polls the standard gRPC health service at ``address`` until SERVING.
+
+    Raises:
+        RuntimeError: ``proc`` exited first, or ``timeout_s`` passed.
+    """
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"service for {address} exited with code {proc.returncode} before becoming healthy")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise RuntimeError(f"service at {address} not healthy after {timeout_s:.0f} s")
+
+
+@dataclass
+class Services:
+    """Redis + encoder + decoder processes.
+
+    Args:
+        model: model name or directory for both services.
+        redis_url: an existing Redis; None starts a local ``redis-server``.
+        encoder_port / decoder_port: 0 picks free ports.
+        extra_decoder_args / extra_encoder_args: more CLI flags.
+        log_dir: where each service's stdout/stderr goes; None inherits ours.
+    """
+
+    model: str | None = None
+    redis_url: str | None = None
+    encoder_port: int = 0
+    decoder_port: int = 0
+    extra_encoder_args: list[str] = field(default_factory=list)
+    extra_decoder_args: list[str] = field(default_factory=list)
+    log_dir: str | None = None
+    startup_timeout_s: float = 180.0
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    _redis: object = None
+
+    @property
+    def encoder_address(self) -> str:
+        return f"127.0.0.1:{self.encoder_port}"
+
+    @property
+    def decoder_address(self) -> str:
+        return f"127.0.0.1:{self.decoder_port}"
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "shared.cli", *args]
+        out = None
+        if self.log_dir:
+            os.makedirs(self.log_dir, exist_ok=True)
+            out = open(os.path.join(self.log_dir, f"{name}.log"), "ab")  # noqa: SIM115 - owned by the child
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def start(self) -> Services:
+        """Starts everything and waits for health.
+
+        Raises:
+            RuntimeError: a service exited or did not become healthy in time
+                (everything started is stopped again).
+        """
+        try:
+            if self.redis_url is None:
+                from shared.redis_server import LocalRedisServer
+
+                self._redis = LocalRedisServer()
+                self._redis.start()
+                self.redis_url = self._redis.url
+            self.encoder_port = self.encoder_port or free_port()
+            self.decoder_port = self.decoder_port or free_port()
+            model = ["--model", self.model] if self.model else []
+            encoder = self._spawn("encoder", ["serve-encoder", "--port", str(self.encoder_port), *model, *self.extra_encoder_args])
+            decoder = self._spawn(
+                "decoder",
+                ["serve-decoder", "--port", str(self.decoder_port), "--encoder-address", self.encoder_address,
+                 "--redis-url", self.redis_url, *model, *self.extra_decoder_args],
+            )
+            wait_healthy(self.encoder_address, self.startup_timeout_s, encoder)
+            wait_healthy(self.decoder_address, self.startup_timeout_s, decoder)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM to every service (decoder first), then SIGKILL whatever outlives ``timeout_s``."""
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in reversed(self.procs):
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.procs.clear()
+        if self._redis is not None:
+            with contextlib.suppress(Exception):
+                self._redis.stop()
+            self._redis = None
+
+    def __enter__(self) -> Services:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
