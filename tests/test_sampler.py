@@ -1,0 +1,115 @@
+"""Sampler: same filtered scores as HF's processors / warpers; per-request seeded RNG."""
+
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    SuppressTokensAtBeginLogitsProcessor,
+    SuppressTokensLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from decoder_svc.sampler import Sampler, SamplingRow
+from shared.sampling_params import SamplingParams
+
+V = 97
+SUPPRESS = [3, 5, 50, 96]
+BEGIN = [7, 0]
+
+
+def hf_scores(row_logits, params, is_first):
+    """HF's processors then warpers on one row (``[1, V]``), in generate()'s order."""
+    scores = row_logits[None].clone()
+    input_ids = torch.zeros(1, 2 if is_first else 5, dtype=torch.long)
+    scores = SuppressTokensAtBeginLogitsProcessor(BEGIN, begin_index=2)(input_ids, scores)
+    scores = SuppressTokensLogitsProcessor(SUPPRESS)(input_ids, scores)
+    if params.greedy:
+        return scores[0]
+    scores = TemperatureLogitsWarper(params.temperature)(input_ids, scores)
+    if params.top_k:
+        scores = TopKLogitsWarper(params.top_k)(input_ids, scores)
+    if params.top_p < 1.0:
+        scores = TopPLogitsWarper(params.top_p)(input_ids, scores)
+    return scores[0]
+
+
+PARAMS = [
+    SamplingParams(),
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=1.3, top_k=5),
+    SamplingParams(temperature=1.0, top_p=0.8),
+    SamplingParams(temperature=0.5, top_k=20, top_p=0.5),
+    SamplingParams(temperature=2.0, top_k=1),
+    SamplingParams(temperature=1.0, top_k=500, top_p=0.999),
+    SamplingParams(temperature=0.9, top_p=0.01),
+]
+
+
+@pytest.mark.parametrize("is_first", [True, False])
+def test_filtered_scores_match_hf(is_first):
+    torch.manual_seed(0)
+    logits = torch.randn(len(PARAMS), V) * 3
+    logits[1, 10:14] = 4.0  # ties at the top-k boundary
+    sampler = Sampler(SUPPRESS, BEGIN)
+    rows = [SamplingRow(f"r{i}", p, is_first) for i, p in enumerate(PARAMS)]
+    processed = sampler.process_logits(logits, rows)
+    for i, p in enumerate(PARAMS):
+        ours = processed[i] if p.greedy else Sampler.warp(processed[i], p)
+        torch.testing.assert_close(ours, hf_scores(logits[i], p, is_first), rtol=0, atol=0)
+
+
+def test_greedy_respects_suppression():
+    logits = torch.zeros(2, V)
+    logits[:, 7] = 10.0  # begin-suppressed
+    logits[:, 3] = 20.0  # always suppressed
+    logits[:, 9] = 5.0
+    rows = [SamplingRow("a", SamplingParams(), True), SamplingRow("b", SamplingParams(), False)]
+    assert Sampler(SUPPRESS, BEGIN)(logits, rows) == [9, 7]
+
+
+def run_seeded(companions, steps=6):
+    """Tokens of request 'x' (seed 1234) over steps while other rows share its batch."""
+    torch.manual_seed(99)
+    row_logits = [torch.randn(V) for _ in range(steps)]
+    sampler = Sampler(SUPPRESS, BEGIN)
+    px = SamplingParams(temperature=1.5, top_k=40, top_p=0.95, seed=1234)
+    got = []
+    for t in range(steps):
+        rows, logits = [], []
+        for j, p in enumerate(companions):
+            rows.append(SamplingRow(f"c{j}", p, t == 0))
+            logits.append(torch.randn(V))
+        pos = len(rows) // 2
+        rows.insert(pos, SamplingRow("x", px, t == 0))
+        logits.insert(pos, row_logits[t])
+        got.append(sampler(torch.stack(logits), rows)[pos])
+    return got
+
+
+def test_seeded_request_independent_of_batch_companions():
+    alone = run_seeded([])
+    assert alone == run_seeded([SamplingParams(), SamplingParams(temperature=1.0, seed=7)])
+    assert alone == run_seeded([SamplingParams(temperature=0.3)] * 5)  # unseeded companions too
+    # And equal to a plain reference draw from the request's own generator.
+    torch.manual_seed(99)
+    gen = torch.Generator().manual_seed(1234)
+    px = SamplingParams(temperature=1.5, top_k=40, top_p=0.95, seed=1234)
+    sampler = Sampler(SUPPRESS, BEGIN)
+    ref = []
+    for t in range(6):
+        row = sampler.process_logits(torch.randn(1, V), [SamplingRow("x", px, t == 0)])[0]
+        ref.append(int(torch.multinomial(Sampler.warp(row, px).softmax(-1), 1, generator=gen)))
+    assert alone == ref
+
+
+def test_global_rng_untouched_and_release():
+    sampler = Sampler()
+    state = torch.get_rng_state()
+    rows = [SamplingRow("a", SamplingParams(temperature=1.0, seed=1), False)]
+    sampler(torch.randn(1, V, generator=torch.Generator().manual_seed(0)), rows)
+    assert torch.equal(state, torch.get_rng_state())
+    sampler.release("a")
+    assert not sampler._generators
+    with pytest.raises(ValueError):
+        sampler(torch.zeros(2, V), rows)
