@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -20,16 +19,17 @@ import grpc
 import numpy as np
 import torch
 
-from decoder_svc.engine import DecoderEngine
+from decoder_svc.engine import CapacityError, DecoderEngine
 from decoder_svc.engine_loop import EngineLoop
 from shared.audio import decode_audio, pcm_to_array
 from shared.config import DecoderServiceConfig
-from shared.errors import AlreadyExistsError, InvalidRequestError, NotFoundError, UnavailableError
+from shared.errors import AlreadyExistsError, InvalidRequestError, NotFoundError, ResourceExhaustedError, UnavailableError
 from shared.grpc_server import GRPC_OPTIONS, abort_with, serve
 from shared.kv_transport import create_pool
-from shared.models.registry import load_model, resolve_model
+from shared.models.registry import load_model, model_names, resolve_model
+from shared.models.whisper_features import load_tokenizer
 from shared.proto import decoder_pb2, decoder_pb2_grpc, encoder_pb2, encoder_pb2_grpc
-from shared.request_state import RequestState, RequestStateStore
+from shared.request_state import RequestExistsError, RequestState, RequestStateStore
 from shared.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         self.engine = engine
         self.pool = pool
         self.store = store
-        self.model_path = resolve_model(config.model)[1]
+        self.served_names = model_names(config.model)
         self.active: dict[str, _Active] = {}
         self.loop: EngineLoop | None = None
         self.channel = grpc.aio.insecure_channel(config.encoder_address, options=GRPC_OPTIONS)
@@ -76,7 +76,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
 
     # -- validation -------------------------------------------------------
     def _check_model(self, name: str) -> None:
-        if name and resolve_model(name)[1] != self.model_path:
+        if name and name not in self.served_names:
             raise NotFoundError(f"model {name!r} is not served here; this decoder serves {self.config.model!r}")
 
     @staticmethod
@@ -141,14 +141,20 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             pcm = self._audio(request)
             if request_id in self.active:
                 raise AlreadyExistsError(f"request id {request_id!r} is already running")
-            await asyncio.to_thread(self.store.create, request_id, self.config.model)
+            try:
+                await asyncio.to_thread(self.store.create, request_id, self.config.model)
+            except RequestExistsError as exc:
+                raise AlreadyExistsError(f"request id {request_id!r} was already used; pick a new one") from exc
         except Exception as exc:  # noqa: BLE001 - nothing reserved yet
             await abort_with(context, exc)
         active = self.active[request_id] = _Active(pcm)
         state, fields = RequestState.FAILED, {}
         try:
             encoder_len = self.model.config.max_source_positions
-            await self.loop.call(self.engine.add_request, request_id, encoder_len, params)
+            try:
+                await self.loop.call(self.engine.add_request, request_id, encoder_len, params)
+            except CapacityError as exc:
+                raise ResourceExhaustedError(str(exc)) from exc
             while True:
                 item = await active.stream.get()
                 if isinstance(item, BaseException):
@@ -240,7 +246,7 @@ def build_engine(config: DecoderServiceConfig, model):
     pool = create_pool(config.kv_transport, (cfg.decoder_layers, 2, num_cross, config.block_size, cfg.num_heads, cfg.head_dim))
     engine = DecoderEngine(
         model,
-        model.tokenizer,
+        load_tokenizer(resolve_model(config.model)[1]),
         pool.tensor,
         num_self_blocks=num_self,
         block_size=config.block_size,

@@ -16,6 +16,7 @@ from shared.errors import InvalidRequestError, NotFoundError
 from shared.grpc_server import abort_with, serve
 from shared.kv_transport import KVTargetSpec, create_writer
 from shared.models.registry import load_model, model_names
+from shared.models.whisper_features import log_mel_spectrogram
 from shared.proto import encoder_pb2, encoder_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -66,8 +67,6 @@ def run(config: EncoderServiceConfig) -> None:
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     model = load_model(config.model)
-    from shared.models.whisper import log_mel_spectrogram
-
     writer = create_writer("shm")
     batcher = EncodeBatcher(model, log_mel_spectrogram, writer, config.max_batch_size, config.batch_wait_ms)
     servicer = EncoderServicer(config, model, batcher)

@@ -36,10 +36,11 @@ def _serve_decoder(args: argparse.Namespace) -> int:
     return 0
 
 
-def _services(args: argparse.Namespace):
+def _services(args: argparse.Namespace, log_level: str = "INFO"):
     from shared.launcher import Services
 
     return Services(
+        log_level=log_level,
         model=args.model,
         redis_url=args.redis_url or os.environ.get("REDIS_URL"),
         encoder_port=args.encoder_port,
@@ -93,7 +94,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     files = args.files or [str(BUNDLED_CLIP)]
     print("starting redis, encoder and decoder as separate processes ...", file=sys.stderr, flush=True)
-    with _services(args) as services:
+    with _services(args, log_level="WARNING") as services:
         print(f"transcribing {', '.join(files)} through {services.decoder_address}:", file=sys.stderr, flush=True)
         start = time.perf_counter()
         results = asyncio.run(transcribe_files(services.decoder_address, files))

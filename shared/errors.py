@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import grpc
+import redis.exceptions
 
 
 class ServiceError(Exception):
@@ -50,6 +51,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """
     if isinstance(exc, ServiceError):
         return exc.code, str(exc)
+    if isinstance(exc, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)):
+        return grpc.StatusCode.UNAVAILABLE, f"request-state store unavailable: {exc}"
     if isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, LookupError):

@@ -57,6 +57,7 @@ class Services:
         encoder_port / decoder_port: 0 picks free ports.
         extra_decoder_args / extra_encoder_args: more CLI flags.
         log_dir: where each service's stdout/stderr goes; None inherits ours.
+        log_level: the services' log level.
     """
 
     model: str | None = None
@@ -67,6 +68,7 @@ class Services:
     extra_decoder_args: list[str] = field(default_factory=list)
     log_dir: str | None = None
     startup_timeout_s: float = 180.0
+    log_level: str = "INFO"
     procs: list[subprocess.Popen] = field(default_factory=list)
     _redis: object = None
 
@@ -79,7 +81,7 @@ class Services:
         return f"127.0.0.1:{self.decoder_port}"
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "shared.cli", *args]
+        cmd = [sys.executable, "-m", "shared.cli", "--log-level", self.log_level, *args]
         out = None
         if self.log_dir:
             os.makedirs(self.log_dir, exist_ok=True)
