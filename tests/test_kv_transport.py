@@ -1,0 +1,97 @@
+"""The shm cross-KV transport: a writer in another process fills the decoder's blocks in place."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import stat
+
+import pytest
+import torch
+
+from shared.errors import InvalidRequestError, UnavailableError
+from shared.kv_transport import create_pool, create_writer
+
+SHAPE = (3, 2, 12, 5, 2, 4)  # [layers, K/V, blocks, block_size, heads, head_dim]
+
+
+def _reference(encoder_len: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(SHAPE[0], 2, encoder_len, SHAPE[4], SHAPE[5], generator=g)  # [L, 2, S, H, D]
+
+
+def _write_in_child(spec, block_ids, encoder_len, seed, errors) -> None:
+    try:
+        writer = create_writer("shm")
+        writer.write(spec, block_ids, _reference(encoder_len, seed))
+        writer.close()
+    except Exception as exc:  # noqa: BLE001 - reported to the parent
+        errors.put(repr(exc))
+
+
+def _read_back(pool: torch.Tensor, block_ids: list[int], encoder_len: int) -> torch.Tensor:
+    blocks = pool[:, :, block_ids]  # [L, 2, nb, bs, H, D]
+    return blocks.reshape(SHAPE[0], 2, -1, SHAPE[4], SHAPE[5])[:, :, :encoder_len]
+
+
+@pytest.mark.parametrize("encoder_len,block_ids", [(13, [9, 2, 5]), (5, [11]), (1, [0]), (20, [7, 6, 5, 4])])
+def test_child_process_writes_bit_exact_blocks(encoder_len, block_ids):
+    pool = create_pool("shm", SHAPE)
+    try:
+        pool.tensor.fill_(-7.0)
+        ctx = mp.get_context("fork")  # a separate process with its own mapping; fork keeps the test fast
+        errors = ctx.Queue()
+        proc = ctx.Process(target=_write_in_child, args=(pool.spec, block_ids, encoder_len, 3, errors))
+        proc.start()
+        proc.join(60)
+        assert proc.exitcode == 0 and errors.empty()
+        assert torch.equal(_read_back(pool.tensor, block_ids, encoder_len), _reference(encoder_len, 3))
+        untouched = [b for b in range(SHAPE[2]) if b not in block_ids]
+        assert torch.all(pool.tensor[:, :, untouched] == -7.0)
+        # The tail of the last block past encoder_len is not written either.
+        tail = encoder_len % SHAPE[3]
+        if tail:
+            assert torch.all(pool.tensor[:, :, block_ids[-1], tail:] == -7.0)
+        # The segment outlives the writer process: it was not unlinked by it.
+        assert os.path.exists(f"/dev/shm/{pool.spec.segment}")
+    finally:
+        pool.close()
+
+
+def test_segment_is_private_and_unlinked_on_close():
+    pool = create_pool("shm", SHAPE)
+    path = f"/dev/shm/{pool.spec.segment}"
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert len(pool.spec.segment) >= len("encdec-kv-") + 16
+    pool.close()
+    assert not os.path.exists(path)
+    with pytest.raises(UnavailableError):
+        create_writer("shm").write(pool.spec, [0], _reference(3, 0))
+
+
+@pytest.mark.parametrize(
+    "block_ids,encoder_len,message",
+    [([1, 2], 13, "need 3 blocks"), ([1, 1, 2], 13, "repeat"), ([1, 2, 12], 13, "must be in"), ([1, 2, -1], 13, "must be in")],
+)
+def test_malformed_write_is_rejected_without_touching_blocks(block_ids, encoder_len, message):
+    pool = create_pool("shm", SHAPE)
+    writer = create_writer("shm")
+    try:
+        pool.tensor.fill_(1.0)
+        with pytest.raises(InvalidRequestError, match=message):
+            writer.write(pool.spec, block_ids, _reference(encoder_len, 1))
+        assert torch.all(pool.tensor == 1.0)
+    finally:
+        writer.close()
+        pool.close()
+
+
+def test_wrong_shape_is_rejected():
+    pool = create_pool("shm", SHAPE)
+    writer = create_writer("shm")
+    try:
+        with pytest.raises(InvalidRequestError, match="does not fit pool"):
+            writer.write(pool.spec, [0], torch.zeros(SHAPE[0], 2, 3, SHAPE[4] + 1, SHAPE[5]))
+    finally:
+        writer.close()
+        pool.close()
