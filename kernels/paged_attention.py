@@ -1,0 +1,170 @@
+"""Plain-torch reference of paged attention (self and cross), used on CPU.
+
+The KV cache of one layer is two tensors ``k_cache`` / ``v_cache`` of shape
+``[num_blocks, block_size, num_heads, head_dim]``; slot ``s`` is block
+``s // block_size``, offset ``s % block_size`` (see
+``shared.attention_metadata.AttentionMetadata``). A sequence's keys are found
+through its row of ``block_tables``: key ``j`` of sequence ``b`` lives in block
+``block_tables[b, j // block_size]`` at offset ``j % block_size``.
+
+Queries come as a flat varlen batch ``[T, H, D]``: sequence ``b`` owns rows
+``query_start_loc[b]:query_start_loc[b+1]``. The reference pads them into
+``[B, max_q, H, D]``, gathers each sequence's keys into a dense padded
+``[B, L, H, D]``, masks, and calls ``F.scaled_dot_product_attention`` (softmax
+in float32: half-precision inputs are upcast). No Python loop runs per token or
+per sequence. Triton kernels that read blocks in place belong beside this file
+and are tested against it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter new keys/values into their cache slots, in place.
+
+    Args:
+        k_cache: ``[num_blocks, block_size, H, D]``, written in place.
+        v_cache: ``[num_blocks, block_size, H, D]``, written in place.
+        key: ``[T, H, D]`` (cast to the cache dtype).
+        value: ``[T, H, D]``.
+        slot_mapping: ``[T]`` int64 slot of each token; negative slots
+            (padding tokens) are skipped.
+
+    Memory traffic: reads ``2*T*H*D`` elements, writes the same; the rest of
+    the cache is untouched.
+    """
+    if key.shape[0] == 0:
+        return
+    h, d = k_cache.shape[-2:]
+    k_flat = k_cache.view(-1, h, d)  # [num_blocks * block_size, H, D]
+    v_flat = v_cache.view(-1, h, d)
+    slot_mapping = slot_mapping.to(device=k_cache.device, dtype=torch.long)
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        slot_mapping, key, value = slot_mapping[valid], key[valid], value[valid]
+    k_flat.index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_flat.index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+def gather_kv(
+    cache: torch.Tensor, block_tables: torch.Tensor, max_len: int
+) -> torch.Tensor:
+    """Copy each sequence's first ``max_len`` cache entries into a dense tensor.
+
+    Args:
+        cache: ``[num_blocks, block_size, H, D]``.
+        block_tables: ``[B, M]`` int64 block ids (padding entries may be any
+            valid block id; what they read is masked later).
+        max_len: number of key positions to gather, ``<= M * block_size``.
+
+    Returns:
+        ``[B, max_len, H, D]``; rows past a sequence's length hold junk.
+
+    Memory traffic: reads and writes ``B * ceil(max_len/block_size) *
+    block_size * H * D`` elements.
+    """
+    block_size = cache.shape[1]
+    num_blocks = -(-max_len // block_size)
+    if num_blocks > block_tables.shape[1]:
+        raise ValueError(f"max_len {max_len} needs {num_blocks} blocks, block_tables has {block_tables.shape[1]} columns")
+    b = block_tables.shape[0]
+    blocks = cache[block_tables[:, :num_blocks]]  # [B, nb, block_size, H, D]
+    return blocks.reshape(b, num_blocks * block_size, *cache.shape[2:])[:, :max_len]
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    causal: bool,
+    scale: float,
+    max_query_len: int | None = None,
+    max_context_len: int | None = None,
+) -> torch.Tensor:
+    """Attention of a flat varlen batch of queries over paged K/V.
+
+    Causal (self-attention): query ``i`` of sequence ``b`` sits at position
+    ``context_lens[b] - q_len_b + i`` and sees keys ``0..position``; its own
+    K/V must already be written (``write_kv``). Non-causal (cross-attention):
+    every query of sequence ``b`` sees keys ``0..context_lens[b]-1``.
+
+    Args:
+        query: ``[T, H, D]``.
+        k_cache: ``[num_blocks, block_size, H, D]``.
+        v_cache: ``[num_blocks, block_size, H, D]``.
+        block_tables: ``[B, M]`` int64 block ids, padded with any valid id.
+        context_lens: ``[B]`` int64 key count of each sequence.
+        query_start_loc: ``[B + 1]`` int64 cumulative query lengths.
+        causal: mask as self-attention (True) or cross-attention (False).
+        scale: factor on ``q . k``, usually ``head_dim ** -0.5``.
+        max_query_len: longest query run; computed (host sync) if None.
+        max_context_len: longest ``context_lens``; if None, the full width
+            ``M * block_size`` of ``block_tables`` is gathered (no host sync).
+
+    Returns:
+        ``[T, H, D]`` in the dtype of ``query``. A query with no visible key
+        (``context_lens[b] == 0``) gets zeros.
+
+    Memory traffic: gathers ``2 * B * L * H * D`` elements of K/V (``L`` =
+    ``max_context_len`` rounded up to a block) and writes them once more as
+    the dense copy; scores are ``B * H * max_q * L`` float32. A real kernel
+    reads the blocks in place and never builds the dense copy.
+    """
+    t, h, d = query.shape
+    b = block_tables.shape[0]
+    if t == 0 or b == 0:
+        return query.new_zeros(query.shape)
+    device = query.device
+    query_start_loc = query_start_loc.to(device=device, dtype=torch.long)
+    context_lens = context_lens.to(device=device, dtype=torch.long)
+    block_tables = block_tables.to(device=device, dtype=torch.long)
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [B]
+    if max_query_len is None:
+        max_query_len = int(q_lens.max())
+    if max_context_len is None:
+        max_context_len = block_tables.shape[1] * k_cache.shape[1]
+    max_context_len = max(int(max_context_len), 1)
+
+    # Each flat token's sequence and index inside it.
+    tok = torch.arange(t, device=device)
+    seq_of_tok = torch.searchsorted(query_start_loc[1:], tok, right=True)  # [T]
+    idx_in_seq = tok - query_start_loc[seq_of_tok]  # [T]
+
+    compute_dtype = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
+    q_pad = query.new_zeros((b, max_query_len, h, d), dtype=compute_dtype)
+    q_pad[seq_of_tok, idx_in_seq] = query.to(compute_dtype)
+    k = gather_kv(k_cache, block_tables, max_context_len).to(compute_dtype)  # [B, L, H, D]
+    v = gather_kv(v_cache, block_tables, max_context_len).to(compute_dtype)
+
+    key_pos = torch.arange(max_context_len, device=device)  # [L]
+    mask = key_pos[None, None, :] < context_lens[:, None, None]  # [B, 1, L]
+    if causal:
+        q_pos = context_lens[:, None] - q_lens[:, None] + torch.arange(max_query_len, device=device)[None, :]  # [B, Q]
+        mask = mask & (key_pos[None, None, :] <= q_pos[:, :, None])  # [B, Q, L]
+    else:
+        mask = mask.expand(b, max_query_len, max_context_len)
+    has_key = mask.any(-1)  # [B, Q]
+    # Rows with no visible key would be NaN in softmax; let them see key 0 and zero them after.
+    mask = mask | ~has_key[:, :, None]
+
+    out = F.scaled_dot_product_attention(
+        q_pad.transpose(1, 2),  # [B, H, Q, D]
+        k.transpose(1, 2),  # [B, H, L, D]
+        v.transpose(1, 2),
+        attn_mask=mask[:, None],  # [B, 1, Q, L]
+        scale=scale,
+    ).transpose(1, 2)  # [B, Q, H, D]
+    out = out * has_key[:, :, None, None]
+    return out[seq_of_tok, idx_in_seq].to(query.dtype)  # [T, H, D]
