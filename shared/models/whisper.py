@@ -1,0 +1,299 @@
+"""Whisper (Radford et al. 2022) with paged self- and cross-attention KV.
+
+Encoder: conv1 + GELU, conv2 (stride 2) + GELU, stored sinusoid positions,
+pre-norm layers with ``F.scaled_dot_product_attention``, final layer norm.
+Decoder: token + learned positions, pre-norm layers of self-attention over the
+paged self-attention KV cache, cross-attention over the paged cross-attention
+KV cache (written by the encoder service from ``compute_cross_kv``), FFN; the
+output projection is tied to the token embedding.
+
+Weights come from a CTranslate2 ``model.bin`` (``WhisperSpec``); ``load_weights``
+is the explicit name map.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.paged_attention import paged_attention, write_kv
+from shared.attention_metadata import AttentionMetadata
+from shared.models.ct2_reader import load_ct2_weights
+from shared.models.whisper_features import load_tokenizer, log_mel_spectrogram, special_token_ids
+
+__all__ = [
+    "WhisperConfig",
+    "WhisperGenerationDefaults",
+    "WhisperForConditionalGeneration",
+    "load_tokenizer",
+    "log_mel_spectrogram",
+]
+
+
+@dataclass(frozen=True)
+class WhisperConfig:
+    d_model: int = 384
+    num_heads: int = 6
+    head_dim: int = 64
+    encoder_layers: int = 4
+    decoder_layers: int = 4
+    ffn_dim: int = 1536
+    vocab_size: int = 51864
+    num_mel_bins: int = 80
+    max_source_positions: int = 1500
+    max_target_positions: int = 448
+
+    @classmethod
+    def from_ct2_weights(cls, w: dict[str, torch.Tensor]) -> "WhisperConfig":
+        """Infer the shape of the model from its CTranslate2 variables."""
+        vocab, d_model = w["decoder/embeddings/weight"].shape
+        heads = int(w["encoder/num_heads"])
+        count = lambda side: sum(1 for k in w if k.startswith(f"{side}/layer_") and k.endswith("ffn/linear_0/weight"))
+        return cls(
+            d_model=d_model,
+            num_heads=heads,
+            head_dim=d_model // heads,
+            encoder_layers=count("encoder"),
+            decoder_layers=count("decoder"),
+            ffn_dim=w["encoder/layer_0/ffn/linear_0/weight"].shape[0],
+            vocab_size=vocab,
+            num_mel_bins=w["encoder/conv1/weight"].shape[1],
+            max_source_positions=w["encoder/position_encodings/encodings"].shape[0],
+            max_target_positions=w["decoder/position_encodings/encodings"].shape[0],
+        )
+
+
+@dataclass(frozen=True)
+class WhisperGenerationDefaults:
+    decoder_prompt_ids: list[int]
+    eos_token_id: int
+    suppress_tokens: list[int]
+    begin_suppress_tokens: list[int]
+    max_length: int = 448
+
+    @classmethod
+    def from_model_dir(cls, model_dir: Path, config: WhisperConfig) -> "WhisperGenerationDefaults":
+        """Read ``config.json`` (suppress lists) and ``tokenizer.json`` (special ids).
+
+        English-only checkpoints (vocab 51864) are prompted with
+        ``<|startoftranscript|><|notimestamps|>``; multilingual ones with
+        ``<|startoftranscript|><|en|><|transcribe|><|notimestamps|>``.
+        """
+        with open(model_dir / "config.json", encoding="utf-8") as f:
+            cfg = json.load(f)
+        ids = special_token_ids(model_dir)
+        prompt = ["<|startoftranscript|>", "<|notimestamps|>"]
+        if config.vocab_size >= 51865:
+            prompt[1:1] = ["<|en|>", "<|transcribe|>"]
+        return cls(
+            decoder_prompt_ids=[ids[t] for t in prompt],
+            eos_token_id=ids["<|endoftext|>"],
+            suppress_tokens=list(cfg.get("suppress_ids", [])),
+            begin_suppress_tokens=list(cfg.get("suppress_ids_begin", [])),
+            max_length=config.max_target_positions,
+        )
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, c: WhisperConfig) -> None:
+        super().__init__()
+        self.h, self.dh = c.num_heads, c.head_dim
+        self.attn_norm = nn.LayerNorm(c.d_model)
+        self.qkv = nn.Linear(c.d_model, 3 * c.d_model)  # rows q, k, v
+        self.attn_out = nn.Linear(c.d_model, c.d_model)
+        self.ffn_norm = nn.LayerNorm(c.d_model)
+        self.fc1 = nn.Linear(c.d_model, c.ffn_dim)
+        self.fc2 = nn.Linear(c.ffn_dim, c.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        qkv = self.qkv(self.attn_norm(x)).view(b, s, 3, self.h, self.dh).permute(2, 0, 3, 1, 4)  # [3, B, H, S, Dh]
+        a = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2])  # [B, H, S, Dh]
+        x = x + self.attn_out(a.transpose(1, 2).reshape(b, s, d))
+        return x + self.fc2(F.gelu(self.fc1(self.ffn_norm(x))))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: WhisperConfig) -> None:
+        super().__init__()
+        self.h, self.dh = c.num_heads, c.head_dim
+        self.scale = c.head_dim**-0.5
+        self.self_attn_norm = nn.LayerNorm(c.d_model)
+        self.self_qkv = nn.Linear(c.d_model, 3 * c.d_model)  # rows q, k, v
+        self.self_out = nn.Linear(c.d_model, c.d_model)
+        self.cross_attn_norm = nn.LayerNorm(c.d_model)
+        self.cross_q = nn.Linear(c.d_model, c.d_model)
+        self.cross_kv = nn.Linear(c.d_model, 2 * c.d_model)  # rows k, v; applied to the encoder output
+        self.cross_out = nn.Linear(c.d_model, c.d_model)
+        self.ffn_norm = nn.LayerNorm(c.d_model)
+        self.fc1 = nn.Linear(c.d_model, c.ffn_dim)
+        self.fc2 = nn.Linear(c.ffn_dim, c.d_model)
+
+    def forward(self, x: torch.Tensor, md: AttentionMetadata, self_kv: torch.Tensor, cross_kv: torch.Tensor) -> torch.Tensor:
+        t, d = x.shape
+        q, k, v = self.self_qkv(self.self_attn_norm(x)).view(t, 3, self.h, self.dh).unbind(1)  # [T, H, Dh] each
+        write_kv(self_kv[0], self_kv[1], k, v, md.slot_mapping)
+        a = paged_attention(q, self_kv[0], self_kv[1], md.block_tables, md.seq_lens, md.query_start_loc,
+                            causal=True, scale=self.scale, max_query_len=md.max_query_len, max_context_len=md.max_seq_len)
+        x = x + self.self_out(a.reshape(t, d))
+        q = self.cross_q(self.cross_attn_norm(x)).view(t, self.h, self.dh)
+        a = paged_attention(q, cross_kv[0], cross_kv[1], md.cross_block_tables, md.encoder_lens, md.query_start_loc,
+                            causal=False, scale=self.scale, max_query_len=md.max_query_len, max_context_len=md.max_encoder_len)
+        x = x + self.cross_out(a.reshape(t, d))
+        return x + self.fc2(F.gelu(self.fc1(self.ffn_norm(x))))
+
+
+class WhisperForConditionalGeneration(nn.Module):
+    """Whisper encoder + paged decoder. Build with ``from_pretrained``."""
+
+    def __init__(self, config: WhisperConfig, generation: WhisperGenerationDefaults | None = None) -> None:
+        super().__init__()
+        c = self.config = config
+        self.generation = generation
+        self.conv1 = nn.Conv1d(c.num_mel_bins, c.d_model, kernel_size=3, padding=1)
+        self.conv2 = nn.Conv1d(c.d_model, c.d_model, kernel_size=3, stride=2, padding=1)
+        self.register_buffer("encoder_positions", torch.zeros(c.max_source_positions, c.d_model))
+        self.encoder_layers = nn.ModuleList(EncoderLayer(c) for _ in range(c.encoder_layers))
+        self.encoder_norm = nn.LayerNorm(c.d_model)
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.d_model)
+        self.decoder_positions = nn.Parameter(torch.zeros(c.max_target_positions, c.d_model))
+        self.decoder_layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.decoder_layers))
+        self.decoder_norm = nn.LayerNorm(c.d_model)
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32) -> "WhisperForConditionalGeneration":
+        """Load a CTranslate2 Whisper directory (``model.bin``, ``config.json``, ``tokenizer.json``).
+
+        Weights (float16 on disk) are cast to ``dtype``. Returns the model in eval mode.
+
+        Raises:
+            FileNotFoundError: a file is missing. ValueError: not a WhisperSpec model.bin.
+        """
+        model_dir = Path(model_dir)
+        weights = load_ct2_weights(model_dir / "model.bin", expected_spec="WhisperSpec")
+        config = WhisperConfig.from_ct2_weights(weights)
+        model = cls(config, WhisperGenerationDefaults.from_model_dir(model_dir, config))
+        model.load_weights(weights)
+        return model.to(dtype).eval()
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy CTranslate2 ``WhisperSpec`` variables into the modules (explicit name map).
+
+        Raises:
+            KeyError: a variable is missing. ValueError: a shape does not match.
+        """
+        name_map: dict[str, torch.Tensor] = {}
+
+        def linear(prefix: str, mod: nn.Linear) -> None:
+            name_map[f"{prefix}/weight"], name_map[f"{prefix}/bias"] = mod.weight, mod.bias
+
+        def norm(prefix: str, mod: nn.LayerNorm) -> None:
+            name_map[f"{prefix}/gamma"], name_map[f"{prefix}/beta"] = mod.weight, mod.bias
+
+        linear("encoder/conv1", self.conv1)
+        linear("encoder/conv2", self.conv2)
+        name_map["encoder/position_encodings/encodings"] = self.encoder_positions
+        for i, layer in enumerate(self.encoder_layers):
+            p = f"encoder/layer_{i}"
+            norm(f"{p}/self_attention/layer_norm", layer.attn_norm)
+            linear(f"{p}/self_attention/linear_0", layer.qkv)
+            linear(f"{p}/self_attention/linear_1", layer.attn_out)
+            norm(f"{p}/ffn/layer_norm", layer.ffn_norm)
+            linear(f"{p}/ffn/linear_0", layer.fc1)
+            linear(f"{p}/ffn/linear_1", layer.fc2)
+        norm("encoder/layer_norm", self.encoder_norm)
+        name_map["decoder/embeddings/weight"] = self.embed_tokens.weight  # also the output projection
+        name_map["decoder/position_encodings/encodings"] = self.decoder_positions
+        for i, layer in enumerate(self.decoder_layers):
+            p = f"decoder/layer_{i}"
+            norm(f"{p}/self_attention/layer_norm", layer.self_attn_norm)
+            linear(f"{p}/self_attention/linear_0", layer.self_qkv)
+            linear(f"{p}/self_attention/linear_1", layer.self_out)
+            norm(f"{p}/attention/layer_norm", layer.cross_attn_norm)
+            linear(f"{p}/attention/linear_0", layer.cross_q)
+            linear(f"{p}/attention/linear_1", layer.cross_kv)
+            linear(f"{p}/attention/linear_2", layer.cross_out)
+            norm(f"{p}/ffn/layer_norm", layer.ffn_norm)
+            linear(f"{p}/ffn/linear_0", layer.fc1)
+            linear(f"{p}/ffn/linear_1", layer.fc2)
+        norm("decoder/layer_norm", self.decoder_norm)
+
+        if "decoder/projection/weight" in weights and weights["decoder/projection/weight"].shape != self.embed_tokens.weight.shape:
+            raise ValueError("decoder/projection/weight is not tied to decoder/embeddings/weight")
+        with torch.no_grad():
+            for name, dst in name_map.items():
+                if name not in weights:
+                    raise KeyError(f"CTranslate2 Whisper weights lack variable {name!r}")
+                src = weights[name]
+                if tuple(src.shape) != tuple(dst.shape):
+                    raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} != model shape {tuple(dst.shape)}")
+                dst.copy_(src.to(dst.dtype))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @torch.inference_mode()
+    def encode(self, input_features: torch.Tensor) -> torch.Tensor:
+        """Encoder forward: ``[B, num_mel_bins, 3000]`` log-mel -> ``[B, 1500, d_model]``."""
+        x = F.gelu(self.conv1(input_features.to(self.dtype)))  # [B, d, 3000]
+        x = F.gelu(self.conv2(x)).transpose(1, 2)  # [B, 1500, d]
+        if x.shape[1] != self.config.max_source_positions:
+            raise ValueError(f"encoder expects {2 * self.config.max_source_positions} mel frames, got {input_features.shape[-1]}")
+        x = x + self.encoder_positions
+        for layer in self.encoder_layers:
+            x = layer(x)
+        return self.encoder_norm(x)
+
+    @torch.inference_mode()
+    def compute_cross_kv(self, encoder_out: torch.Tensor) -> torch.Tensor:
+        """Every decoder layer's cross-attention K/V of an encoder output.
+
+        ``[B, S, d_model]`` -> ``[num_decoder_layers, 2, B, S, num_heads, head_dim]``
+        (index 0 = K, 1 = V), in the model dtype.
+        """
+        b, s, _ = encoder_out.shape
+        c = self.config
+        x = encoder_out.to(self.dtype)
+        kv = torch.stack([layer.cross_kv(x) for layer in self.decoder_layers])  # [L, B, S, 2*d]
+        return kv.view(c.decoder_layers, b, s, 2, c.num_heads, c.head_dim).permute(0, 3, 1, 2, 4, 5).contiguous()
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        self_kv_cache: torch.Tensor,
+        cross_kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """Decoder forward over a flat varlen batch.
+
+        Args:
+            input_ids: ``[T]`` int64. positions: ``[T]`` int64 decoder positions.
+            attn_metadata: slot mapping, block tables and lengths of this step.
+            self_kv_cache: ``[num_decoder_layers, 2, num_blocks, block_size, H, Dh]``;
+                this step's K/V are written at ``slot_mapping`` before attending.
+            cross_kv_cache: same layout, already holding each sequence's cross-attention KV.
+
+        Returns:
+            ``[T, d_model]`` final hidden states (after the decoder layer norm).
+        """
+        x = self.embed_tokens(input_ids) + self.decoder_positions[positions]  # [T, d]
+        for i, layer in enumerate(self.decoder_layers):
+            x = layer(x, attn_metadata, self_kv_cache[i], cross_kv_cache[i])
+        return self.decoder_norm(x)
+
+    @torch.no_grad()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, d_model]`` -> ``[N, vocab_size]`` float32 (tied output projection).
+
+        Runs under ``no_grad`` (not inference mode) so samplers may edit the
+        logits in place.
+        """
+        return F.linear(hidden, self.embed_tokens.weight).float()
