@@ -160,16 +160,25 @@ class DecoderEngine:
         self._detok.pop(request_id, None)
         self.sampler.release(request_id)
 
-    def mark_encoded(self, request_id: str) -> None:
+    def mark_encoded(self, request_id: str) -> bool:
         """The encoder has written ``request_id``'s cross KV; it may now be scheduled.
 
-        Raises:
-            KeyError: the request is not waiting for its encoding.
+        Returns:
+            False (and nothing changes) when the request is not waiting for its
+            encoding, e.g. it was aborted while the encoder ran.
         """
+        if request_id not in self.scheduler.encoding:
+            return False
         self.scheduler.mark_encoded(request_id)
+        return True
 
     def abort(self, request_id: str) -> bool:
         """Frees every block of the request now; no further output is produced for it.
+
+        An ENCODING request's cross blocks are freed too and may be handed to
+        another request at the next step, so the owner must not let a late
+        encoder write for an aborted request land after that (cancel or await
+        the Encode call first).
 
         Returns:
             False when the request is unknown or already finished.

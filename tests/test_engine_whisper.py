@@ -65,16 +65,17 @@ def setup():
     return model, tokenizer, {c: cross_kv[:, :, i] for i, c in enumerate(CLIPS)}, ref
 
 
-def make_engine(model, tokenizer, num_self_blocks, num_cross_blocks, **kw):
+def make_engine(model, tokenizer, num_self_blocks, num_cross_blocks, block_size=BLOCK, **kw):
     c = model.config
-    cross = torch.zeros(c.decoder_layers, 2, num_cross_blocks, BLOCK, c.num_heads, c.head_dim)
-    return DecoderEngine(model, tokenizer, cross, num_self_blocks, BLOCK, **kw), cross
+    cross = torch.zeros(c.decoder_layers, 2, num_cross_blocks, block_size, c.num_heads, c.head_dim)
+    return DecoderEngine(model, tokenizer, cross, num_self_blocks, block_size, **kw), cross
 
 
 def write_cross(cross, kv, block_ids):
     """Encoder-service stand-in: ``kv`` ``[L, 2, S, H, Dh]`` into the pool at ``block_ids``."""
+    bs = cross.shape[3]
     for j, b in enumerate(block_ids):
-        seg = kv[:, :, j * BLOCK : (j + 1) * BLOCK]
+        seg = kv[:, :, j * bs : (j + 1) * bs]
         cross[:, :, b, : seg.shape[2]] = seg
 
 
@@ -91,7 +92,7 @@ def drive(engine, cross, kvs, arrivals, late_encode=()):
         pending = []
         out = engine.step()
         for rid, blocks in out.to_encode:
-            assert len(blocks) == CROSS_PER_REQ
+            assert len(blocks) == -(-ENC_LEN // cross.shape[3])
             write_cross(cross, kvs[clip_of[rid]], blocks)
             if rid in late_encode:
                 pending.append(rid)
@@ -138,12 +139,13 @@ def test_alone_and_staggered_batch_equal_hf(setup):
 
 def test_tiny_self_pool_preempts_and_tokens_stay_exact(setup):
     model, tokenizer, kvs, ref = setup
+    bs = 8
     max_tokens = max(len(t) for t in ref.values()) + 2  # no clip is cut by it
-    need = -(-(2 + max_tokens - 1) // BLOCK)
+    need = -(-(2 + max_tokens - 1) // bs)
     params = SamplingParams(max_tokens=max_tokens)
-    # Just enough self blocks for the longest request: sequences preempt each other;
-    # the cross pool holds 3 requests, so the others wait for cross blocks.
-    engine, cross = make_engine(model, tokenizer, need, CROSS_PER_REQ * 3)
+    # Just enough self blocks for the longest request, so sequences preempt each
+    # other; the cross pool holds 4 requests, so the fifth waits for cross blocks.
+    engine, cross = make_engine(model, tokenizer, need, -(-ENC_LEN // bs) * 4, block_size=bs)
     preempted = []
     orig = engine.scheduler._preempt
     engine.scheduler._preempt = lambda seq: (preempted.append(seq.request_id), orig(seq))
@@ -189,6 +191,7 @@ def test_abort_capacity_and_validation(setup):
     assert engine.stats()["num_running"] == 2
     assert engine.abort("a") and not engine.abort("a") and not engine.abort("nope")
     assert engine.abort("b")
+    assert not engine.mark_encoded("b")  # a late encoder reply for an aborted request
     s = engine.stats()
     assert s == {"block_size": BLOCK, "num_self_blocks": 8, "num_free_self_blocks": 8,
                  "num_cross_blocks": 2 * CROSS_PER_REQ, "num_free_cross_blocks": 2 * CROSS_PER_REQ,
