@@ -70,14 +70,23 @@ def hf_tokens(hf, features) -> dict[str, list[int]]:
     return out
 
 
+PAIR = ["sample.wav", "short.wav"]
+
+
+@pytest.fixture(scope="module")
+def hf_encoder_out(hf, features) -> torch.Tensor:
+    """HF encoder output of the ``PAIR`` clips, ``[2, 1500, 384]``."""
+    with torch.inference_mode():
+        return hf.model.encoder(torch.stack([features[n] for n in PAIR])).last_hidden_state
+
+
 def test_clips_committed():
     assert len(CLIPS) >= 4 and "sample.wav" in CLIPS
 
 
-def test_encoder_output_close(ours, hf, features):
-    batch = torch.stack([features[n] for n in CLIPS[:2]])  # [2, 80, 3000]
-    with torch.inference_mode():
-        ref = hf.model.encoder(batch).last_hidden_state
+def test_encoder_output_close(ours, features, hf_encoder_out):
+    batch = torch.stack([features[n] for n in PAIR])  # [2, 80, 3000]
+    ref = hf_encoder_out
     got = ours.encode(batch)
     assert got.shape == (2, 1500, 384) and got.dtype == torch.float32
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
@@ -86,9 +95,9 @@ def test_encoder_output_close(ours, hf, features):
     torch.testing.assert_close(ours.encode(batch[1:]), got[1:], atol=1e-4, rtol=1e-4)
 
 
-def test_cross_kv_matches_hf_projections(ours, hf, features):
+def test_cross_kv_matches_hf_projections(ours, hf, hf_encoder_out):
     with torch.inference_mode():
-        enc = ours.encode(features["sample.wav"][None])  # [1, 1500, 384]
+        enc = hf_encoder_out[:1]  # [1, 1500, 384]
         kv = ours.compute_cross_kv(enc)  # [4, 2, 1, 1500, 6, 64]
         assert kv.shape == (4, 2, 1, 1500, 6, 64)
         for i, layer in enumerate(hf.model.decoder.layers):
@@ -135,15 +144,15 @@ def _prefill_logits(model, feats: torch.Tensor, seqs: list[list[int]], block_siz
     return list(logits.split(lens))
 
 
-def test_teacher_forced_logits_close(ours, hf, features, hf_tokens):
-    names = ["sample.wav", "short.wav"]
+def test_teacher_forced_logits_close(ours, hf, features, hf_tokens, hf_encoder_out):
+    names = PAIR
     prompt = ours.generation.decoder_prompt_ids
     seqs = [prompt + hf_tokens[n] + [50256] for n in names]
     feats = torch.stack([features[n] for n in names])
     got = _prefill_logits(ours, feats, seqs)
     worst = 0.0
+    enc = hf_encoder_out
     with torch.inference_mode():
-        enc = hf.model.encoder(feats).last_hidden_state
         for i, seq in enumerate(seqs):
             ref = hf(encoder_outputs=(enc[i : i + 1],), decoder_input_ids=torch.tensor([seq])).logits[0]
             worst = max(worst, (got[i] - ref).abs().max().item())
@@ -167,3 +176,36 @@ def test_greedy_batch_matches_hf_generate_and_alone(ours, features, hf_tokens):
     got = paged_greedy_decode(ours, feats, block_size=7, stagger=1, seed=3)
     assert got == [hf_tokens[n] for n in CLIPS]
     assert len({len(hf_tokens[n]) for n in CLIPS}) > 1  # sequences really finish at different steps
+
+
+def test_registry_names_and_errors(model_dir, tmp_path):
+    from shared.models.registry import ModelNotFoundError, model_names
+
+    assert resolve_model("openai/whisper-tiny.en") == ("whisper", model_dir)
+    assert resolve_model(str(model_dir)) == ("whisper", model_dir.resolve())
+    assert {"whisper-tiny.en", "openai/whisper-tiny.en", str(model_dir)} <= model_names(model_dir)
+    for bad in ("no-such-model", str(tmp_path)):
+        with pytest.raises(ModelNotFoundError, match="whisper-tiny.en"):
+            resolve_model(bad)
+
+
+def test_ct2_reader_rejects_bad_files(model_dir, tmp_path):
+    from shared.models.ct2_reader import load_ct2_weights
+
+    raw = (model_dir / "model.bin").read_bytes()
+    w = load_ct2_weights(model_dir / "model.bin", expected_spec="WhisperSpec")
+    assert w["decoder/projection/weight"] is w["decoder/embeddings/weight"]  # alias resolved
+    assert w["encoder/conv1/weight"].shape == (384, 80, 3) and w["encoder/conv1/weight"].dtype == torch.float16
+    cases = {
+        "truncated": (raw[: len(raw) // 2], "truncated"),
+        "garbled_version": (b"\xff" * 4 + raw[4:], "binary version"),
+        "trailing": (raw + b"\x00" * 3, "unread bytes"),
+    }
+    for name, (data, msg) in cases.items():
+        bad = tmp_path / f"{name}.bin"
+        bad.write_bytes(data)
+        with pytest.raises(ValueError, match=msg) as info:
+            load_ct2_weights(bad)
+        assert str(bad) in str(info.value)
+    with pytest.raises(ValueError, match="expected 'T5Spec'"):
+        load_ct2_weights(model_dir / "model.bin", expected_spec="T5Spec")
