@@ -240,11 +240,16 @@ class WhisperForConditionalGeneration(nn.Module):
 
     @torch.inference_mode()
     def encode(self, input_features: torch.Tensor) -> torch.Tensor:
-        """Encoder forward: ``[B, num_mel_bins, 3000]`` log-mel -> ``[B, 1500, d_model]``."""
+        """Encoder forward: ``[B, num_mel_bins, 3000]`` log-mel -> ``[B, 1500, d_model]``.
+
+        Raises:
+            ValueError: the features are not ``[B, num_mel_bins, 2 * max_source_positions]``.
+        """
+        c = self.config
+        if input_features.dim() != 3 or tuple(input_features.shape[1:]) != (c.num_mel_bins, 2 * c.max_source_positions):
+            raise ValueError(f"encoder expects [B, {c.num_mel_bins}, {2 * c.max_source_positions}] features, got {list(input_features.shape)}")
         x = F.gelu(self.conv1(input_features.to(self.dtype)))  # [B, d, 3000]
         x = F.gelu(self.conv2(x)).transpose(1, 2)  # [B, 1500, d]
-        if x.shape[1] != self.config.max_source_positions:
-            raise ValueError(f"encoder expects {2 * self.config.max_source_positions} mel frames, got {input_features.shape[-1]}")
         x = x + self.encoder_positions
         for layer in self.encoder_layers:
             x = layer(x)
