@@ -49,7 +49,7 @@ else
   else
     "${PIP[@]}" install -q "$TORCH_SPEC"
   fi
-  "$VENV/bin/python" -c 'import torch; print("[setup] torch", torch.__version__, "cuda:", torch.version.cuda)'
+  "$VENV/bin/python" -W ignore -c 'import torch; print("[setup] torch", torch.__version__, "cuda:", torch.version.cuda)'
 fi
 
 say "installing encdec-serve in editable mode with extras [$EXTRAS] (generates shared/proto)"
