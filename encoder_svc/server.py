@@ -6,7 +6,6 @@ import asyncio
 import logging
 import math
 
-import grpc
 import numpy as np
 import torch
 

@@ -36,3 +36,53 @@ def redis_key_prefix(redis_url):
             client.delete(*keys)
     finally:
         client.close()
+
+
+WHISPER_CLIPS_DIR = os.path.join(os.path.dirname(__file__), "data")
+
+
+@pytest.fixture(scope="session")
+def whisper_model_dir():
+    from shared.models.registry import resolve_model
+
+    return resolve_model("whisper-tiny.en")[1]
+
+
+@pytest.fixture(scope="session")
+def whisper_features():
+    """Log-mel features ``[80, 3000]`` of every committed clip, by file name."""
+    import soundfile as sf
+
+    from shared.models.whisper_features import log_mel_spectrogram
+
+    out = {}
+    for name in sorted(n for n in os.listdir(WHISPER_CLIPS_DIR) if n.endswith(".wav")):
+        pcm, sr = sf.read(os.path.join(WHISPER_CLIPS_DIR, name), dtype="float32")
+        assert sr == 16000 and pcm.ndim == 1, name
+        out[name] = log_mel_spectrogram(pcm)
+    return out
+
+
+@pytest.fixture(scope="session")
+def hf_whisper(whisper_model_dir):
+    """HF ``WhisperForConditionalGeneration`` holding the same CT2 weights (the reference)."""
+    from whisper_hf import build_hf_whisper
+
+    return build_hf_whisper(whisper_model_dir)
+
+
+@pytest.fixture(scope="session")
+def hf_whisper_tokens(hf_whisper, whisper_features):
+    """HF greedy ``generate`` ids of each clip run alone (no prompt, no end token): the truth.
+
+    Computed once per session; the parity, engine and end-to-end tests all compare with it.
+    """
+    import torch
+
+    out = {}
+    with torch.inference_mode():
+        for name, feats in whisper_features.items():
+            ids = hf_whisper.generate(feats[None]).tolist()[0]
+            assert ids and ids[-1] != 50256 and ids[0] not in (50257, 50362), ids
+            out[name] = ids
+    return out

@@ -17,14 +17,11 @@ import grpc
 import numpy as np
 import pytest
 import soundfile as sf
-import torch
 
 from shared.launcher import Services
 from shared.models.registry import resolve_model
-from shared.models.whisper_features import load_tokenizer, log_mel_spectrogram
-from shared.audio import decode_audio
+from shared.models.whisper_features import load_tokenizer
 from shared.proto import decoder_pb2, decoder_pb2_grpc
-from tests.whisper_hf import build_hf_whisper
 
 DATA = Path(__file__).parent / "data"
 CLIPS = ["sample.wav", "numbers.wav", "short.wav"]
@@ -44,16 +41,9 @@ def stub(services):
 
 
 @pytest.fixture(scope="module")
-def hf_tokens():
-    """HF greedy token ids (no prompt, no end token) for each clip."""
-    model = build_hf_whisper(resolve_model("whisper-tiny.en")[1])
-    out = {}
-    with torch.inference_mode():
-        for name in CLIPS:
-            feats = log_mel_spectrogram(decode_audio((DATA / name).read_bytes()))[None]
-            ids = model.generate(feats).tolist()[0]
-            out[name] = [t for t in ids if t not in (50257, 50362, 50256)]
-    return out
+def hf_tokens(hf_whisper_tokens):
+    """HF greedy token ids (no prompt, no end token) for each clip (see conftest)."""
+    return hf_whisper_tokens
 
 
 def generate(stub, audio: bytes, request_id: str = "", **sampling):

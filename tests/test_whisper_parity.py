@@ -6,19 +6,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import soundfile as sf
 import torch
 
 from shared.attention_metadata import AttentionMetadata
 from shared.models.registry import load_model, resolve_model
-from shared.models.whisper import log_mel_spectrogram
 
-try:  # tests/ as a package (rootdir on sys.path) or as a plain folder (pytest's prepend mode)
-    from tests.paged_greedy import paged_greedy_decode
-    from tests.whisper_hf import build_hf_whisper
-except ImportError:
-    from paged_greedy import paged_greedy_decode
-    from whisper_hf import build_hf_whisper
+from paged_greedy import paged_greedy_decode
 
 DATA = Path(__file__).parent / "data"
 CLIPS = sorted(p.name for p in DATA.glob("*.wav"))
@@ -34,8 +27,8 @@ def _threads():
 
 
 @pytest.fixture(scope="module")
-def model_dir() -> Path:
-    return resolve_model("whisper-tiny.en")[1]
+def model_dir(whisper_model_dir) -> Path:
+    return whisper_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -44,30 +37,19 @@ def ours(model_dir):
 
 
 @pytest.fixture(scope="module")
-def hf(model_dir):
-    return build_hf_whisper(model_dir)
+def hf(hf_whisper):
+    return hf_whisper
 
 
 @pytest.fixture(scope="module")
-def features() -> dict[str, torch.Tensor]:
-    out = {}
-    for name in CLIPS:
-        pcm, sr = sf.read(DATA / name, dtype="float32")
-        assert sr == 16000 and pcm.ndim == 1, name
-        out[name] = log_mel_spectrogram(pcm)
-    return out
+def features(whisper_features) -> dict[str, torch.Tensor]:
+    return whisper_features
 
 
 @pytest.fixture(scope="module")
-def hf_tokens(hf, features) -> dict[str, list[int]]:
-    """HF greedy ``generate`` ids of each clip run alone: the truth."""
-    out = {}
-    with torch.inference_mode():
-        for name, f in features.items():
-            ids = hf.generate(f[None]).tolist()[0]
-            assert ids and ids[-1] != 50256 and ids[0] not in (50257, 50362), ids  # no prompt, no end token
-            out[name] = ids
-    return out
+def hf_tokens(hf_whisper_tokens) -> dict[str, list[int]]:
+    """HF greedy ``generate`` ids of each clip run alone: the truth (see conftest)."""
+    return hf_whisper_tokens
 
 
 PAIR = ["sample.wav", "short.wav"]
