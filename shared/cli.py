@@ -102,6 +102,28 @@ def _demo(args: argparse.Namespace) -> int:
     return code
 
 
+def _bench_whisper(args: argparse.Namespace) -> int:
+    from shared.bench.whisper import main as bench_main
+
+    return bench_main(args)
+
+
+def _add_bench(sub) -> None:
+    """``encdec bench <name>``: one sub-command per benchmark; each prints a Markdown table."""
+    bench = sub.add_parser("bench", help="benchmarks against HF transformers / CTranslate2 / sentence-transformers")
+    benches = bench.add_subparsers(dest="bench", required=True)
+
+    p = benches.add_parser("whisper", help="Whisper tiny.en: our services vs HF vs CTranslate2")
+    p.add_argument("--clips", default=str(BUNDLED_CLIP.parent), help="folder of .wav/.flac clips (default: the bundled ones)")
+    p.add_argument("--requests", type=int, default=16, help="requests per system (clips cycled)")
+    p.add_argument("--concurrency", default="1,4,16", help="our services' client concurrency levels")
+    p.add_argument("--threads", type=int, default=2, help="torch / CTranslate2 threads per system (per service for ours)")
+    p.add_argument("--skip-ct2", action="store_true", help="skip CTranslate2 (needs the [bench] extra)")
+    p.add_argument("--address", default=None, help="use running services at this decoder address instead of starting them")
+    p.add_argument("--json", default=None, help="also write the results here")
+    p.set_defaults(func=_bench_whisper)
+
+
 def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=None, help="0 (default) = greedy")
     p.add_argument("--top-k", type=int, default=None)
@@ -144,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("files", nargs="*")
     _add_services(p)
     p.set_defaults(func=_demo)
+
+    _add_bench(sub)
     return parser
 
 

@@ -66,7 +66,7 @@ def whisper_features():
 @pytest.fixture(scope="session")
 def hf_whisper(whisper_model_dir):
     """HF ``WhisperForConditionalGeneration`` holding the same CT2 weights (the reference)."""
-    from whisper_hf import build_hf_whisper
+    from shared.bench.hf_whisper import build_hf_whisper
 
     return build_hf_whisper(whisper_model_dir)
 

@@ -1,0 +1,1 @@
+"""``encdec bench``: side-by-side benchmarks printed as Markdown tables."""

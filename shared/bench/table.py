@@ -1,0 +1,24 @@
+"""Result rows and their Markdown table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def markdown_table(rows: list[dict], columns: list[str]) -> str:
+    """Rows (dicts) as a Markdown table; floats with 3 significant decimals."""
+
+    def fmt(v) -> str:
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+        return "" if v is None else str(v)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(r.get(c)) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_json(path: str | Path, payload: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(payload, indent=2))
