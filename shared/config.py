@@ -32,6 +32,10 @@ class EncoderServiceConfig:
         batch_wait_ms: how long the first pending request waits for company
             before its batch runs (milliseconds).
         num_threads: torch intra-op threads; 0 keeps torch's default.
+        max_batch_tokens: encoder-only models (Embed / Rerank / Classify): most
+            padded tokens (sequences x longest) in one forward.
+        max_inputs_per_request: encoder-only models: most inputs (or rerank
+            documents) in one request; more get RESOURCE_EXHAUSTED.
     """
 
     model: str = DEFAULT_MODEL
@@ -40,6 +44,8 @@ class EncoderServiceConfig:
     max_batch_size: int = 8
     batch_wait_ms: float = 5.0
     num_threads: int = 0
+    max_batch_tokens: int = 8192
+    max_inputs_per_request: int = 2048
 
     def __post_init__(self) -> None:
         _check_port(self.port)
@@ -47,6 +53,8 @@ class EncoderServiceConfig:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.batch_wait_ms < 0:
             raise ValueError(f"batch_wait_ms must be >= 0, got {self.batch_wait_ms}")
+        if self.max_batch_tokens < 1 or self.max_inputs_per_request < 1:
+            raise ValueError("max_batch_tokens and max_inputs_per_request must be >= 1")
 
 
 @dataclass(frozen=True)
