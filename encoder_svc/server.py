@@ -14,7 +14,7 @@ from shared.config import EncoderServiceConfig
 from shared.errors import InvalidRequestError, NotFoundError
 from shared.grpc_server import abort_with, serve
 from shared.kv_transport import KVTargetSpec, create_writer
-from shared.models.registry import load_model, model_names
+from shared.models.registry import is_encoder_only, load_model, model_names
 from shared.models.whisper_features import log_mel_spectrogram
 from shared.proto import encoder_pb2, encoder_pb2_grpc
 
@@ -62,9 +62,14 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
 
 
 def run(config: EncoderServiceConfig) -> None:
-    """Loads the model and serves until SIGINT/SIGTERM."""
+    """Loads the model and serves until SIGINT/SIGTERM: ``EncoderService`` for an
+    encoder-decoder model, ``EmbedService`` for an encoder-only one."""
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
+    if is_encoder_only(config.model):  # BERT family: EmbedService instead of Encode
+        from encoder_svc.embed_servicer import run_embed
+
+        return run_embed(config)
     model = load_model(config.model)
     writer = create_writer("shm")
     batcher = EncodeBatcher(model, log_mel_spectrogram, writer, config.max_batch_size, config.batch_wait_ms)

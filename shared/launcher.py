@@ -142,3 +142,29 @@ class Services:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def encoder_service(model: str, extra_args: list[str] | None = None, log_level: str = "WARNING",
+                    startup_timeout_s: float = 120.0):
+    """Starts only the encoder service (e.g. an encoder-only model's EmbedService) and yields its address.
+
+    Raises:
+        RuntimeError: it exited or did not become healthy in time.
+    """
+    port = free_port()
+    cmd = [sys.executable, "-m", "shared.cli", "--log-level", log_level, "serve-encoder", "--port", str(port),
+           "--model", model, *(extra_args or [])]
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    try:
+        address = f"127.0.0.1:{port}"
+        wait_healthy(address, startup_timeout_s, proc)
+        yield address
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

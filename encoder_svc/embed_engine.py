@@ -1,0 +1,199 @@
+"""Encoder-only models for Embed / Rerank / Classify / Tokenize: tokenize, one
+packed forward over many sequences, pool or score. No KV cache.
+
+Input contracts (each one documented in README.md, "Embed"):
+
+- an empty or whitespace-only text is a valid item: it tokenizes to the special
+  tokens alone (``[CLS] [SEP]``) and is embedded as such, like
+  sentence-transformers; it never fails the request or changes other items;
+- any Unicode (emoji, CJK) goes through the model's own tokenizer (BERT's
+  WordPiece maps unknown symbols to ``[UNK]``);
+- a sequence longer than ``max_input_length`` (special tokens included) fails
+  the request with INVALID_ARGUMENT naming its index, length and the limit,
+  unless ``truncate`` is set, which cuts every item (pairs longest-first).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from shared.errors import InvalidRequestError
+from shared.models.bert import BertEncoderModel, PackedBatch
+from shared.models.embedding_config import EmbeddingSpec, read_embedding_spec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Encoded:
+    """One tokenized input.
+
+    Attributes:
+        ids: token ids, special tokens included.
+        type_ids: token type ids (segment A 0, segment B 1), or None when the
+            tokenizer has none (RoBERTa).
+        offsets: ``(start, end)`` character offsets per token (Tokenize only).
+    """
+
+    ids: list[int]
+    type_ids: list[int] | None
+    offsets: list[tuple[int, int]] | None = None
+
+
+class EmbedEngine:
+    """A loaded encoder-only model with its tokenizer and embedding defaults.
+
+    Args:
+        model: a ``BertEncoderModel`` (or subclass) in eval mode.
+        tokenizer: the checkpoint's HF tokenizer.
+        spec: pooling / normalise / max length defaults.
+    """
+
+    def __init__(self, model: BertEncoderModel, tokenizer, spec: EmbeddingSpec) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.spec = spec
+        limits = [model.max_seq_len]
+        if spec.max_seq_length:
+            limits.append(spec.max_seq_length)
+        tok_max = getattr(tokenizer, "model_max_length", None)
+        if isinstance(tok_max, int) and 0 < tok_max < 1_000_000:
+            limits.append(tok_max)
+        self.max_input_length = min(limits)
+        self.hidden_size = model.config.hidden_size
+        self.num_labels = model.num_labels
+        cfg = model.config
+        self.labels = [cfg.id2label.get(i, f"LABEL_{i}") for i in range(self.num_labels)]
+        self.multi_label = cfg.problem_type == "multi_label_classification" or self.num_labels == 1
+
+    @classmethod
+    def load(cls, path: str | Path, model_class: type[BertEncoderModel], dtype: torch.dtype = torch.float32) -> EmbedEngine:
+        """Loads a sentence-transformers or HF-format directory.
+
+        Raises:
+            ValueError: unsupported pooling config; as ``model_class.from_pretrained``.
+        """
+        from transformers import AutoTokenizer
+
+        spec = read_embedding_spec(path)
+        model = model_class.from_pretrained(spec.transformer_dir, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(str(spec.transformer_dir), local_files_only=True)
+        return cls(model, tokenizer, spec)
+
+    # ---- tokenization --------------------------------------------------------------------------
+
+    def tokenize(
+        self,
+        texts: list[str],
+        pairs: list[str | None] | None = None,
+        truncate: bool = False,
+        add_special_tokens: bool = True,
+        check_length: bool = True,
+        offsets: bool = False,
+    ) -> list[Encoded]:
+        """Tokenizes texts (and optional second segments), keeping input order.
+
+        Raises:
+            InvalidRequestError: ``check_length`` and an item is longer than
+                ``max_input_length`` while ``truncate`` is off.
+        """
+        pairs = pairs or [None] * len(texts)
+        out: list[Encoded | None] = [None] * len(texts)
+        singles = [i for i, p in enumerate(pairs) if p is None]
+        doubles = [i for i, p in enumerate(pairs) if p is not None]
+        for idx, with_pair in ((singles, False), (doubles, True)):
+            if not idx:
+                continue
+            enc = self.tokenizer(
+                [texts[i] for i in idx],
+                [pairs[i] for i in idx] if with_pair else None,
+                truncation="longest_first" if truncate else False,
+                max_length=self.max_input_length if truncate else None,
+                add_special_tokens=add_special_tokens,
+                return_offsets_mapping=offsets and self.tokenizer.is_fast,
+                return_attention_mask=False,
+                return_token_type_ids=self.model.config.type_vocab_size > 1 or None,
+                verbose=False,
+            )
+            types = enc.get("token_type_ids")
+            offs = enc.get("offset_mapping")
+            for j, i in enumerate(idx):
+                out[i] = Encoded(list(enc["input_ids"][j]), list(types[j]) if types is not None else None,
+                                 [tuple(o) for o in offs[j]] if offs is not None else None)
+        if check_length and not truncate:
+            for i, e in enumerate(out):
+                if len(e.ids) > self.max_input_length:
+                    raise InvalidRequestError(
+                        f"input {i} has {len(e.ids)} tokens, more than this model's limit of {self.max_input_length}; "
+                        "shorten it or set truncate=true"
+                    )
+        return out  # type: ignore[return-value]
+
+    # ---- forward -------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, seqs: list[Encoded], poolings: list[str]) -> list[torch.Tensor]:
+        """Runs one packed forward over ``seqs``; one output per sequence.
+
+        Args:
+            poolings: per sequence, ``cls`` / ``mean`` / ``last`` (a ``[hidden]``
+                vector) or ``logits`` (``[num_labels]``).
+        Returns:
+            float32 tensors, unnormalised.
+        """
+        batch = PackedBatch.from_lists([s.ids for s in seqs], [s.type_ids for s in seqs])
+        hidden = self.model(batch)  # [T, hidden]
+        starts = batch.starts  # [B]
+        lens = torch.tensor(batch.seq_lens, dtype=torch.long)  # [B]
+        wanted = set(poolings)
+        pooled: dict[str, torch.Tensor] = {}
+        if "cls" in wanted:
+            pooled["cls"] = hidden[starts]  # [B, hidden]
+        if "last" in wanted:
+            pooled["last"] = hidden[starts + lens - 1]
+        if "mean" in wanted:
+            seq_idx = torch.repeat_interleave(torch.arange(len(seqs)), lens)  # [T]
+            sums = hidden.new_zeros(len(seqs), hidden.shape[1]).index_add_(0, seq_idx, hidden)
+            pooled["mean"] = sums / lens[:, None].to(hidden.dtype)
+        if "logits" in wanted:
+            pooled["logits"] = self.model.classify(hidden, starts)  # [B, num_labels]
+        return [pooled[p][i].float() for i, p in enumerate(poolings)]
+
+
+def finish_embedding(vector: torch.Tensor, normalize: bool, dimensions: int) -> torch.Tensor:
+    """Keeps the first ``dimensions`` values (0 = all), then L2-normalises if asked.
+
+    Normalisation as ``torch.nn.functional.normalize`` (what sentence-transformers'
+    ``Normalize`` module uses): ``v / max(||v||, 1e-12)``.
+    """
+    if dimensions:
+        vector = vector[:dimensions]
+    if normalize:
+        vector = F.normalize(vector, p=2, dim=0)
+    return vector
+
+
+def label_scores(logits: torch.Tensor, multi_label: bool, raw: bool) -> torch.Tensor:
+    """``[num_labels]`` scores: logits if ``raw``, else sigmoid (multi-label or one label) or softmax."""
+    if raw:
+        return logits
+    return torch.sigmoid(logits) if multi_label else torch.softmax(logits, dim=-1)
+
+
+def load_embed_engine(name_or_path: str | Path, dtype: torch.dtype = torch.float32) -> EmbedEngine:
+    """Resolves a model name or directory through the registry and loads it for Embed.
+
+    Raises:
+        ModelNotFoundError: as ``resolve_model``. ValueError: not an encoder-only model.
+    """
+    from shared.models.registry import is_encoder_only, model_class, resolve_model
+
+    arch, path = resolve_model(name_or_path)
+    if not is_encoder_only(name_or_path):
+        raise ValueError(f"{name_or_path!r} is a {arch} model, not an encoder-only one")
+    return EmbedEngine.load(path, model_class(arch), dtype)

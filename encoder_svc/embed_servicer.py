@@ -1,0 +1,167 @@
+"""``EmbedService`` (Embed, Rerank, Classify, Tokenize) for encoder-only models.
+
+Thin: validate and convert the request, tokenize off the event loop, submit to
+the ``EmbedBatcher``, convert back. Errors become status codes in
+``shared.grpc_server.abort_with``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+
+import grpc
+
+from encoder_svc.embed_batcher import EmbedBatcher
+from encoder_svc.embed_engine import EmbedEngine, finish_embedding, label_scores
+from shared.config import EncoderServiceConfig
+from shared.errors import InvalidRequestError, NotFoundError, ResourceExhaustedError, ServiceError
+from shared.grpc_server import abort_with
+from shared.proto import embed_pb2, embed_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+_POOLING = {embed_pb2.POOLING_CLS: "cls", embed_pb2.POOLING_MEAN: "mean", embed_pb2.POOLING_LAST: "last"}
+
+
+class UnsupportedByModelError(ServiceError):
+    """The served model cannot do this (no classification head, several labels for Rerank)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class EmbedServicer(embed_pb2_grpc.EmbedServiceServicer):
+    """Serves one encoder-only model.
+
+    Args:
+        engine: the loaded model.
+        batcher: runs forwards over batches of requests.
+        model_name: the name responses carry (the ``--model`` given).
+        served_names: names a request's ``model`` field may use.
+        max_inputs: most inputs (or documents) per request.
+    """
+
+    def __init__(self, engine: EmbedEngine, batcher: EmbedBatcher, model_name: str, served_names: frozenset[str], max_inputs: int) -> None:
+        self.engine = engine
+        self.batcher = batcher
+        self.model_name = model_name
+        self.served_names = served_names
+        self.max_inputs = max_inputs
+
+    def _check(self, model: str, count: int, what: str = "inputs", allow_empty: bool = False) -> None:
+        if model and model not in self.served_names:
+            raise NotFoundError(f"model {model!r} is not served here; this encoder serves {self.model_name!r}")
+        if count == 0 and not allow_empty:
+            raise InvalidRequestError(f"{what} is empty; send at least one")
+        if count > self.max_inputs:
+            raise ResourceExhaustedError(
+                f"{count} {what} is more than this server's limit of {self.max_inputs} per request "
+                "(--max-inputs-per-request); split the list"
+            )
+
+    def _head(self, rerank: bool) -> None:
+        if not self.engine.num_labels:
+            raise UnsupportedByModelError(f"model {self.model_name!r} has no sequence-classification head; it serves Embed and Tokenize")
+        if rerank and self.engine.num_labels != 1:
+            raise UnsupportedByModelError(
+                f"Rerank needs a single-score cross-encoder; model {self.model_name!r} has {self.engine.num_labels} labels: use Classify"
+            )
+
+    async def _tokenize(self, *args, **kwargs):
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, functools.partial(self.engine.tokenize, *args, **kwargs))
+
+    async def Embed(self, request, context):
+        try:
+            self._check(request.model, len(request.inputs))
+            if request.dimensions > self.engine.hidden_size:
+                raise InvalidRequestError(f"dimensions {request.dimensions} is more than the model's {self.engine.hidden_size}")
+            pooling = _POOLING.get(request.pooling, self.engine.spec.pooling)
+            normalize = request.normalize if request.HasField("normalize") else self.engine.spec.normalize
+            seqs = await self._tokenize(list(request.inputs), truncate=request.truncate)
+            outs = await asyncio.wrap_future(self.batcher.submit(seqs, pooling))
+        except Exception as exc:  # noqa: BLE001 - mapped to a status code
+            await abort_with(context, exc)
+        embeddings = [
+            embed_pb2.Embedding(values=finish_embedding(v, normalize, request.dimensions).tolist(), num_tokens=len(s.ids))
+            for v, s in zip(outs, seqs)
+        ]
+        return embed_pb2.EmbedResponse(model=self.model_name, embeddings=embeddings, usage=_usage(seqs))
+
+    async def Rerank(self, request, context):
+        try:
+            self._check(request.model, len(request.documents), "documents")
+            self._head(rerank=True)
+            docs = list(request.documents)
+            seqs = await self._tokenize([request.query] * len(docs), docs, truncate=request.truncate)
+            outs = await asyncio.wrap_future(self.batcher.submit(seqs, "logits"))
+        except Exception as exc:  # noqa: BLE001
+            await abort_with(context, exc)
+        scores = [float(label_scores(o, True, request.raw_scores)[0]) for o in outs]
+        order = sorted(range(len(docs)), key=lambda i: -scores[i])
+        if request.top_n:
+            order = order[: request.top_n]
+        results = [embed_pb2.RerankResult(index=i, score=scores[i]) for i in order]
+        return embed_pb2.RerankResponse(model=self.model_name, results=results, usage=_usage(seqs))
+
+    async def Classify(self, request, context):
+        try:
+            self._check(request.model, len(request.inputs))
+            self._head(rerank=False)
+            texts = [i.text for i in request.inputs]
+            pairs = [i.text_pair if i.HasField("text_pair") else None for i in request.inputs]
+            seqs = await self._tokenize(texts, pairs, truncate=request.truncate)
+            outs = await asyncio.wrap_future(self.batcher.submit(seqs, "logits"))
+        except Exception as exc:  # noqa: BLE001
+            await abort_with(context, exc)
+        labels = self.engine.labels
+        results = []
+        for o in outs:
+            scores = label_scores(o, self.engine.multi_label, request.raw_scores).tolist()
+            order = sorted(range(len(scores)), key=lambda i: -scores[i])
+            results.append(embed_pb2.Classification(
+                scores=[embed_pb2.LabelScore(label_id=i, label=labels[i], score=scores[i]) for i in order]))
+        return embed_pb2.ClassifyResponse(model=self.model_name, results=results, usage=_usage(seqs))
+
+    async def Tokenize(self, request, context):
+        try:
+            self._check(request.model, len(request.inputs), allow_empty=True)
+            texts = [i.text for i in request.inputs]
+            pairs = [i.text_pair if i.HasField("text_pair") else None for i in request.inputs]
+            special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+            seqs = await self._tokenize(texts, pairs, truncate=request.truncate, add_special_tokens=special,
+                                        check_length=False, offsets=True)
+        except Exception as exc:  # noqa: BLE001
+            await abort_with(context, exc)
+        tok = self.engine.tokenizer
+        out = []
+        for s in seqs:
+            offs = s.offsets or []
+            out.append(embed_pb2.TokenizedInput(
+                ids=s.ids, token_type_ids=s.type_ids or [0] * len(s.ids), tokens=tok.convert_ids_to_tokens(s.ids),
+                starts=[a for a, _ in offs], ends=[b for _, b in offs]))
+        return embed_pb2.TokenizeResponse(model=self.model_name, tokens=out, max_input_length=self.engine.max_input_length)
+
+
+def _usage(seqs) -> embed_pb2.EmbedUsage:
+    return embed_pb2.EmbedUsage(prompt_tokens=sum(len(s.ids) for s in seqs))
+
+
+def run_embed(config: EncoderServiceConfig) -> None:
+    """Loads an encoder-only model and serves ``EmbedService`` until SIGINT/SIGTERM."""
+    from shared.grpc_server import serve
+    from encoder_svc.embed_engine import load_embed_engine
+    from shared.models.registry import model_names
+
+    engine = load_embed_engine(config.model)
+    log.info("encoder-only model %s: pooling %s, normalize %s, max input %d tokens, %d labels", config.model,
+             engine.spec.pooling, engine.spec.normalize, engine.max_input_length, engine.num_labels)
+    batcher = EmbedBatcher(engine, max(config.max_batch_tokens, engine.max_input_length))
+    servicer = EmbedServicer(engine, batcher, config.model, model_names(config.model), config.max_inputs_per_request)
+
+    async def on_stop() -> None:
+        batcher.stop()
+
+    asyncio.run(serve(lambda server: embed_pb2_grpc.add_EmbedServiceServicer_to_server(servicer, server),
+                      ["encdec.v1.EmbedService"], f"{config.host}:{config.port}", on_stop))
