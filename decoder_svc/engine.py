@@ -90,7 +90,8 @@ class DecoderEngine:
         self.max_total_len = min(gen.max_length, model.config.max_target_positions)
         self.block_manager = BlockManager(num_self_blocks, int(cross_kv_cache.shape[2]), block_size)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
-        self.sampler = Sampler(gen.suppress_tokens, gen.begin_suppress_tokens)
+        self.sampler = Sampler(gen.suppress_tokens, gen.begin_suppress_tokens,
+                               getattr(gen, "forced_bos_token_id", None), getattr(gen, "forced_eos_token_id", None))
         self.model_runner = ModelRunner(model, cross_kv_cache, num_self_blocks, block_size, self.sampler)
         self._detok: dict[str, IncrementalDetokenizer] = {}
 
@@ -104,7 +105,8 @@ class DecoderEngine:
         """Queues a request; its cross blocks are reserved at a later ``step()``.
 
         Args:
-            encoder_len: cross-attention KV length (1500 for Whisper's 30 s window).
+            encoder_len: cross-attention KV length (1500 for Whisper's 30 s window;
+                the source token count for text models).
             prompt_token_ids: decoder prompt; default ``model.generation.decoder_prompt_ids``.
 
         Raises:

@@ -3,7 +3,9 @@
 Order follows HF ``generate``: logits processors first (Whisper's
 ``SuppressTokensLogitsProcessor`` on every step and
 ``SuppressTokensAtBeginLogitsProcessor`` on the first generated token, both
-setting scores to ``-inf``), then warpers in HF order: temperature, top-k,
+setting scores to ``-inf``; BART-family ``ForcedBOSTokenLogitsProcessor`` at
+``cur_len == 1`` and ``ForcedEOSTokenLogitsProcessor`` at
+``cur_len == max_length - 1``, leaving only the forced token), then warpers in HF order: temperature, top-k,
 top-p (``TemperatureLogitsWarper``, ``TopKLogitsWarper``, ``TopPLogitsWarper``
 with ``min_tokens_to_keep=1``), then greedy argmax or a multinomial draw from
 each request's own ``torch.Generator`` so a seeded request gets the same
@@ -28,6 +30,8 @@ class SamplingRow:
     request_id: str
     params: SamplingParams
     is_first_token: bool
+    num_tokens: int = 0  # decoder tokens so far (prompt + output): HF's cur_len
+    max_len: int = 0  # the sequence's max tokens (prompt + output); 0 = unknown
 
 
 def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -61,11 +65,16 @@ class Sampler:
     Args:
         suppress_tokens: ids masked to ``-inf`` on every step.
         begin_suppress_tokens: ids masked on a sequence's first generated token.
+        forced_bos_token_id: the only allowed token when ``row.num_tokens == 1``.
+        forced_eos_token_id: the only allowed token when ``row.num_tokens == row.max_len - 1``.
     """
 
-    def __init__(self, suppress_tokens: Seq[int] = (), begin_suppress_tokens: Seq[int] = ()) -> None:
+    def __init__(self, suppress_tokens: Seq[int] = (), begin_suppress_tokens: Seq[int] = (),
+                 forced_bos_token_id: int | None = None, forced_eos_token_id: int | None = None) -> None:
         self.suppress_tokens = torch.tensor(sorted(set(suppress_tokens)), dtype=torch.long)
         self.begin_suppress_tokens = torch.tensor(sorted(set(begin_suppress_tokens)), dtype=torch.long)
+        self.forced_bos_token_id = forced_bos_token_id
+        self.forced_eos_token_id = forced_eos_token_id
         self._generators: dict[str, torch.Generator] = {}
 
     def generator(self, request_id: str, seed: int | None) -> torch.Generator:
@@ -82,7 +91,7 @@ class Sampler:
         self._generators.pop(request_id, None)
 
     def process_logits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """``[N, V]`` float32 -> ``[N, V]`` after suppression (processors only, no warpers)."""
+        """``[N, V]`` float32 -> ``[N, V]`` after suppression and forced tokens (processors only, no warpers)."""
         logits = logits.float().clone()
         if self.suppress_tokens.numel():
             logits[:, self.suppress_tokens] = -float("inf")
@@ -90,6 +99,15 @@ class Sampler:
         if first and self.begin_suppress_tokens.numel():
             idx = torch.tensor(first, dtype=torch.long)
             logits[idx[:, None], self.begin_suppress_tokens[None, :]] = -float("inf")
+        for i, r in enumerate(rows):
+            forced = None
+            if self.forced_bos_token_id is not None and r.num_tokens == 1:
+                forced = self.forced_bos_token_id
+            if self.forced_eos_token_id is not None and r.max_len and r.num_tokens == r.max_len - 1:
+                forced = self.forced_eos_token_id
+            if forced is not None:
+                logits[i] = -float("inf")
+                logits[i, forced] = 0.0
         return logits
 
     @staticmethod

@@ -92,6 +92,7 @@ def paged_attention(
     scale: float,
     max_query_len: int | None = None,
     max_context_len: int | None = None,
+    position_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of a flat varlen batch of queries over paged K/V.
 
@@ -112,6 +113,10 @@ def paged_attention(
         max_query_len: longest query run; computed (host sync) if None.
         max_context_len: longest ``context_lens``; if None, the full width
             ``M * block_size`` of ``block_tables`` is gathered (no host sync).
+        position_bias: optional ``[H, N]`` additive bias by causal distance
+            (T5 relative position bias): the score of a query at position
+            ``p`` for key ``j <= p`` gets ``position_bias[:, min(p - j, N - 1)]``
+            added before the softmax. Causal only.
 
     Returns:
         ``[T, H, D]`` in the dtype of ``query``. A query with no visible key
@@ -158,12 +163,19 @@ def paged_attention(
     has_key = mask.any(-1)  # [B, Q]
     # Rows with no visible key would be NaN in softmax; let them see key 0 and zero them after.
     mask = mask | ~has_key[:, :, None]
+    attn_mask = mask[:, None]  # [B, 1, Q, L]
+    if position_bias is not None:
+        if not causal:
+            raise ValueError("position_bias is defined for causal (self) attention only")
+        dist = (q_pos[:, :, None] - key_pos[None, None, :]).clamp(0, position_bias.shape[1] - 1)  # [B, Q, L]
+        bias = position_bias.to(compute_dtype)[:, dist].permute(1, 0, 2, 3)  # [B, H, Q, L]
+        attn_mask = bias.masked_fill(~attn_mask, float("-inf"))
 
     out = F.scaled_dot_product_attention(
         q_pad.transpose(1, 2),  # [B, H, Q, D]
         k.transpose(1, 2),  # [B, H, L, D]
         v.transpose(1, 2),
-        attn_mask=mask[:, None],  # [B, 1, Q, L]
+        attn_mask=attn_mask,  # [B, 1 or H, Q, L]: bool mask, or float bias with -inf
         scale=scale,
     ).transpose(1, 2)  # [B, Q, H, D]
     out = out * has_key[:, :, None, None]

@@ -45,8 +45,32 @@ def _whisper_class():
     return WhisperForConditionalGeneration
 
 
+def _lazy(module: str, name: str) -> Callable[[], type]:
+    def get() -> type:
+        import importlib
+
+        return getattr(importlib.import_module(module), name)
+
+    return get
+
+
 # architecture -> lazy class getter (imports stay cheap until a model is loaded).
-_ARCHITECTURES: dict[str, Callable[[], type]] = {"whisper": _whisper_class}
+_ARCHITECTURES: dict[str, Callable[[], type]] = {
+    "whisper": _whisper_class,
+    "t5": _lazy("shared.models.t5", "T5ForConditionalGeneration"),
+    "bart": _lazy("shared.models.bart", "BartForConditionalGeneration"),
+    "mbart": _lazy("shared.models.mbart", "MBartForConditionalGeneration"),
+    "marian": _lazy("shared.models.marian", "MarianMTModel"),
+}
+
+# HF config.json ``architectures`` entry -> architecture (HF-format directories).
+_HF_ARCHITECTURES: dict[str, str] = {
+    "T5ForConditionalGeneration": "t5",
+    "BartForConditionalGeneration": "bart",
+    "MBartForConditionalGeneration": "mbart",
+    "MarianMTModel": "marian",
+}
+
 
 
 # Encoder-only architectures (no KV cache; the encoder service serves them through EmbedService).
@@ -113,7 +137,19 @@ def _detect_architecture(path: Path) -> str | None:
             return _CT2_SPECS.get(read_ct2_spec_name(model_bin))
         except (ValueError, OSError):
             return None
-    return _detect_encoder_only(path)
+    if (arch := _detect_encoder_only(path)) is not None:
+        return arch
+    config = path / "config.json"
+    if config.is_file():
+        import json
+
+        try:
+            with open(config, encoding="utf-8") as f:
+                archs = json.load(f).get("architectures") or []
+        except (ValueError, OSError):
+            return None
+        return next((_HF_ARCHITECTURES[a] for a in archs if a in _HF_ARCHITECTURES), None)
+    return None
 
 
 def resolve_model(name_or_path: str | Path) -> tuple[str, Path]:
@@ -122,7 +158,8 @@ def resolve_model(name_or_path: str | Path) -> tuple[str, Path]:
     Args:
         name_or_path: a known name (``whisper-tiny.en``, ``openai/whisper-tiny.en``)
             or a directory holding a supported checkpoint (a CTranslate2
-            ``model.bin`` of spec ``WhisperSpec``).
+            ``model.bin`` of spec ``WhisperSpec``, or an HF-format directory
+            whose ``config.json`` names an architecture in ``_HF_ARCHITECTURES``).
 
     Returns:
         ``(architecture_name, model_directory)``.
@@ -141,7 +178,8 @@ def resolve_model(name_or_path: str | Path) -> tuple[str, Path]:
         arch = _detect_architecture(path)
         if arch is not None:
             return arch, path.resolve()
-        reason = f"directory {str(path)!r} holds no supported checkpoint (a CTranslate2 model.bin with spec {' or '.join(_CT2_SPECS)})"
+        reason = (f"directory {str(path)!r} holds no supported checkpoint (a CTranslate2 model.bin with spec {' or '.join(_CT2_SPECS)}, "
+                  f"or an HF config.json with architectures {', '.join(_HF_ARCHITECTURES)})")
     else:
         reason = f"unknown model {key!r}"
     raise ModelNotFoundError(f"{reason}; known models: {', '.join(known_model_names())}, or a path to such a directory")
@@ -175,6 +213,22 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32) -> 
     """
     arch, path = resolve_model(name_or_path)
     return _ARCHITECTURES[arch]().from_pretrained(path, dtype=dtype)
+
+
+def load_tokenizer(name_or_path: str | Path):
+    """The tokenizer of a model: Whisper's ``tokenizer.json``, else the HF directory's own (``AutoTokenizer``).
+
+    Raises:
+        ModelNotFoundError: as ``resolve_model``.
+    """
+    arch, path = resolve_model(name_or_path)
+    if arch == "whisper":
+        from shared.models.whisper_features import load_tokenizer as whisper_tokenizer
+
+        return whisper_tokenizer(path)
+    from shared.models.hf_checkpoint import load_hf_tokenizer
+
+    return load_hf_tokenizer(path)
 
 
 def is_encoder_only(name_or_path: str | Path) -> bool:

@@ -1,0 +1,306 @@
+"""BART (Lewis et al. 2019) with paged self- and cross-attention KV; the base of mBART and Marian.
+
+One layer stack covers the family, switched by ``BartConfig`` flags:
+
+=========  ========  ===================  ==================  =================
+variant    norm      positions            layernorm_embedding final layer norms
+=========  ========  ===================  ==================  =================
+BART       post      learned, offset 2    yes                 no
+mBART      pre       learned, offset 2    yes                 yes
+Marian     post      sinusoidal (stored)  no                  no
+=========  ========  ===================  ==================  =================
+
+Token embeddings are multiplied by ``sqrt(d_model)`` when ``scale_embedding``;
+logits are ``lm_head(x) + final_logits_bias``; ``lm_head`` is the decoder
+embedding unless the checkpoint unties it. Attention is scaled by
+``head_dim ** -0.5``. Weights: HF names (``load_weights`` is the explicit map).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+
+from kernels.paged_attention import paged_attention, write_kv
+from shared.attention_metadata import AttentionMetadata
+from shared.models.hf_checkpoint import TextGenerationDefaults, copy_weights, linear_names, load_hf_weights, read_json
+
+__all__ = ["BartConfig", "BartForConditionalGeneration", "sinusoidal_positions"]
+
+POSITION_OFFSET = 2  # BART/mBART learned positions start at row 2 (fairseq legacy)
+
+
+@dataclass(frozen=True)
+class BartConfig:
+    vocab_size: int
+    d_model: int
+    num_heads: int  # decoder heads (the cross-attention KV layout)
+    encoder_heads: int
+    encoder_layers: int
+    decoder_layers: int
+    encoder_ffn_dim: int
+    decoder_ffn_dim: int
+    max_source_positions: int
+    max_target_positions: int
+    activation: str = "gelu"
+    scale_embedding: bool = False
+    pre_norm: bool = False
+    layernorm_embedding: bool = True
+    final_layer_norm: bool = False
+    sinusoidal_positions: bool = False
+    share_embeddings: bool = True
+    tie_word_embeddings: bool = True
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+    @classmethod
+    def from_hf(cls, c: dict, **variant) -> "BartConfig":
+        """From an HF Bart/MBart/Marian config dict; ``variant`` sets the family flags."""
+        max_pos = c.get("max_position_embeddings", 1024)
+        base = cls(
+            vocab_size=c["vocab_size"], d_model=c["d_model"], num_heads=c["decoder_attention_heads"],
+            encoder_heads=c["encoder_attention_heads"], encoder_layers=c["encoder_layers"], decoder_layers=c["decoder_layers"],
+            encoder_ffn_dim=c["encoder_ffn_dim"], decoder_ffn_dim=c["decoder_ffn_dim"],
+            max_source_positions=max_pos, max_target_positions=max_pos, activation=c.get("activation_function", "gelu"),
+            scale_embedding=bool(c.get("scale_embedding", False)),
+            share_embeddings=c.get("share_encoder_decoder_embeddings", True), tie_word_embeddings=c.get("tie_word_embeddings", True),
+        )
+        return replace(base, **variant)
+
+
+def sinusoidal_positions(n_pos: int, dim: int) -> torch.Tensor:
+    """Marian's table ``[n_pos, dim]``: sin features in the first half, cos in the second (not interleaved)."""
+    pos = torch.arange(n_pos, dtype=torch.float64)[:, None]
+    j = torch.arange(dim, dtype=torch.float64)[None, :]
+    angle = pos / torch.pow(10000.0, 2 * torch.div(j, 2, rounding_mode="floor") / dim)  # [n_pos, dim]
+    sentinel = (dim + 1) // 2
+    out = torch.empty(n_pos, dim, dtype=torch.float64)
+    out[:, :sentinel] = torch.sin(angle[:, 0::2])
+    out[:, sentinel:] = torch.cos(angle[:, 1::2])
+    return out.float()
+
+
+class Attention(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.h, self.dh = heads, d // heads
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(d, d) for _ in range(4))
+
+    def names(self, p: str) -> dict[str, torch.Tensor]:
+        return {k: v for n in ("q_proj", "k_proj", "v_proj", "out_proj") for k, v in linear_names(f"{p}.{n}", getattr(self, n)).items()}
+
+
+class Block(nn.Module):
+    """Residual wrapper: pre-norm ``x + f(ln(x))`` or post-norm ``ln(x + f(x))``."""
+
+    def __init__(self, d: int, pre_norm: bool) -> None:
+        super().__init__()
+        self.norm, self.pre_norm = nn.LayerNorm(d), pre_norm
+
+    def __call__(self, x: torch.Tensor, f) -> torch.Tensor:
+        return x + f(self.norm(x)) if self.pre_norm else self.norm(x + f(x))
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, c: BartConfig) -> None:
+        super().__init__()
+        self.self_attn, self.attn_block = Attention(c.d_model, c.encoder_heads), Block(c.d_model, c.pre_norm)
+        self.fc1, self.fc2 = nn.Linear(c.d_model, c.encoder_ffn_dim), nn.Linear(c.encoder_ffn_dim, c.d_model)
+        self.ffn_block, self.act = Block(c.d_model, c.pre_norm), ACT2FN[c.activation]
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """``x`` ``[B, S, d]``; ``mask`` ``[B, 1, 1, S]`` bool (True = real key) or None."""
+        b, s, d = x.shape
+        a = self.self_attn
+
+        def attend(h: torch.Tensor) -> torch.Tensor:
+            q, k, v = (p(h).view(b, s, a.h, a.dh).transpose(1, 2) for p in (a.q_proj, a.k_proj, a.v_proj))  # [B, H, S, Dh]
+            return a.out_proj(F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(b, s, d))
+
+        x = self.attn_block(x, attend)
+        return self.ffn_block(x, lambda h: self.fc2(self.act(self.fc1(h))))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: BartConfig) -> None:
+        super().__init__()
+        self.self_attn, self.self_block = Attention(c.d_model, c.num_heads), Block(c.d_model, c.pre_norm)
+        self.encoder_attn, self.cross_block = Attention(c.d_model, c.num_heads), Block(c.d_model, c.pre_norm)
+        self.fc1, self.fc2 = nn.Linear(c.d_model, c.decoder_ffn_dim), nn.Linear(c.decoder_ffn_dim, c.d_model)
+        self.ffn_block, self.act = Block(c.d_model, c.pre_norm), ACT2FN[c.activation]
+
+    def forward(self, x: torch.Tensor, md: AttentionMetadata, self_kv: torch.Tensor, cross_kv: torch.Tensor) -> torch.Tensor:
+        t, d = x.shape
+
+        def self_attend(h: torch.Tensor) -> torch.Tensor:
+            a = self.self_attn
+            q, k, v = (p(h).view(t, a.h, a.dh) for p in (a.q_proj, a.k_proj, a.v_proj))  # [T, H, Dh]
+            write_kv(self_kv[0], self_kv[1], k, v, md.slot_mapping)
+            out = paged_attention(q, self_kv[0], self_kv[1], md.block_tables, md.seq_lens, md.query_start_loc, causal=True,
+                                  scale=a.dh**-0.5, max_query_len=md.max_query_len, max_context_len=md.max_seq_len)
+            return a.out_proj(out.reshape(t, d))
+
+        def cross_attend(h: torch.Tensor) -> torch.Tensor:
+            a = self.encoder_attn
+            out = paged_attention(a.q_proj(h).view(t, a.h, a.dh), cross_kv[0], cross_kv[1], md.cross_block_tables, md.encoder_lens,
+                                  md.query_start_loc, causal=False, scale=a.dh**-0.5, max_query_len=md.max_query_len,
+                                  max_context_len=md.max_encoder_len)
+            return a.out_proj(out.reshape(t, d))
+
+        x = self.self_block(x, self_attend)
+        x = self.cross_block(x, cross_attend)
+        return self.ffn_block(x, lambda h: self.fc2(self.act(self.fc1(h))))
+
+
+class Stack(nn.Module):
+    """Embeddings, optional layernorm_embedding, layers, optional final layer norm of one side."""
+
+    def __init__(self, c: BartConfig, layer_cls, n_layers: int, embed: nn.Embedding) -> None:
+        super().__init__()
+        self.embed_tokens = embed
+        self.embed_scale = math.sqrt(c.d_model) if c.scale_embedding else 1.0
+        if c.sinusoidal_positions:
+            self.register_buffer("embed_positions", sinusoidal_positions(c.max_source_positions, c.d_model), persistent=False)
+            self.offset = 0
+        else:
+            self.embed_positions = nn.Parameter(torch.zeros(c.max_source_positions + POSITION_OFFSET, c.d_model))
+            self.offset = POSITION_OFFSET
+        self.layernorm_embedding = nn.LayerNorm(c.d_model) if c.layernorm_embedding else None
+        self.layers = nn.ModuleList(layer_cls(c) for _ in range(n_layers))
+        self.layer_norm = nn.LayerNorm(c.d_model) if c.final_layer_norm else None
+
+    def embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(ids) * self.embed_scale + self.embed_positions[positions + self.offset]
+        return self.layernorm_embedding(x) if self.layernorm_embedding is not None else x
+
+    def finish(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer_norm(x) if self.layer_norm is not None else x
+
+    def names(self, p: str) -> dict[str, torch.Tensor]:
+        m: dict[str, torch.Tensor] = {}
+        if isinstance(self.embed_positions, nn.Parameter):
+            m[f"{p}.embed_positions.weight"] = self.embed_positions
+        for ln in ("layernorm_embedding", "layer_norm"):
+            if getattr(self, ln) is not None:
+                m[f"{p}.{ln}.weight"], m[f"{p}.{ln}.bias"] = getattr(self, ln).weight, getattr(self, ln).bias
+        return m
+
+
+def _norm_names(p: str, block: Block) -> dict[str, torch.Tensor]:
+    return {f"{p}.weight": block.norm.weight, f"{p}.bias": block.norm.bias}
+
+
+class BartForConditionalGeneration(nn.Module):
+    """BART-family encoder + paged decoder. Build with ``from_pretrained`` (an HF directory)."""
+
+    input_modality = "text"
+    variant: dict = {}  # BartConfig flags of the architecture (subclasses override)
+
+    def __init__(self, config: BartConfig, generation: TextGenerationDefaults | None = None) -> None:
+        super().__init__()
+        c = self.config = config
+        self.generation = generation
+        dec_embed = nn.Embedding(c.vocab_size, c.d_model)
+        enc_embed = dec_embed if c.share_embeddings else nn.Embedding(c.vocab_size, c.d_model)
+        self.encoder = Stack(c, EncoderLayer, c.encoder_layers, enc_embed)
+        self.decoder = Stack(c, DecoderLayer, c.decoder_layers, dec_embed)
+        self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.d_model, c.vocab_size, bias=False)
+        self.register_buffer("final_logits_bias", torch.zeros(1, c.vocab_size))
+
+    @classmethod
+    def hf_generation_config(cls, hf: dict) -> dict:
+        """Hook: fill generation fields the architecture implies (Marian: start = pad)."""
+        return hf
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32) -> "BartForConditionalGeneration":
+        """Loads an HF directory of this architecture; returns the model in eval mode with weights in ``dtype``."""
+        model_dir = Path(model_dir)
+        hf = read_json(model_dir / "config.json")
+        config = BartConfig.from_hf(hf, **cls.variant)
+        model = cls(config, TextGenerationDefaults.from_model_dir(model_dir, cls.hf_generation_config(hf), config.max_target_positions))
+        model.load_weights(load_hf_weights(model_dir))
+        return model.to(dtype).eval()
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copies HF parameters (``model.encoder.layers.{i}.self_attn.q_proj.weight`` ...) into the modules.
+
+        Raises:
+            KeyError: a parameter is missing. ValueError: a shape does not match.
+        """
+        m: dict[str, torch.Tensor] = {"model.decoder.embed_tokens.weight": self.decoder.embed_tokens.weight}
+        aliases = {"model.decoder.embed_tokens.weight": ["model.shared.weight"], "model.encoder.embed_tokens.weight": ["model.shared.weight"],
+                   "lm_head.weight": ["model.shared.weight", "model.decoder.embed_tokens.weight"]}
+        if self.encoder.embed_tokens is not self.decoder.embed_tokens:
+            m["model.encoder.embed_tokens.weight"] = self.encoder.embed_tokens.weight
+        if self.lm_head is not None:
+            m["lm_head.weight"] = self.lm_head.weight
+        m.update(self.encoder.names("model.encoder"))
+        m.update(self.decoder.names("model.decoder"))
+        for i, layer in enumerate(self.encoder.layers):
+            p = f"model.encoder.layers.{i}"
+            m.update(layer.self_attn.names(f"{p}.self_attn"))
+            m.update(_norm_names(f"{p}.self_attn_layer_norm", layer.attn_block))
+            m.update(linear_names(f"{p}.fc1", layer.fc1) | linear_names(f"{p}.fc2", layer.fc2))
+            m.update(_norm_names(f"{p}.final_layer_norm", layer.ffn_block))
+        for i, layer in enumerate(self.decoder.layers):
+            p = f"model.decoder.layers.{i}"
+            m.update(layer.self_attn.names(f"{p}.self_attn"))
+            m.update(_norm_names(f"{p}.self_attn_layer_norm", layer.self_block))
+            m.update(layer.encoder_attn.names(f"{p}.encoder_attn"))
+            m.update(_norm_names(f"{p}.encoder_attn_layer_norm", layer.cross_block))
+            m.update(linear_names(f"{p}.fc1", layer.fc1) | linear_names(f"{p}.fc2", layer.fc2))
+            m.update(_norm_names(f"{p}.final_layer_norm", layer.ffn_block))
+        if "final_logits_bias" in weights:
+            m["final_logits_bias"] = self.final_logits_bias
+        copy_weights(m, weights, aliases)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.decoder.embed_tokens.weight.dtype
+
+    @torch.inference_mode()
+    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Encoder forward: ``[B, S]`` token ids (+ ``[B, S]`` 1/0 mask) -> ``[B, S, d_model]``."""
+        b, s = input_ids.shape
+        x = self.encoder.embed(input_ids, torch.arange(s, device=input_ids.device))  # [B, S, d]
+        mask = None if attention_mask is None else attention_mask[:, None, None, :].bool()  # [B, 1, 1, S]
+        for layer in self.encoder.layers:
+            x = layer(x, mask)
+        return self.encoder.finish(x)
+
+    @torch.inference_mode()
+    def compute_cross_kv(self, encoder_out: torch.Tensor) -> torch.Tensor:
+        """``[B, S, d_model]`` -> ``[num_decoder_layers, 2, B, S, num_heads, head_dim]`` (0 = K, 1 = V)."""
+        b, s, _ = encoder_out.shape
+        c = self.config
+        x = encoder_out.to(self.dtype)
+        kv = torch.stack([torch.stack([l.encoder_attn.k_proj(x), l.encoder_attn.v_proj(x)]) for l in self.decoder.layers])
+        return kv.view(c.decoder_layers, 2, b, s, c.num_heads, c.head_dim).contiguous()
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
+                self_kv_cache: torch.Tensor, cross_kv_cache: torch.Tensor) -> torch.Tensor:
+        """Decoder over a flat varlen batch: ``input_ids``/``positions`` ``[T]`` -> ``[T, d_model]``.
+
+        Caches: ``[num_decoder_layers, 2, num_blocks, block_size, H, Dh]``; this
+        step's K/V are written at ``slot_mapping`` before attending.
+        """
+        x = self.decoder.embed(input_ids, positions)  # [T, d]
+        for i, layer in enumerate(self.decoder.layers):
+            x = layer(x, attn_metadata, self_kv_cache[i], cross_kv_cache[i])
+        return self.decoder.finish(x)
+
+    @torch.no_grad()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, d_model]`` -> ``[N, vocab_size]`` float32: ``lm_head(hidden) + final_logits_bias``."""
+        weight = self.lm_head.weight if self.lm_head is not None else self.decoder.embed_tokens.weight
+        return (F.linear(hidden, weight) + self.final_logits_bias).float()
