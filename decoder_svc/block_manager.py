@@ -46,6 +46,27 @@ class BlockPool:
             self.ref_counts[b] = 1
         return ids
 
+    def allocate_contiguous(self, n: int) -> list[int]:
+        """Like ``allocate`` but prefers one ascending run of ids (the lowest that fits).
+
+        A sequence whose blocks form one run can be read as a zero-copy slice
+        of the cache (``kernels.cross_attention``); when free blocks are too
+        fragmented for a run, any free blocks are returned instead.
+        """
+        if n > len(self._free):
+            raise BlockError(f"{self.name}: need {n} blocks, {len(self._free)} free")
+        run = 0
+        for b, refs in enumerate(self.ref_counts):
+            run = run + 1 if refs == 0 else 0
+            if run == n:
+                ids = list(range(b - n + 1, b + 1))
+                taken = set(ids)
+                self._free = deque(x for x in self._free if x not in taken)
+                for x in ids:
+                    self.ref_counts[x] = 1
+                return ids
+        return self.allocate(n)
+
     def incref(self, block_ids: list[int]) -> None:
         for b in block_ids:
             if self.ref_counts[b] <= 0:
@@ -111,7 +132,7 @@ class BlockManager:
         """Reserves ``ceil(encoder_len / block_size)`` cross blocks for ``seq``."""
         if seq.cross_block_ids:
             raise BlockError(f"{seq.request_id}: cross blocks already allocated")
-        seq.cross_block_ids = self.cross_pool.allocate(self.num_blocks_for(seq.encoder_len))
+        seq.cross_block_ids = self.cross_pool.allocate_contiguous(self.num_blocks_for(seq.encoder_len))
         return seq.cross_block_ids
 
     def share_cross(self, src: Sequence, dst: Sequence) -> None:

@@ -74,6 +74,12 @@ class ModelRunner:
             return torch.tensor(xs, dtype=torch.long, device=self.device)
 
         qsl = t(query_start_loc)
+        spans = []
+        for b, ids in enumerate(cross_tables):
+            if not ids or ids[-1] - ids[0] != len(ids) - 1 or ids != list(range(ids[0], ids[-1] + 1)):
+                spans = None
+                break
+            spans.append((query_start_loc[b], query_start_loc[b + 1], ids[0] * bs, encoder_lens[b]))
         md = AttentionMetadata(
             query_start_loc=qsl,
             slot_mapping=t(slot_mapping),
@@ -85,6 +91,7 @@ class ModelRunner:
             max_query_len=max(so.num_scheduled_tokens, default=0),
             max_seq_len=max(seq_lens, default=0),
             max_encoder_len=max(encoder_lens, default=0),
+            cross_kv_spans=spans,
         )
         return t(input_ids), t(positions), md
 

@@ -37,6 +37,11 @@ class AttentionMetadata:
         max_query_len: longest query run in the batch.
         max_seq_len: longest ``seq_lens`` entry.
         max_encoder_len: longest ``encoder_lens`` entry.
+        cross_kv_spans: host-side ``(query_start, query_end, first_slot,
+            encoder_len)`` per sequence when every sequence's cross blocks are
+            one ascending run of ids, so its cross K/V is the slice
+            ``first_slot : first_slot + encoder_len`` of the flat cross cache
+            (read in place by ``kernels.cross_attention``); None otherwise.
     """
 
     query_start_loc: torch.Tensor
@@ -49,6 +54,7 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     max_encoder_len: int
+    cross_kv_spans: list[tuple[int, int, int, int]] | None = None
 
     @property
     def num_seqs(self) -> int:

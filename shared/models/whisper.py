@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cross_attention import contiguous_cross_attention
 from kernels.paged_attention import paged_attention, write_kv
 from shared.attention_metadata import AttentionMetadata
 from shared.models.ct2_reader import load_ct2_weights
@@ -142,8 +143,11 @@ class DecoderLayer(nn.Module):
                             causal=True, scale=self.scale, max_query_len=md.max_query_len, max_context_len=md.max_seq_len)
         x = x + self.self_out(a.reshape(t, d))
         q = self.cross_q(self.cross_attn_norm(x)).view(t, self.h, self.dh)
-        a = paged_attention(q, cross_kv[0], cross_kv[1], md.cross_block_tables, md.encoder_lens, md.query_start_loc,
-                            causal=False, scale=self.scale, max_query_len=md.max_query_len, max_context_len=md.max_encoder_len)
+        if md.cross_kv_spans is not None:  # every sequence's cross blocks are one run: read them in place
+            a = contiguous_cross_attention(q, cross_kv[0], cross_kv[1], md.cross_kv_spans, self.scale)
+        else:
+            a = paged_attention(q, cross_kv[0], cross_kv[1], md.cross_block_tables, md.encoder_lens, md.query_start_loc,
+                                causal=False, scale=self.scale, max_query_len=md.max_query_len, max_context_len=md.max_encoder_len)
         x = x + self.cross_out(a.reshape(t, d))
         return x + self.fc2(F.gelu(self.fc1(self.ffn_norm(x))))
 
