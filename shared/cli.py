@@ -108,6 +108,12 @@ def _bench_whisper(args: argparse.Namespace) -> int:
     return bench_main(args)
 
 
+def _bench_embed(args: argparse.Namespace) -> int:
+    from shared.bench.embed import main as bench_main
+
+    return bench_main(args)
+
+
 def _add_bench(sub) -> None:
     """``encdec bench <name>``: one sub-command per benchmark; each prints a Markdown table."""
     bench = sub.add_parser("bench", help="benchmarks against HF transformers / CTranslate2 / sentence-transformers")
@@ -122,6 +128,15 @@ def _add_bench(sub) -> None:
     p.add_argument("--address", default=None, help="use running services at this decoder address instead of starting them")
     p.add_argument("--json", default=None, help="also write the results here")
     p.set_defaults(func=_bench_whisper)
+
+    p = benches.add_parser("embed", help="Embed (all-MiniLM-L6-v2): our EmbedService vs sentence-transformers, batch 1 and 32")
+    p.add_argument("--model", default="all-MiniLM-L6-v2", help="encoder-only model name or directory")
+    p.add_argument("--requests-b1", type=int, default=200, help="one-sentence requests")
+    p.add_argument("--requests-b32", type=int, default=30, help="32-sentence requests")
+    p.add_argument("--threads", type=int, default=2, help="torch threads per system")
+    p.add_argument("--address", default=None, help="use a running encoder service (EmbedService) at this address")
+    p.add_argument("--json", default=None, help="also write the results here")
+    p.set_defaults(func=_bench_embed)
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
