@@ -1,6 +1,7 @@
 """The decoder service process: public ``DecoderService`` over the engine thread.
 
-Per Generate request: validate and decode the audio, record QUEUED in Redis,
+Per Generate request: validate and decode the audio (or tokenize the source
+text; ``decoder_svc.inputs``), record QUEUED in Redis,
 add to the engine (which reserves cross blocks), call the encoder's Encode
 into those blocks (ENCODING), mark the request runnable (DECODING), stream
 text deltas, record FINISHED / ABORTED / FAILED. Redis sees a handful of
@@ -16,25 +17,22 @@ import uuid
 from dataclasses import dataclass, field
 
 import grpc
-import numpy as np
 import torch
 
 from decoder_svc.engine import CapacityError, DecoderEngine
 from decoder_svc.engine_loop import EngineLoop
-from shared.audio import decode_audio, pcm_to_array
+from decoder_svc.inputs import RequestInput, parse_input
 from shared.config import DecoderServiceConfig
-from shared.errors import AlreadyExistsError, InvalidRequestError, NotFoundError, ResourceExhaustedError, UnavailableError
+from shared.errors import AlreadyExistsError, NotFoundError, ResourceExhaustedError, UnavailableError
 from shared.grpc_server import GRPC_OPTIONS, abort_with, serve
 from shared.kv_transport import create_pool
-from shared.models.registry import load_model, model_names, resolve_model
-from shared.models.whisper_features import load_tokenizer
+from shared.models.registry import load_model, load_tokenizer, model_names
 from shared.proto import decoder_pb2, decoder_pb2_grpc, encoder_pb2, encoder_pb2_grpc
 from shared.request_state import RequestExistsError, RequestState, RequestStateStore
 from shared.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-SAMPLE_RATE = 16000
 FINISH_REASONS = {
     "stop": decoder_pb2.FINISH_REASON_STOP,
     "length": decoder_pb2.FINISH_REASON_LENGTH,
@@ -46,7 +44,7 @@ FINISH_REASONS = {
 class _Active:
     """A request this replica is serving."""
 
-    pcm: np.ndarray
+    input: RequestInput
     stream: asyncio.Queue = field(default_factory=asyncio.Queue)
     encoding: asyncio.Task | None = None
     abort_requested: bool = False
@@ -84,19 +82,6 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         kwargs = {f: getattr(pb, f) for f in ("temperature", "top_k", "top_p", "seed", "max_tokens") if pb.HasField(f)}
         return SamplingParams(**kwargs)
 
-    def _audio(self, request: decoder_pb2.GenerateRequest) -> np.ndarray:
-        kind = request.WhichOneof("input")
-        if kind == "audio":
-            pcm = decode_audio(request.audio)
-        elif kind == "pcm":
-            pcm = pcm_to_array(request.pcm.samples, request.pcm.sample_rate)
-        else:
-            raise InvalidRequestError("request has no input: set `audio` (WAV/FLAC bytes) or `pcm`")
-        seconds = len(pcm) / SAMPLE_RATE
-        if seconds > self.config.max_audio_s:
-            raise InvalidRequestError(f"audio is {seconds:.1f} s long; this server accepts at most {self.config.max_audio_s:.1f} s")
-        return pcm
-
     # -- engine callbacks (event loop) --------------------------------------
     def _on_encode(self, request_id: str, block_ids: list[int]) -> None:
         active = self.active.get(request_id)
@@ -117,8 +102,10 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         target = encoder_pb2.KVTarget(transport=spec.transport, segment=spec.segment, shape=spec.shape, dtype=spec.dtype, instance_id=spec.instance_id)
         try:
             await asyncio.to_thread(self.store.set_state, request_id, RequestState.ENCODING)
+            inp = active.input
+            source = {"input_ids": inp.input_ids} if inp.input_ids is not None else {"pcm": inp.pcm.astype("<f4").tobytes()}
             await self.encoder.Encode(
-                encoder_pb2.EncodeRequest(request_id=request_id, model=self.config.model, pcm=active.pcm.astype("<f4").tobytes(), block_ids=block_ids, target=target),
+                encoder_pb2.EncodeRequest(request_id=request_id, model=self.config.model, block_ids=block_ids, target=target, **source),
                 timeout=self.config.encode_timeout_s,
             )
         except grpc.aio.AioRpcError as exc:
@@ -138,7 +125,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         try:
             self._check_model(request.model)
             params = self._sampling(request.sampling)
-            pcm = self._audio(request)
+            inp = parse_input(request, self.model, self.engine.tokenizer, self.config.max_audio_s)
             if request_id in self.active:
                 raise AlreadyExistsError(f"request id {request_id!r} is already running")
             try:
@@ -147,12 +134,12 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
                 raise AlreadyExistsError(f"request id {request_id!r} was already used; pick a new one") from exc
         except Exception as exc:  # noqa: BLE001 - nothing reserved yet
             await abort_with(context, exc)
-        active = self.active[request_id] = _Active(pcm)
+        active = self.active[request_id] = _Active(inp)
         state, fields = RequestState.FAILED, {}
         try:
-            encoder_len = self.model.config.max_source_positions
+            encoder_len = inp.encoder_len
             try:
-                await self.loop.call(self.engine.add_request, request_id, encoder_len, params)
+                await self.loop.call(self.engine.add_request, request_id, encoder_len, params, inp.prompt_token_ids)
             except CapacityError as exc:
                 raise ResourceExhaustedError(str(exc)) from exc
             while True:
@@ -165,6 +152,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
                     reason = item.finish_reason
                     message.finish_reason = FINISH_REASONS[reason]
                     message.usage.CopyFrom(decoder_pb2.Usage(prompt_tokens=item.prompt_tokens, completion_tokens=item.completion_tokens, encoder_tokens=encoder_len))
+                    message.applied_generation_defaults.extend(inp.applied)
                     state = RequestState.ABORTED if reason == "abort" else RequestState.FINISHED
                     fields = {"finish_reason": reason, "prompt_tokens": item.prompt_tokens, "completion_tokens": item.completion_tokens}
                 if item.text or item.new_token_ids or final:
@@ -246,7 +234,7 @@ def build_engine(config: DecoderServiceConfig, model):
     pool = create_pool(config.kv_transport, (cfg.decoder_layers, 2, num_cross, config.block_size, cfg.num_heads, cfg.head_dim))
     engine = DecoderEngine(
         model,
-        load_tokenizer(resolve_model(config.model)[1]),
+        load_tokenizer(config.model),
         pool.tensor,
         num_self_blocks=num_self,
         block_size=config.block_size,

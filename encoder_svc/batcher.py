@@ -23,16 +23,18 @@ class EncodeItem:
 
     Attributes:
         request_id: the decoder's request id.
-        pcm: float32 mono samples at the model's sample rate, ``[N]``.
+        pcm: float32 mono samples at the model's sample rate, ``[N]`` (audio models; else None).
         spec: where the cross KV goes.
         block_ids: the decoder's reserved cross blocks, in token order.
+        input_ids: source token ids (text models; else None).
         future: resolves to ``(encoder_len, encode_ms, batch_size)`` or an error.
     """
 
     request_id: str
-    pcm: np.ndarray
+    pcm: np.ndarray | None
     spec: KVTargetSpec
     block_ids: list[int]
+    input_ids: list[int] | None = None
     future: Future = field(default_factory=Future)
 
 
@@ -41,7 +43,7 @@ class EncodeBatcher:
 
     The first pending request waits at most ``batch_wait_ms`` for others;
     up to ``max_batch_size`` run in one forward. Per request: log-mel
-    features, encoder, every decoder layer's cross-attention K/V projection,
+    features (audio) or padded source ids (text), encoder, every decoder layer's cross-attention K/V projection,
     then ``writer.write`` into the decoder's blocks. A failure in one request's
     write fails only that request.
 
@@ -94,22 +96,40 @@ class EncodeBatcher:
             if batch:
                 self._run(batch)
 
+    def _forward(self, batch: list[EncodeItem]) -> tuple[torch.Tensor, list[int]]:
+        """Encoder + cross-KV projection of a batch: ``([L, 2, B, S, H, D], encoder_len of each item)``.
+
+        Audio: stacked log-mel features, every item ``S`` long. Text: source ids
+        right-padded to the longest with an attention mask; item ``i`` owns the
+        first ``len(input_ids_i)`` positions.
+        """
+        with torch.inference_mode():
+            if batch[0].input_ids is not None:
+                lens = [len(item.input_ids) for item in batch]
+                ids = torch.zeros(len(batch), max(lens), dtype=torch.long)  # [B, S]
+                for i, item in enumerate(batch):
+                    ids[i, : lens[i]] = torch.tensor(item.input_ids, dtype=torch.long)
+                mask = (torch.arange(max(lens))[None, :] < torch.tensor(lens)[:, None]).long()  # [B, S]
+                encoder_out = self.model.encode(ids, mask)  # [B, S, d_model]
+            else:
+                features = torch.stack([self.featurize(item.pcm) for item in batch])  # [B, n_mels, frames]
+                encoder_out = self.model.encode(features)  # [B, S, d_model]
+                lens = [encoder_out.shape[1]] * len(batch)
+            return self.model.compute_cross_kv(encoder_out), lens  # [L, 2, B, S, H, D]
+
     def _run(self, batch: list[EncodeItem]) -> None:
         start = time.perf_counter()
         try:
-            with torch.inference_mode():
-                features = torch.stack([self.featurize(item.pcm) for item in batch])  # [B, n_mels, frames]
-                encoder_out = self.model.encode(features)  # [B, S, d_model]
-                cross_kv = self.model.compute_cross_kv(encoder_out)  # [L, 2, B, S, H, D]
+            cross_kv, lens = self._forward(batch)
         except Exception as exc:  # noqa: BLE001 - every waiting request must hear of it
             log.exception("encoder forward failed")
             for item in batch:
                 item.future.set_exception(exc)
             return
-        encoder_len = cross_kv.shape[3]
         for i, item in enumerate(batch):
+            encoder_len = lens[i]
             try:
-                self.writer.write(item.spec, item.block_ids, cross_kv[:, :, i])
+                self.writer.write(item.spec, item.block_ids, cross_kv[:, :, i, :encoder_len])
             except Exception as exc:  # noqa: BLE001 - fail this request only
                 item.future.set_exception(exc)
                 continue

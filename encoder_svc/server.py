@@ -33,7 +33,14 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
     def _item(self, request: encoder_pb2.EncodeRequest) -> EncodeItem:
         if request.model and request.model not in self.served_names:
             raise NotFoundError(f"model {request.model!r} is not served here; this encoder serves {self.config.model!r}")
-        if not request.pcm or len(request.pcm) % 4:
+        text_model = getattr(self.model, "input_modality", "audio") == "text"
+        if text_model:
+            if not request.input_ids:
+                raise InvalidRequestError("this model encodes token ids: set input_ids")
+            vocab = self.model.config.vocab_size
+            if any(not 0 <= t < vocab for t in request.input_ids):
+                raise InvalidRequestError(f"input_ids must be in [0, {vocab})")
+        elif not request.pcm or len(request.pcm) % 4:
             raise InvalidRequestError(f"pcm must be non-empty float32 bytes, got {len(request.pcm)} bytes")
         target = request.target
         spec = KVTargetSpec(target.transport, target.segment, tuple(target.shape), target.dtype, target.instance_id)
@@ -44,9 +51,14 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
                 f"KV target shape {list(spec.shape)} does not fit this model: expected "
                 f"[{expected[0]}, 2, num_blocks, block_size, {expected[2]}, {expected[3]}]"
             )
-        needed = math.ceil(cfg.max_source_positions / spec.shape[3])
+        encoder_len = len(request.input_ids) if text_model else cfg.max_source_positions
+        if encoder_len > cfg.max_source_positions:
+            raise InvalidRequestError(f"source has {encoder_len} tokens; this model accepts at most {cfg.max_source_positions}")
+        needed = math.ceil(encoder_len / spec.shape[3])
         if len(request.block_ids) != needed:
-            raise InvalidRequestError(f"{cfg.max_source_positions} encoder positions need {needed} blocks, got {len(request.block_ids)}")
+            raise InvalidRequestError(f"{encoder_len} encoder positions need {needed} blocks, got {len(request.block_ids)}")
+        if text_model:
+            return EncodeItem(request.request_id, None, spec, list(request.block_ids), input_ids=list(request.input_ids))
         pcm = np.frombuffer(request.pcm, dtype="<f4").astype(np.float32)
         return EncodeItem(request.request_id, pcm, spec, list(request.block_ids))
 

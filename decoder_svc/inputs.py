@@ -1,0 +1,96 @@
+"""Turns a ``GenerateRequest``'s input into what the engine and the encoder need.
+
+Audio models (Whisper): decoded / resampled PCM, a fixed ``encoder_len``, the
+model's default decoder prompt. Text models (T5, BART, mBART, Marian): source
+token ids (from ``text`` through the checkpoint's tokenizer, or ``input_ids``
+as given), ``encoder_len`` = their count, decoder prompt =
+``decoder_start_token_id`` + the optional prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from shared.audio import decode_audio, pcm_to_array
+from shared.errors import InvalidRequestError
+
+SAMPLE_RATE = 16000
+_AUDIO, _TEXT = ("audio", "pcm"), ("text", "input_ids")
+
+
+@dataclass
+class RequestInput:
+    """One request's encoder input and decoder prompt.
+
+    Attributes:
+        encoder_len: cross-attention KV length (source tokens, or Whisper's 1500 frames).
+        pcm: ``[N]`` float32 at 16 kHz (audio models), else None.
+        input_ids: source token ids (text models), else None.
+        prompt_token_ids: decoder prompt; None = the model's default.
+        applied: generation defaults in effect, reported on the last response.
+    """
+
+    encoder_len: int
+    pcm: np.ndarray | None = None
+    input_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+    applied: list[str] = field(default_factory=list)
+
+
+def parse_input(request, model, tokenizer, max_audio_s: float) -> RequestInput:
+    """Validates and converts ``request.input`` (and the decoder prompt) for ``model``.
+
+    Raises:
+        InvalidRequestError: missing input, input of the wrong kind for the
+            model, undecodable audio, too long audio, a source longer than the
+            model's max source positions without ``truncate``, ids out of range.
+    """
+    kind = request.WhichOneof("input")
+    text_model = getattr(model, "input_modality", "audio") == "text"
+    if kind is None:
+        want = "`text` or `input_ids`" if text_model else "`audio` (WAV/FLAC bytes) or `pcm`"
+        raise InvalidRequestError(f"request has no input: set {want}")
+    if text_model and kind in _AUDIO:
+        raise InvalidRequestError(f"this model translates text: set `text` or `input_ids`, not `{kind}`")
+    if not text_model and kind in _TEXT:
+        raise InvalidRequestError(f"this model transcribes audio: set `audio` or `pcm`, not `{kind}`")
+    if request.WhichOneof("decoder_prompt") and not text_model:
+        raise InvalidRequestError("decoder_prompt_* is for text models; this model uses its own audio prompt")
+    if not text_model:
+        pcm = decode_audio(request.audio) if kind == "audio" else pcm_to_array(request.pcm.samples, request.pcm.sample_rate)
+        seconds = len(pcm) / SAMPLE_RATE
+        if seconds > max_audio_s:
+            raise InvalidRequestError(f"audio is {seconds:.1f} s long; this server accepts at most {max_audio_s:.1f} s")
+        return RequestInput(encoder_len=model.config.max_source_positions, pcm=pcm)
+    return _text_input(request, kind, model, tokenizer)
+
+
+def _text_input(request, kind: str, model, tokenizer) -> RequestInput:
+    c, gen = model.config, model.generation
+    ids = list(tokenizer(request.text)["input_ids"]) if kind == "text" else list(request.input_ids.ids)
+    if not ids:
+        raise InvalidRequestError("the source is empty" + (" after tokenization" if kind == "text" else ""))
+    _check_ids(ids, c.vocab_size, "input_ids")
+    max_src = c.max_source_positions
+    if len(ids) > max_src:
+        if not request.truncate:
+            raise InvalidRequestError(
+                f"source has {len(ids)} tokens but this model accepts at most {max_src} source positions; "
+                "shorten it or set truncate=true")
+        ids = ids[:max_src]
+    prompt_kind = request.WhichOneof("decoder_prompt")
+    prefix: list[int] = []
+    if prompt_kind == "decoder_prompt_text":
+        prefix = list(tokenizer(request.decoder_prompt_text, add_special_tokens=False)["input_ids"])
+    elif prompt_kind == "decoder_prompt_ids":
+        prefix = list(request.decoder_prompt_ids.ids)
+        _check_ids(prefix, c.vocab_size, "decoder_prompt_ids")
+    applied = gen.applied() + ([f"truncated_source={len(ids)}"] if request.truncate and len(ids) == max_src else [])
+    return RequestInput(encoder_len=len(ids), input_ids=ids, prompt_token_ids=[gen.decoder_start_token_id, *prefix], applied=applied)
+
+
+def _check_ids(ids: list[int], vocab: int, name: str) -> None:
+    if any(not 0 <= t < vocab for t in ids):
+        raise InvalidRequestError(f"{name} must be in [0, {vocab})")
