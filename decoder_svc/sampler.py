@@ -130,5 +130,7 @@ class Sampler:
                 continue
             probs = self.warp(logits[i], row.params).softmax(dim=-1)  # [V]
             gen = self.generator(row.request_id, row.params.seed)
+            if not bool(torch.isfinite(probs).all()):  # never let one row's overflow fail the whole batch
+                continue  # keeps the row's argmax
             out[i] = int(torch.multinomial(probs, 1, generator=gen).item())
         return out

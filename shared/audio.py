@@ -50,9 +50,11 @@ def decode_audio(
     try:
         info = sf.info(io.BytesIO(data))
     except (sf.LibsndfileError, RuntimeError, TypeError) as e:
-        raise AudioError(f"cannot decode audio ({len(data)} bytes): {e}; send a WAV or FLAC file") from None
+        reason = getattr(e, "error_string", None) or "unrecognised format"
+        raise AudioError(f"cannot decode audio ({len(data)} bytes): {reason}; send a WAV or FLAC file") from None
     if info.format not in SUPPORTED_FORMATS:
         raise AudioError(f"unsupported audio format {info.format} ({info.format_info}); send a WAV or FLAC file")
+    _check_wav_complete(data)
     _check_sample_rate(info.samplerate)
     if info.frames <= 0:
         raise AudioError("audio has no samples (zero length); send at least one sample")
@@ -97,6 +99,27 @@ def pcm_to_array(
     _check_duration(len(samples) // 4, sample_rate, max_duration_s)
     audio = np.frombuffer(samples, dtype="<f4").astype(np.float32)  # [num_samples], native order copy
     return _finish(audio, sample_rate, target_sample_rate)
+
+
+def _check_wav_complete(data: bytes) -> None:
+    """Refuses a RIFF/WAVE file whose ``data`` chunk is shorter than its header says.
+
+    libsndfile silently decodes what is there, which would transcribe part of
+    a file cut off in transit.
+    """
+    if len(data) < 12 or data[:4] != b"RIFF" or data[8:12] != b"WAVE":
+        return
+    pos = 12
+    while pos + 8 <= len(data):
+        chunk, size = data[pos : pos + 4], int.from_bytes(data[pos + 4 : pos + 8], "little")
+        if chunk == b"data":
+            available = len(data) - pos - 8
+            if size != 0xFFFFFFFF and size > available:
+                raise AudioError(
+                    f"WAV file is truncated: its data chunk declares {size} bytes but only {available} arrived; send the whole file"
+                )
+            return
+        pos += 8 + size + (size & 1)
 
 
 def _check_sample_rate(rate: int) -> None:

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Temperatures below this sample greedily: dividing logits by a smaller one
+# overflows float32 (vLLM uses the same cut-off, ``_SAMPLING_EPS``).
+SAMPLING_EPS = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token.
 
     Attributes:
-        temperature: softmax temperature; 0 means greedy (argmax).
+        temperature: softmax temperature; 0 (or anything below
+            ``SAMPLING_EPS``) means greedy (argmax).
         top_k: keep the k most likely tokens; 0 keeps all.
         top_p: nucleus sampling, keep the smallest set whose probability
             reaches top_p (Holtzman et al. 2019); 1.0 keeps all.
@@ -46,4 +51,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS

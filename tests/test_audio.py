@@ -127,3 +127,18 @@ def test_pcm_round_trip_and_resample():
 def test_pcm_errors(samples, rate, match):
     with pytest.raises(AudioError, match=match):
         pcm_to_array(samples, rate, max_duration_s=1.0)
+
+
+def test_truncated_wav_is_refused():
+    buf = io.BytesIO()
+    sf.write(buf, np.zeros(16000, dtype=np.float32), 16000, format="WAV", subtype="PCM_16")
+    data = buf.getvalue()
+    assert len(decode_audio(data)) == 16000
+    with pytest.raises(AudioError, match="truncated"):
+        decode_audio(data[: len(data) // 2])
+
+
+def test_undecodable_message_has_no_python_reprs():
+    with pytest.raises(AudioError) as info:
+        decode_audio(b"definitely not audio" * 20)
+    assert "BytesIO" not in str(info.value) and "WAV or FLAC" in str(info.value)

@@ -113,3 +113,20 @@ def test_global_rng_untouched_and_release():
     assert not sampler._generators
     with pytest.raises(ValueError):
         sampler(torch.zeros(2, V), rows)
+
+
+def test_tiny_temperatures_are_greedy_and_never_fail_the_batch():
+    """1e-45 would overflow logits / temperature; such rows sample greedily, companions are unharmed."""
+    from shared.sampling_params import SAMPLING_EPS
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 50, generator=g) * 30
+    rows = [
+        SamplingRow("tiny", SamplingParams(temperature=1e-45), False),
+        SamplingRow("below-eps", SamplingParams(temperature=SAMPLING_EPS / 2), False),
+        SamplingRow("companion", SamplingParams(temperature=1.0, seed=7), False),
+    ]
+    out = Sampler()(logits, rows)
+    assert out[:2] == logits[:2].argmax(-1).tolist()
+    alone = Sampler()(logits[2:], rows[2:])
+    assert out[2] == alone[0]
