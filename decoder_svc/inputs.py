@@ -59,10 +59,12 @@ def parse_input(request, model, tokenizer, max_audio_s: float) -> RequestInput:
     if request.WhichOneof("decoder_prompt") and not text_model:
         raise InvalidRequestError("decoder_prompt_* is for text models; this model uses its own audio prompt")
     if not text_model:
-        pcm = decode_audio(request.audio) if kind == "audio" else pcm_to_array(request.pcm.samples, request.pcm.sample_rate)
+        # The duration is checked from the header / sample count before any decoding or resampling.
+        pcm = (decode_audio(request.audio, max_duration_s=max_audio_s) if kind == "audio"
+               else pcm_to_array(request.pcm.samples, request.pcm.sample_rate, max_duration_s=max_audio_s))
         seconds = len(pcm) / SAMPLE_RATE
         if seconds > max_audio_s:
-            raise InvalidRequestError(f"audio is {seconds:.1f} s long; this server accepts at most {max_audio_s:.1f} s")
+            raise InvalidRequestError(f"audio is {seconds:.2f} s long; this server accepts at most {max_audio_s:.2f} s")
         return RequestInput(encoder_len=model.config.max_source_positions, pcm=pcm)
     return _text_input(request, kind, model, tokenizer)
 

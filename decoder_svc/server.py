@@ -23,7 +23,7 @@ from decoder_svc.engine import CapacityError, DecoderEngine
 from decoder_svc.engine_loop import EngineLoop
 from decoder_svc.inputs import RequestInput, parse_input
 from shared.config import DecoderServiceConfig
-from shared.errors import AlreadyExistsError, NotFoundError, ResourceExhaustedError, UnavailableError
+from shared.errors import AlreadyExistsError, InvalidRequestError, NotFoundError, ResourceExhaustedError, UnavailableError
 from shared.grpc_server import GRPC_OPTIONS, abort_with, serve
 from shared.kv_transport import create_pool
 from shared.models.registry import load_model, load_tokenizer, model_names
@@ -40,6 +40,9 @@ FINISH_REASONS = {
 }
 
 
+MAX_REQUEST_ID_LEN = 256
+
+
 @dataclass
 class _Active:
     """A request this replica is serving."""
@@ -48,6 +51,12 @@ class _Active:
     stream: asyncio.Queue = field(default_factory=asyncio.Queue)
     encoding: asyncio.Task | None = None
     abort_requested: bool = False
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def usage(self) -> dict[str, int]:
+        """Token counts as of the last output (recorded on abort and failure too)."""
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens}
 
 
 class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
@@ -125,7 +134,10 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         try:
             self._check_model(request.model)
             params = self._sampling(request.sampling)
-            inp = parse_input(request, self.model, self.engine.tokenizer, self.config.max_audio_s)
+            if len(request_id) > MAX_REQUEST_ID_LEN:
+                raise InvalidRequestError(f"request_id is {len(request_id)} characters; the limit is {MAX_REQUEST_ID_LEN}")
+            # Decoding and resampling audio takes a while: keep it off the event loop that serves every stream.
+            inp = await asyncio.to_thread(parse_input, request, self.model, self.engine.tokenizer, self.config.max_audio_s)
             if request_id in self.active:
                 raise AlreadyExistsError(f"request id {request_id!r} is already running")
             try:
@@ -147,6 +159,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
                 if isinstance(item, BaseException):
                     raise item
                 final = item.finished
+                active.prompt_tokens, active.completion_tokens = item.prompt_tokens, item.completion_tokens
                 message = decoder_pb2.GenerateResponse(request_id=request_id, text=item.text, token_ids=item.new_token_ids)
                 if final:
                     reason = item.finish_reason
@@ -160,10 +173,10 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
                 if final:
                     return
         except asyncio.CancelledError:  # client went away
-            state, fields = RequestState.ABORTED, {"finish_reason": "abort"}
+            state, fields = RequestState.ABORTED, {"finish_reason": "abort", **active.usage()}
             raise
         except Exception as exc:  # noqa: BLE001 - mapped to a status code
-            fields = {"error": str(exc)}
+            fields = {"error": str(exc), **active.usage()}
             await abort_with(context, exc)
         finally:
             await self._release(request_id, active, state, fields)
@@ -184,7 +197,8 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
     async def GetRequest(self, request, context):
         record = await asyncio.to_thread(self.store.get, request.request_id)
         if record is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no request {request.request_id!r} (unknown or expired)")
+            shown = request.request_id if len(request.request_id) <= MAX_REQUEST_ID_LEN else request.request_id[:MAX_REQUEST_ID_LEN] + "..."
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no request {shown!r} (unknown or expired)")
         return decoder_pb2.RequestRecord(
             request_id=record.request_id,
             state=getattr(decoder_pb2, f"REQUEST_STATE_{record.state.name}"),
@@ -202,7 +216,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         if active is None:
             return decoder_pb2.AbortResponse(aborted=False)
         active.abort_requested = True
-        active.stream.put_nowait(_aborted(request.request_id))
+        active.stream.put_nowait(_AbortOutput(request.request_id, **active.usage()))
         return decoder_pb2.AbortResponse(aborted=True)
 
     async def GetStats(self, request, context):
@@ -220,9 +234,6 @@ class _AbortOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
 
-
-def _aborted(request_id: str) -> _AbortOutput:
-    return _AbortOutput(request_id)
 
 
 def build_engine(config: DecoderServiceConfig, model):

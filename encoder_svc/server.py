@@ -44,6 +44,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             raise InvalidRequestError(f"pcm must be non-empty float32 bytes, got {len(request.pcm)} bytes")
         target = request.target
         spec = KVTargetSpec(target.transport, target.segment, tuple(target.shape), target.dtype, target.instance_id)
+        spec.validate()  # ValueError -> INVALID_ARGUMENT before any shape is used
         cfg = self.model.config
         expected = (cfg.decoder_layers, 2, cfg.num_heads, cfg.head_dim)
         if len(spec.shape) != 6 or (spec.shape[0], spec.shape[1], spec.shape[4], spec.shape[5]) != expected:

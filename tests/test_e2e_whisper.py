@@ -111,7 +111,7 @@ BAD_INPUTS = {
     "undecodable audio": (dict(audio=b"this is not audio at all" * 10), grpc.StatusCode.INVALID_ARGUMENT, "audio"),
     "empty audio": (dict(audio=_wav(np.zeros(0, dtype=np.float32))), grpc.StatusCode.INVALID_ARGUMENT, "no samples"),
     "no input": (dict(), grpc.StatusCode.INVALID_ARGUMENT, "no input"),
-    "too long": (dict(pcm=decoder_pb2.PcmAudio(samples=np.zeros(16000 * 31, "<f4").tobytes(), sample_rate=16000)), grpc.StatusCode.INVALID_ARGUMENT, "at most"),
+    "too long": (dict(pcm=decoder_pb2.PcmAudio(samples=np.zeros(16000 * 31, "<f4").tobytes(), sample_rate=16000)), grpc.StatusCode.INVALID_ARGUMENT, "the maximum is 30.00s"),
     "odd pcm bytes": (dict(pcm=decoder_pb2.PcmAudio(samples=b"\0" * 7, sample_rate=16000)), grpc.StatusCode.INVALID_ARGUMENT, ""),
     "unknown model": (dict(model="whisper-huge-v9"), grpc.StatusCode.NOT_FOUND, "whisper-huge-v9"),
     "negative temperature": (dict(sampling=decoder_pb2.SamplingParams(temperature=-1)), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
@@ -182,7 +182,10 @@ def test_abort_rpc_ends_stream(stub):
     assert stub.Abort(decoder_pb2.AbortRequest(request_id=request_id)).aborted
     rest = list(call)
     assert rest[-1].finish_reason == decoder_pb2.FINISH_REASON_ABORT
-    wait_state(stub, request_id, decoder_pb2.REQUEST_STATE_ABORTED)
+    streamed = 1 + sum(len(m.token_ids) for m in rest)
+    assert rest[-1].usage.completion_tokens == streamed and rest[-1].usage.prompt_tokens == 2
+    record = wait_state(stub, request_id, decoder_pb2.REQUEST_STATE_ABORTED)
+    assert record.completion_tokens == streamed and record.prompt_tokens == 2
     assert not stub.Abort(decoder_pb2.AbortRequest(request_id=request_id)).aborted
     assert_all_blocks_free(stub)
 
@@ -191,3 +194,47 @@ def test_unknown_request_id_is_not_found(stub):
     with pytest.raises(grpc.RpcError) as info:
         stub.GetRequest(decoder_pb2.GetRequestRequest(request_id="never-seen"))
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_overflowing_temperature_never_fails_a_companion(stub, hf_tokens):
+    """temperature=1e-45 samples greedily; the greedy request decoding beside it is unharmed."""
+    audio = (DATA / "sample.wav").read_bytes()
+    with ThreadPoolExecutor(2) as pool:
+        victim = pool.submit(generate, stub, audio)
+        time.sleep(1.0)
+        tiny = pool.submit(generate, stub, (DATA / "short.wav").read_bytes(), temperature=1e-45)
+        tiny_tokens = [t for m in tiny.result() for t in m.token_ids]
+        victim_tokens = [t for m in victim.result() for t in m.token_ids]
+    assert victim_tokens[:-1] == hf_tokens["sample.wav"]
+    assert tiny_tokens[:-1] == hf_tokens["short.wav"]
+
+
+def test_over_long_request_id_is_refused(stub):
+    with pytest.raises(grpc.RpcError) as info:
+        generate(stub, (DATA / "short.wav").read_bytes(), "x" * 5000, max_tokens=1)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "limit is 256" in info.value.details()
+    with pytest.raises(grpc.RpcError) as missing:
+        stub.GetRequest(decoder_pb2.GetRequestRequest(request_id="y" * 100_000))
+    assert missing.value.code() == grpc.StatusCode.NOT_FOUND and len(missing.value.details()) < 400
+
+
+@pytest.mark.parametrize("shape,segment,code", [
+    ([4, 2, 100, 0, 6, 64], None, grpc.StatusCode.INVALID_ARGUMENT),
+    ([4, 2, -5, 16, 6, 64], None, grpc.StatusCode.INVALID_ARGUMENT),
+    ([4, 2, 100, 16, 6, 64], "encdec-kv-../../etc/passwd", grpc.StatusCode.INVALID_ARGUMENT),
+    ([4, 2, 100, 16, 6, 64], "encdec-kv-0123456789abcdef", grpc.StatusCode.UNAVAILABLE),
+])
+def test_encode_rejects_malformed_targets(services, stub, shape, segment, code):
+    from shared.proto import encoder_pb2, encoder_pb2_grpc
+
+    instance = (segment or "encdec-kv-ffffffffffffffff").removeprefix("encdec-kv-")
+    target = encoder_pb2.KVTarget(transport="shm", segment=segment or "encdec-kv-ffffffffffffffff", shape=shape,
+                                  dtype="float32", instance_id=instance)
+    block_size = max(shape[3], 1)
+    request = encoder_pb2.EncodeRequest(request_id="direct", pcm=np.zeros(1600, "<f4").tobytes(),
+                                        block_ids=list(range(-(-1500 // block_size))), target=target)
+    with grpc.insecure_channel(services.encoder_address) as channel:
+        with pytest.raises(grpc.RpcError) as info:
+            encoder_pb2_grpc.EncoderServiceStub(channel).Encode(request, timeout=60)
+    assert info.value.code() == code, info.value.details()
+    assert_all_blocks_free(stub)

@@ -95,3 +95,31 @@ def test_wrong_shape_is_rejected():
     finally:
         writer.close()
         pool.close()
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (dict(dtype="float16"), "holds"),                    # same segment, another layout: sizes differ
+        (dict(shape=(3, 2, 6, 5, 2, 4)), "holds"),           # fewer blocks than the pool
+        (dict(shape=(3, 2, 12, 0, 2, 4)), "all >= 1"),
+        (dict(shape=(3, 2, -12, 5, 2, 4)), "all >= 1"),
+        (dict(dtype="int8"), "dtype"),
+        (dict(instance_id=""), "does not belong"),
+        (dict(segment="encdec-kv-../../etc/passwd"), "does not belong"),
+    ],
+)
+def test_target_must_describe_the_pool_exactly(change, message):
+    import dataclasses
+
+    pool = create_pool("shm", SHAPE)
+    writer = create_writer("shm")
+    try:
+        pool.tensor.fill_(2.0)
+        spec = dataclasses.replace(pool.spec, **change)
+        with pytest.raises(InvalidRequestError, match=message):
+            writer.write(spec, [0], _reference(3, 0))
+        assert torch.all(pool.tensor == 2.0)
+    finally:
+        writer.close()
+        pool.close()

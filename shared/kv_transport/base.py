@@ -29,6 +29,19 @@ class KVTargetSpec:
     dtype: str
     instance_id: str
 
+    def validate(self) -> None:
+        """Checks the description itself (not the pool behind it).
+
+        Raises:
+            ValueError: unknown dtype, not 6 dimensions, or a dimension < 1.
+        """
+        if self.dtype not in DTYPES:
+            raise ValueError(f"KV target dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
+        if len(self.shape) != 6 or any(int(s) < 1 for s in self.shape) or self.shape[1] != 2:
+            raise ValueError(
+                f"KV target shape {list(self.shape)} must be [num_layers, 2, num_blocks, block_size, num_heads, head_dim], all >= 1"
+            )
+
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * torch.empty((), dtype=DTYPES[self.dtype]).element_size()

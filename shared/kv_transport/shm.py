@@ -11,6 +11,7 @@ from __future__ import annotations
 import _posixshmem
 import mmap
 import os
+import re
 import secrets
 import threading
 from multiprocessing import shared_memory
@@ -19,6 +20,9 @@ import torch
 
 from shared.errors import InvalidRequestError, UnavailableError
 from shared.kv_transport.base import DTYPES, CrossKVPool, CrossKVWriter, KVTargetSpec, write_blocks
+
+
+_INSTANCE_ID = re.compile(r"[0-9a-f]{16}")
 
 
 def _tensor_over(buf, spec: KVTargetSpec) -> torch.Tensor:
@@ -84,8 +88,8 @@ class ShmCrossKVWriter(CrossKVWriter):
                 raise UnavailableError(f"cross-KV segment {spec.segment} is gone (decoder restarted?)") from exc
             try:
                 size = os.fstat(fd).st_size
-                if size < spec.nbytes:
-                    raise InvalidRequestError(f"segment {spec.segment} holds {size} bytes, target needs {spec.nbytes}")
+                if size != spec.nbytes:  # the pool's own layout is the only one that fits exactly
+                    raise InvalidRequestError(f"segment {spec.segment} holds {size} bytes, but the target's shape and dtype describe {spec.nbytes}")
                 mm = mmap.mmap(fd, size)
             finally:
                 os.close(fd)
@@ -112,8 +116,12 @@ class ShmCrossKVWriter(CrossKVWriter):
     def write(self, spec: KVTargetSpec, block_ids: list[int], cross_kv: torch.Tensor) -> None:
         if spec.transport != "shm":
             raise InvalidRequestError(f"shm writer got a {spec.transport!r} target")
-        if spec.dtype not in DTYPES or len(spec.shape) != 6 or not spec.segment.startswith("encdec-kv-"):
-            raise InvalidRequestError(f"malformed KV target: {spec}")
+        try:
+            spec.validate()
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from exc
+        if not _INSTANCE_ID.fullmatch(spec.instance_id) or spec.segment != f"encdec-kv-{spec.instance_id}":
+            raise InvalidRequestError(f"malformed KV target: segment {spec.segment[:64]!r} does not belong to decoder instance {spec.instance_id[:64]!r}")
         pool = self._attach(spec)
         try:
             write_blocks(pool, block_ids, cross_kv)
