@@ -74,6 +74,14 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         )
 
 
+def _warm_up(model) -> None:
+    """One encoder forward before reporting healthy, so the first request does not pay for it."""
+    if getattr(model, "input_modality", "audio") != "audio":
+        return
+    with torch.inference_mode():
+        model.compute_cross_kv(model.encode(log_mel_spectrogram(np.zeros(16000, dtype=np.float32))[None]))
+
+
 def run(config: EncoderServiceConfig) -> None:
     """Loads the model and serves until SIGINT/SIGTERM: ``EncoderService`` for an
     encoder-decoder model, ``EmbedService`` for an encoder-only one."""
@@ -84,6 +92,7 @@ def run(config: EncoderServiceConfig) -> None:
 
         return run_embed(config)
     model = load_model(config.model)
+    _warm_up(model)
     writer = create_writer("shm")
     batcher = EncodeBatcher(model, log_mel_spectrogram, writer, config.max_batch_size, config.batch_wait_ms)
     servicer = EncoderServicer(config, model, batcher)

@@ -71,11 +71,11 @@ def _print_results(results, start: float) -> int:
     failed = 0
     for r in results:
         if isinstance(r, Transcript):
-            print(f"\n{r.path}: {r.completion_tokens} tokens, finish_reason={r.finish_reason}, {r.seconds:.2f} s", file=sys.stderr)
+            print(f"{r.path}: {r.completion_tokens} tokens, finish_reason={r.finish_reason}, {r.seconds:.2f} s", file=sys.stderr)
         else:
             failed += 1
             detail = f"{r.code().name}: {r.details()}" if hasattr(r, "code") else repr(r)
-            print(f"\nerror: {detail}", file=sys.stderr)
+            print(f"error: {detail}", file=sys.stderr)
     print(f"wall time {time.perf_counter() - start:.2f} s for {len(results)} file(s)", file=sys.stderr)
     return 1 if failed else 0
 
@@ -147,11 +147,11 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=None)
 
 
-def _add_services(p: argparse.ArgumentParser) -> None:
+def _add_services(p: argparse.ArgumentParser, encoder_port: int, decoder_port: int) -> None:
     p.add_argument("--model", default=None, help="model name or directory (default whisper-tiny.en)")
     p.add_argument("--redis-url", default=None, help="external Redis (default: $REDIS_URL, else start a local redis-server)")
-    p.add_argument("--encoder-port", type=int, default=50061)
-    p.add_argument("--decoder-port", type=int, default=50051)
+    p.add_argument("--encoder-port", type=int, default=encoder_port, help="0 picks a free port")
+    p.add_argument("--decoder-port", type=int, default=decoder_port, help="0 picks a free port")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -168,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_serve_decoder)
 
     p = sub.add_parser("up", help="start redis (if needed), encoder and decoder; Ctrl-C stops all")
-    _add_services(p)
+    _add_services(p, 50061, 50051)
     p.set_defaults(func=_up)
 
     p = sub.add_parser("transcribe", help="transcribe audio files (sent concurrently) and stream the text")
@@ -179,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="start everything, transcribe the bundled clip (or FILES), stop")
     p.add_argument("files", nargs="*")
-    _add_services(p)
+    _add_services(p, 0, 0)  # free ports: a demo never clashes with a running `encdec up`
     p.set_defaults(func=_demo)
 
     _add_bench(sub)

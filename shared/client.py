@@ -35,7 +35,8 @@ async def transcribe_one(
     out: TextIO | None = None,
     prefix: str = "",
 ) -> Transcript:
-    """Sends one audio file and streams its text to ``out`` as it arrives.
+    """Sends one audio file; streams its text to ``out`` as it arrives, or with
+    ``prefix`` set writes ``prefix + transcript`` as one line when it is done.
 
     Raises:
         grpc.aio.AioRpcError: the server refused or failed the request.
@@ -48,16 +49,18 @@ async def transcribe_one(
         text.append(message.text)
         ids.extend(message.token_ids)
         last = message
-        if out is not None and message.text:
-            out.write(f"{prefix}{message.text}" if prefix else message.text)
-            out.write("\n" if prefix else "")
+        if out is not None and message.text and not prefix:  # one file: stream as it is decoded
+            out.write(message.text)
             out.flush()
+    if out is not None:  # several files: one line each, as each finishes
+        out.write(f"{prefix}{''.join(text).strip()}\n" if prefix else "\n")
+        out.flush()
     reason = decoder_pb2.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower()
     return Transcript(path, last.request_id, "".join(text), ids, reason, last.usage.completion_tokens, time.perf_counter() - start)
 
 
 async def transcribe_files(address: str, paths: list[str], out: TextIO = sys.stdout, **sampling) -> list[Transcript | BaseException]:
-    """Transcribes ``paths`` concurrently; text streams to ``out`` (prefixed with the file name when several)."""
+    """Transcribes ``paths`` concurrently; one file streams to ``out``, several print one ``[name] text`` line each."""
     params = decoder_pb2.SamplingParams(**{k: v for k, v in sampling.items() if v is not None})
     async with grpc.aio.insecure_channel(address, options=GRPC_OPTIONS) as channel:
         stub = decoder_pb2_grpc.DecoderServiceStub(channel)
