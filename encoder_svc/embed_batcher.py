@@ -125,7 +125,7 @@ class EmbedBatcher:
             start = time.perf_counter()
             try:
                 outs = self.engine.forward([job.seqs[i] for job, i in live], [job.pooling for job, _ in live])
-            except Exception as exc:  # noqa: BLE001 - every job in this forward must hear of it
+            except Exception as exc:
                 log.exception("encoder-only forward failed")
                 for job, _ in live:
                     if not job.failed:

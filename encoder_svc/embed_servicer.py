@@ -150,8 +150,8 @@ def _usage(seqs) -> embed_pb2.EmbedUsage:
 
 def run_embed(config: EncoderServiceConfig) -> None:
     """Loads an encoder-only model and serves ``EmbedService`` until SIGINT/SIGTERM."""
-    from shared.grpc_server import serve
     from encoder_svc.embed_engine import load_embed_engine
+    from shared.grpc_server import serve
     from shared.models.registry import model_names
 
     engine = load_embed_engine(config.model)

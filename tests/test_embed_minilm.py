@@ -8,8 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 import torch.nn.functional as F
-
 from embed_sentences import SENTENCES
+
 from encoder_svc.embed_batcher import EmbedBatcher, plan_forwards
 from encoder_svc.embed_engine import finish_embedding, load_embed_engine
 from shared.errors import InvalidRequestError
