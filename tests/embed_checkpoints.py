@@ -10,7 +10,9 @@ from pathlib import Path
 
 import torch
 
-WORDS = ["the", "a", "cat", "dog", "house", "river", "blue", "green", "quick", "slow", "runs", "jumps", "over", "under", "near", "far", "tree", "stone", "light", "dark", "morning", "evening", "rain", "snow", "wind", "sun", "moon", "star", "city", "road", "bridge", "boat", "train", "small", "large", "old", "new", "red", "white", "what", "where", "is", "are", "does", "how", "many", "who", "likes", "paris", "france", "capital", "of", "music", "song", "book", "reads"]
+WORDS = ("the a cat dog house river blue green quick slow runs jumps over under near far tree stone light dark morning "
+         "evening rain snow wind sun moon star city road bridge boat train small large old new red white what where is "
+         "are does how many who likes paris france capital of music song book reads").split()
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
 

@@ -21,7 +21,10 @@ import grpc
 
 from shared.bench.table import markdown_table, write_json
 
-WORDS = ["the", "a", "serving", "system", "batches", "requests", "of", "different", "lengths", "together", "while", "every", "padded", "position", "costs", "compute", "sorting", "by", "length", "and", "packing", "tokens", "keeps", "waste", "small", "encoder", "models", "embed", "sentences", "into", "vectors", "for", "search", "retrieval", "clustering", "and", "ranking", "users", "compare", "latency", "throughput", "quality", "across", "machines", "today", "tomorrow", "quickly", "slowly", "large", "small", "new", "old", "city", "river", "mountain", "music", "book", "data", "model"]
+WORDS = ("the a serving system batches requests of different lengths together while every padded position costs compute "
+         "sorting by length and packing tokens keeps waste small encoder models embed sentences into vectors for search "
+         "retrieval clustering and ranking users compare latency throughput quality across machines today tomorrow "
+         "quickly slowly large small new old city river mountain music book data model").split()
 COLUMNS = ["system", "batch", "requests", "sentences/s", "p50 ms", "p99 ms", "x sentence-transformers"]
 
 
