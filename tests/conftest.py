@@ -86,3 +86,17 @@ def hf_whisper_tokens(hf_whisper, whisper_features):
             assert ids and ids[-1] != 50256 and ids[0] not in (50257, 50362), ids
             out[name] = ids
     return out
+
+
+@pytest.fixture(scope="session")
+def text_checkpoints(tmp_path_factory):
+    """Tiny random T5 (v1.0, v1.1), BART, mBART, Marian HF directories with trained tokenizers, built once.
+
+    Also ``t5-long``: the T5 v1.0 weights with pad and the end token suppressed, for outputs past the bucket boundary.
+    """
+    from text_checkpoints import BUILDERS, with_generation
+
+    root = tmp_path_factory.mktemp("text-checkpoints")
+    dirs = {name: build(root / name) for name, build in BUILDERS.items()}
+    dirs["t5-long"] = with_generation(dirs["t5"], root / "t5-long", suppress_tokens=[0, 1])
+    return dirs
