@@ -49,18 +49,17 @@ def _services(args: argparse.Namespace, log_level: str = "INFO"):
 
 
 def _up(args: argparse.Namespace) -> int:
-    services = _services(args)
+    services = _services(args, log_level=args.log_level)
     print("starting redis, encoder and decoder ...", flush=True)
+    stop: list[int] = []
+    # Both handled explicitly: a shell starts background jobs with SIGINT ignored.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, _frame: stop.append(signum))
     with services:
         print(f"ready: decoder (public API) at {services.decoder_address}, encoder at {services.encoder_address}, "
               f"redis at {services.redis_url}. Ctrl-C stops all.", flush=True)
-        stop = []
-        signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
-        try:
-            while not stop and all(p.poll() is None for p in services.procs):
-                time.sleep(0.5)
-        except KeyboardInterrupt:
-            pass
+        while not stop and all(p.poll() is None for p in services.procs):
+            time.sleep(0.5)
         print("stopping ...", flush=True)
     return 0
 
