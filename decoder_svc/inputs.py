@@ -9,6 +9,7 @@ as given), ``encoder_len`` = their count, decoder prompt =
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,6 +18,9 @@ from shared.audio import decode_audio, pcm_to_array
 from shared.errors import InvalidRequestError
 
 SAMPLE_RATE = 16000
+# An HF fast tokenizer sets truncation on its shared Rust backend for every call, so concurrent calls
+# (requests are parsed on a thread pool) with and without truncation would see each other's setting.
+_TOKENIZER_LOCK = threading.Lock()
 _AUDIO, _TEXT = ("audio", "pcm"), ("text", "input_ids")
 
 
@@ -71,26 +75,34 @@ def parse_input(request, model, tokenizer, max_audio_s: float) -> RequestInput:
 
 def _text_input(request, kind: str, model, tokenizer) -> RequestInput:
     c, gen = model.config, model.generation
-    ids = list(tokenizer(request.text)["input_ids"]) if kind == "text" else list(request.input_ids.ids)
+    ids = _encode(tokenizer, request.text) if kind == "text" else list(request.input_ids.ids)
     if not ids:
         raise InvalidRequestError("the source is empty" + (" after tokenization" if kind == "text" else ""))
     _check_ids(ids, c.vocab_size, "input_ids")
     max_src = c.max_source_positions
-    if len(ids) > max_src:
+    truncated = len(ids) > max_src
+    if truncated:
         if not request.truncate:
             raise InvalidRequestError(
                 f"source has {len(ids)} tokens but this model accepts at most {max_src} source positions; "
                 "shorten it or set truncate=true")
-        ids = ids[:max_src]
+        # Text is cut by the tokenizer, as HF `tokenizer(text, truncation=True, max_length=...)` does: the
+        # special tokens (end token, mBART's language code) stay. `input_ids` are used as given: cut at the end.
+        ids = _encode(tokenizer, request.text, truncation=True, max_length=max_src) if kind == "text" else ids[:max_src]
     prompt_kind = request.WhichOneof("decoder_prompt")
     prefix: list[int] = []
     if prompt_kind == "decoder_prompt_text":
-        prefix = list(tokenizer(request.decoder_prompt_text, add_special_tokens=False)["input_ids"])
+        prefix = _encode(tokenizer, request.decoder_prompt_text, add_special_tokens=False)
     elif prompt_kind == "decoder_prompt_ids":
         prefix = list(request.decoder_prompt_ids.ids)
         _check_ids(prefix, c.vocab_size, "decoder_prompt_ids")
-    applied = gen.applied() + ([f"truncated_source={len(ids)}"] if request.truncate and len(ids) == max_src else [])
+    applied = gen.applied() + ([f"truncated_source={len(ids)}"] if truncated else [])
     return RequestInput(encoder_len=len(ids), input_ids=ids, prompt_token_ids=[gen.decoder_start_token_id, *prefix], applied=applied)
+
+
+def _encode(tokenizer, text: str, **kwargs) -> list[int]:
+    with _TOKENIZER_LOCK:
+        return list(tokenizer(text, verbose=False, **kwargs)["input_ids"])
 
 
 def _check_ids(ids: list[int], vocab: int, name: str) -> None:

@@ -84,3 +84,23 @@ def test_decoder_prompt_and_length_limits(served):
     with pytest.raises(grpc.RpcError) as info:
         run(stub, audio=b"RIFF")
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_truncated_text_keeps_the_special_tokens(served):
+    """truncate=true on `text` cuts as HF `tokenizer(text, truncation=True, max_length=256)` does.
+
+    It once cut the token ids at 256, dropping the end token (and mBART's language code), so the
+    source differed from what HF feeds the model and the output from HF's.
+    """
+    arch, path, stub = served
+    tok = load_tokenizer(path)
+    text = sentence(random.Random(11), 400)
+    expected_src = tok(text, truncation=True, max_length=256)["input_ids"]
+    assert len(tok(text)["input_ids"]) > 256 and len(expected_src) == 256
+    ids, messages = run(stub, text=text, truncate=True)
+    assert ids == run(stub, input_ids=decoder_pb2.TokenIds(ids=expected_src))[0], arch
+    assert messages[-1].usage.encoder_tokens == 256
+    assert "truncated_source=256" in messages[-1].applied_generation_defaults
+    # A source of exactly 256 tokens is not cut and not reported as truncated.
+    _, messages = run(stub, input_ids=decoder_pb2.TokenIds(ids=expected_src), truncate=True)
+    assert not any(s.startswith("truncated_source") for s in messages[-1].applied_generation_defaults)
