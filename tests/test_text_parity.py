@@ -147,3 +147,16 @@ def test_sharded_and_bin_weights_load_the_same(text_checkpoints, tmp_path):
         a, b = load_model(src), load_model(out)
         for (ka, va), (kb, vb) in zip(a.state_dict().items(), b.state_dict().items()):
             assert ka == kb and torch.equal(va, vb), (name, ka)
+
+
+def test_directory_without_tokenizer_files_is_refused(text_checkpoints, tmp_path):
+    # AutoTokenizer once built an empty tokenizer from config.json alone: the services started and
+    # every text became a couple of special tokens, with empty text streamed back.
+    src = text_checkpoints["bart"]
+    for f in ("config.json", "generation_config.json", "model.safetensors"):
+        (tmp_path / f).write_bytes((src / f).read_bytes())
+    load_model(tmp_path)  # the weights alone still load
+    with pytest.raises(FileNotFoundError, match="no tokenizer in .*tokenizer.json"):
+        load_tokenizer(tmp_path)
+    for arch in ARCHS:
+        assert len(load_tokenizer(text_checkpoints[arch])) > 100

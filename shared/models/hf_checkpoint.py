@@ -165,10 +165,25 @@ class TextGenerationDefaults:
         return out + [f"ignored:{s}" for s in self.ignored]
 
 
+# A tokenizer's vocabulary: fast (tokenizer.json), sentencepiece (T5, mBART, Marian), BPE / WordPiece files.
+TOKENIZER_VOCAB_FILES = ("tokenizer.json", "spiece.model", "sentencepiece.bpe.model", "source.spm", "tokenizer.model",
+                         "vocab.json", "vocab.txt")
+
+
 def load_hf_tokenizer(model_dir: str | Path):
-    """The checkpoint's own tokenizer (``AutoTokenizer`` over the directory, offline)."""
+    """The checkpoint's own tokenizer (``AutoTokenizer`` over the directory, offline).
+
+    Raises:
+        FileNotFoundError: the directory holds no tokenizer vocabulary file (AutoTokenizer would
+            otherwise build an empty tokenizer from ``config.json`` alone and every text would
+            silently become a couple of special tokens).
+    """
     from transformers import AutoTokenizer
 
+    if not any((Path(model_dir) / name).is_file() for name in TOKENIZER_VOCAB_FILES):
+        raise FileNotFoundError(
+            f"no tokenizer in {model_dir}: expected one of {', '.join(TOKENIZER_VOCAB_FILES)} "
+            "(save it beside the weights with tokenizer.save_pretrained(DIR))")
     return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
 
 
