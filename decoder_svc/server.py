@@ -26,6 +26,7 @@ from shared.config import DecoderServiceConfig
 from shared.errors import AlreadyExistsError, InvalidRequestError, NotFoundError, ResourceExhaustedError, UnavailableError
 from shared.grpc_server import GRPC_OPTIONS, abort_with, serve
 from shared.kv_transport import create_pool
+from shared.models.quantize import apply_quantization
 from shared.models.registry import load_model, load_tokenizer, model_names
 from shared.proto import decoder_pb2, decoder_pb2_grpc, encoder_pb2, encoder_pb2_grpc
 from shared.request_state import RequestExistsError, RequestState, RequestStateStore
@@ -172,7 +173,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
                     yield message
                 if final:
                     return
-        except asyncio.CancelledError:  # client went away
+        except (asyncio.CancelledError, GeneratorExit):  # client went away (GeneratorExit: cancelled while paused at a yield)
             state, fields = RequestState.ABORTED, {"finish_reason": "abort", **active.usage()}
             raise
         except Exception as exc:  # noqa: BLE001 - mapped to a status code
@@ -261,6 +262,7 @@ def run(config: DecoderServiceConfig) -> None:
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     model = load_model(config.model)
+    apply_quantization(model, config.quantize, "decoder")
     store = RequestStateStore(config.redis_url)
     store.ping()
     engine, pool = build_engine(config, model)

@@ -14,6 +14,7 @@ from shared.config import EncoderServiceConfig
 from shared.errors import InvalidRequestError, NotFoundError
 from shared.grpc_server import abort_with, serve
 from shared.kv_transport import KVTargetSpec, create_writer
+from shared.models.quantize import apply_quantization
 from shared.models.registry import is_encoder_only, load_model, model_names
 from shared.models.whisper_features import log_mel_spectrogram
 from shared.proto import encoder_pb2, encoder_pb2_grpc
@@ -92,6 +93,7 @@ def run(config: EncoderServiceConfig) -> None:
 
         return run_embed(config)
     model = load_model(config.model)
+    apply_quantization(model, config.quantize, "encoder")
     _warm_up(model)
     writer = create_writer("shm")
     batcher = EncodeBatcher(model, log_mel_spectrogram, writer, config.max_batch_size, config.batch_wait_ms)

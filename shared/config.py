@@ -46,6 +46,7 @@ class EncoderServiceConfig:
     num_threads: int = 0
     max_batch_tokens: int = 8192
     max_inputs_per_request: int = 2048
+    quantize: str = "none"
 
     def __post_init__(self) -> None:
         _check_port(self.port)
@@ -55,6 +56,7 @@ class EncoderServiceConfig:
             raise ValueError(f"batch_wait_ms must be >= 0, got {self.batch_wait_ms}")
         if self.max_batch_tokens < 1 or self.max_inputs_per_request < 1:
             raise ValueError("max_batch_tokens and max_inputs_per_request must be >= 1")
+        _check_quantize(self.quantize)
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,8 @@ class DecoderServiceConfig:
             with UNAVAILABLE and frees its blocks (seconds).
         max_audio_s: longest accepted audio (seconds).
         num_threads: torch intra-op threads; 0 keeps torch's default.
+        quantize: ``none`` or ``int8`` (opt-in dynamic int8 decoder weights and
+            output projection, see ``shared.models.quantize``).
     """
 
     model: str = DEFAULT_MODEL
@@ -96,6 +100,7 @@ class DecoderServiceConfig:
     encode_timeout_s: float = 120.0
     max_audio_s: float = 30.0
     num_threads: int = 0
+    quantize: str = "none"
 
     def __post_init__(self) -> None:
         _check_port(self.port)
@@ -109,6 +114,12 @@ class DecoderServiceConfig:
             raise ValueError(f"kv_transport must be one of: shm; got {self.kv_transport!r}")
         if self.encode_timeout_s <= 0 or self.max_audio_s <= 0:
             raise ValueError("encode_timeout_s and max_audio_s must be > 0")
+        _check_quantize(self.quantize)
+
+
+def _check_quantize(quantize: str) -> None:
+    if quantize not in ("none", "int8"):
+        raise ValueError(f"quantize must be 'none' or 'int8', got {quantize!r}")
 
 
 def _check_port(port: int) -> None:

@@ -89,7 +89,8 @@ async def _ours_once(address: str, files: list[str], concurrency: int) -> tuple[
         return time.perf_counter() - start, list(tokens)
 
 
-def run_ours(files: list[str], concurrencies: list[int], threads: int, address: str | None) -> dict[int, tuple[float, list[list[int]]]]:
+def run_ours(files: list[str], concurrencies: list[int], threads: int, address: str | None,
+             quantize: str = "none") -> dict[int, tuple[float, list[list[int]]]]:
     """Our services end to end over gRPC (started here unless ``address`` is given)."""
     from shared.launcher import Services
 
@@ -98,7 +99,7 @@ def run_ours(files: list[str], concurrencies: list[int], threads: int, address: 
         for c in concurrencies:
             results[c] = asyncio.run(_ours_once(address, files, c))
         return results
-    flags = ["--num-threads", str(threads)]
+    flags = ["--num-threads", str(threads), "--quantize", quantize]
     with Services(log_level="WARNING", extra_encoder_args=flags, extra_decoder_args=flags) as svc:
         for c in concurrencies:
             results[c] = asyncio.run(_ours_once(svc.decoder_address, files, c))
@@ -127,8 +128,12 @@ def main(args) -> int:
             for mode in ("sequential", "batched"):
                 wall, tokens = run_ct2(files, compute_type, mode, args.threads)
                 rows.append(_row(f"CTranslate2 {compute_type}", mode, audio_s, wall, tokens, truth))
-    for c, (wall, tokens) in run_ours(files, concurrencies, args.threads, args.address).items():
-        rows.append(_row("encdec-serve fp32 (2 services, gRPC)", f"concurrency {c}", audio_s, wall, tokens, truth))
+    for quantize in ("none", "int8") if args.int8 else ("none",):
+        name = "encdec-serve " + ("fp32" if quantize == "none" else "int8") + " (2 services, gRPC)"
+        for c, (wall, tokens) in run_ours(files, concurrencies, args.threads, args.address, quantize).items():
+            rows.append(_row(name, f"concurrency {c}", audio_s, wall, tokens, truth))
+        if args.address:
+            break  # running services have their own settings
     print(markdown_table(rows, COLUMNS))
     if args.json:
         write_json(args.json, {"bench": "whisper", "requests": len(files), "audio_s": audio_s, "threads": args.threads,

@@ -168,6 +168,7 @@ class WhisperForConditionalGeneration(nn.Module):
         self.decoder_positions = nn.Parameter(torch.zeros(c.max_target_positions, c.d_model))
         self.decoder_layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.decoder_layers))
         self.decoder_norm = nn.LayerNorm(c.d_model)
+        self.output_projection: nn.Module | None = None  # None: F.linear with embed_tokens (tied)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32) -> "WhisperForConditionalGeneration":
@@ -305,4 +306,15 @@ class WhisperForConditionalGeneration(nn.Module):
         Runs under ``no_grad`` (not inference mode) so samplers may edit the
         logits in place.
         """
+        if self.output_projection is not None:  # e.g. int8 (shared.models.quantize)
+            return self.output_projection(hidden).float()
         return F.linear(hidden, self.embed_tokens.weight).float()
+
+    @property
+    def output_projection_weight(self) -> torch.Tensor:
+        """``[vocab_size, d_model]``: the tied output projection (the decoder embeddings)."""
+        return self.embed_tokens.weight
+
+    def set_output_projection(self, module: nn.Module) -> None:
+        """Replaces the tied projection in ``compute_logits`` (``[N, d] -> [N, vocab]``)."""
+        self.output_projection = module
