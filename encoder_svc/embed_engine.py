@@ -16,6 +16,7 @@ Input contracts (each one documented in README.md, "Embed"):
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,6 +71,9 @@ class EmbedEngine:
         cfg = model.config
         self.labels = [cfg.id2label.get(i, f"LABEL_{i}") for i in range(self.num_labels)]
         self.multi_label = cfg.problem_type == "multi_label_classification" or self.num_labels == 1
+        # An HF fast tokenizer sets truncation on its shared Rust backend for every call, so concurrent
+        # calls with different ``truncate`` would see each other's setting: serialise them.
+        self._tokenizer_lock = threading.Lock()
 
     @classmethod
     def load(cls, path: str | Path, model_class: type[BertEncoderModel], dtype: torch.dtype = torch.float32) -> EmbedEngine:
@@ -109,17 +113,18 @@ class EmbedEngine:
         for idx, with_pair in ((singles, False), (doubles, True)):
             if not idx:
                 continue
-            enc = self.tokenizer(
-                [texts[i] for i in idx],
-                [pairs[i] for i in idx] if with_pair else None,
-                truncation="longest_first" if truncate else False,
-                max_length=self.max_input_length if truncate else None,
-                add_special_tokens=add_special_tokens,
-                return_offsets_mapping=offsets and self.tokenizer.is_fast,
-                return_attention_mask=False,
-                return_token_type_ids=self.model.config.type_vocab_size > 1 or None,
-                verbose=False,
-            )
+            with self._tokenizer_lock:
+                enc = self.tokenizer(
+                    [texts[i] for i in idx],
+                    [pairs[i] for i in idx] if with_pair else None,
+                    truncation="longest_first" if truncate else False,
+                    max_length=self.max_input_length if truncate else None,
+                    add_special_tokens=add_special_tokens,
+                    return_offsets_mapping=offsets and self.tokenizer.is_fast,
+                    return_attention_mask=False,
+                    return_token_type_ids=self.model.config.type_vocab_size > 1 or None,
+                    verbose=False,
+                )
             types = enc.get("token_type_ids")
             offs = enc.get("offset_mapping")
             for j, i in enumerate(idx):

@@ -77,6 +77,9 @@ class EmbedServicer(embed_pb2_grpc.EmbedServiceServicer):
             self._check(request.model, len(request.inputs))
             if request.dimensions > self.engine.hidden_size:
                 raise InvalidRequestError(f"dimensions {request.dimensions} is more than the model's {self.engine.hidden_size}")
+            if request.pooling != embed_pb2.POOLING_UNSPECIFIED and request.pooling not in _POOLING:
+                raise InvalidRequestError(f"pooling {request.pooling} is not a known Pooling value; use POOLING_CLS, "
+                                          "POOLING_MEAN, POOLING_LAST or leave it unset for the model's default")
             pooling = _POOLING.get(request.pooling, self.engine.spec.pooling)
             normalize = request.normalize if request.HasField("normalize") else self.engine.spec.normalize
             seqs = await self._tokenize(list(request.inputs), truncate=request.truncate)

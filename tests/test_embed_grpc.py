@@ -102,8 +102,9 @@ def test_options_pooling_normalize_dimensions(minilm):
         (dict(inputs=[]), grpc.StatusCode.INVALID_ARGUMENT, "inputs is empty"),
         (dict(inputs=["x"], dimensions=500), grpc.StatusCode.INVALID_ARGUMENT, "dimensions 500"),
         (dict(inputs=["x"], model="other-model"), grpc.StatusCode.NOT_FOUND, "not served here"),
+        (dict(inputs=["x"], pooling=7), grpc.StatusCode.INVALID_ARGUMENT, "pooling 7 is not a known Pooling value"),
     ],
-    ids=["too-long", "10000-items", "empty-list", "dimensions", "model"],
+    ids=["too-long", "10000-items", "empty-list", "dimensions", "model", "unknown-pooling"],
 )
 def test_embed_errors(minilm, request_kwargs, code, message):
     _, stub = minilm

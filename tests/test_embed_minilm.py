@@ -106,6 +106,29 @@ def test_over_long_input_is_refused_unless_truncate(engine):
     assert len(engine.tokenize(["word " * 400], truncate=True)[0].ids) == 256
 
 
+def test_concurrent_tokenize_with_and_without_truncate_do_not_mix(engine):
+    # The HF fast tokenizer keeps its truncation setting on a shared backend: concurrent calls (the
+    # servicer tokenizes on a thread pool) once saw each other's setting, so truncate=True returned
+    # over-long sequences (a failed forward past the position table) and truncate=False cut silently.
+    long = ["word " * 400] * 4
+
+    def cut(_):
+        return max(len(s.ids) for s in engine.tokenize(long, truncate=True))
+
+    def refused(_):
+        try:
+            engine.tokenize(long)
+        except InvalidRequestError:
+            return True
+        return False
+
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(cut if k % 2 else refused, k) for k in range(400)]  # interleaved
+        results = [f.result() for f in futures]
+    assert set(results[1::2]) == {engine.max_input_length}
+    assert all(results[0::2])
+
+
 def test_plan_forwards_sorts_and_keeps_the_token_budget():
     lengths = [5, 300, 2, 40, 40, 7, 1000, 3]
     groups = plan_forwards(lengths, max_batch_tokens=100)
