@@ -46,8 +46,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """Maps an exception to ``(status code, message)``.
 
     ``ServiceError`` subclasses carry their own code; other ``ValueError``s
-    (validation in dataclasses, audio decoding) are INVALID_ARGUMENT; other
-    ``LookupError``s are NOT_FOUND; anything else is INTERNAL.
+    (validation in dataclasses, audio decoding) are INVALID_ARGUMENT; anything
+    else is INTERNAL (an ``IndexError`` inside a model is a bug, not NOT_FOUND).
     """
     if isinstance(exc, ServiceError):
         return exc.code, str(exc)
@@ -55,6 +55,4 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.UNAVAILABLE, f"request-state store unavailable: {exc}"
     if isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    if isinstance(exc, LookupError):
-        return grpc.StatusCode.NOT_FOUND, str(exc).strip("'\"")
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"

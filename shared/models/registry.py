@@ -14,10 +14,11 @@ from typing import Callable
 
 import torch
 
+from shared.errors import NotFoundError
 from shared.models.ct2_reader import read_ct2_spec_name
 
 
-class ModelNotFoundError(LookupError):
+class ModelNotFoundError(NotFoundError):
     """The name is neither a known model nor a directory holding a supported checkpoint."""
 
 
