@@ -2,7 +2,9 @@
 
 Thin: validate and convert the request, tokenize off the event loop, submit to
 the ``EmbedBatcher``, convert back. Errors become status codes in
-``shared.grpc_server.abort_with``.
+``shared.grpc_server.abort_with``. A call cancelled while it waits on the
+batcher (client gone, deadline passed) cancels its batcher job, so the model
+stops spending forwards on it.
 """
 
 from __future__ import annotations
@@ -72,6 +74,16 @@ class EmbedServicer(embed_pb2_grpc.EmbedServiceServicer):
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(None, functools.partial(self.engine.tokenize, *args, **kwargs))
 
+    async def _batch(self, seqs, pooling: str):
+        """Runs ``seqs`` through the batcher; if this call is cancelled meanwhile, cancels the job
+        so that its forwards not yet run are dropped."""
+        future = self.batcher.submit(seqs, pooling)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            future.cancel()
+            raise
+
     async def Embed(self, request, context):
         try:
             self._check(request.model, len(request.inputs))
@@ -83,7 +95,7 @@ class EmbedServicer(embed_pb2_grpc.EmbedServiceServicer):
             pooling = _POOLING.get(request.pooling, self.engine.spec.pooling)
             normalize = request.normalize if request.HasField("normalize") else self.engine.spec.normalize
             seqs = await self._tokenize(list(request.inputs), truncate=request.truncate)
-            outs = await asyncio.wrap_future(self.batcher.submit(seqs, pooling))
+            outs = await self._batch(seqs, pooling)
         except Exception as exc:  # noqa: BLE001 - mapped to a status code
             await abort_with(context, exc)
         embeddings = [
@@ -98,7 +110,7 @@ class EmbedServicer(embed_pb2_grpc.EmbedServiceServicer):
             self._head(rerank=True)
             docs = list(request.documents)
             seqs = await self._tokenize([request.query] * len(docs), docs, truncate=request.truncate)
-            outs = await asyncio.wrap_future(self.batcher.submit(seqs, "logits"))
+            outs = await self._batch(seqs, "logits")
         except Exception as exc:  # noqa: BLE001
             await abort_with(context, exc)
         scores = [float(label_scores(o, True, request.raw_scores)[0]) for o in outs]
@@ -115,7 +127,7 @@ class EmbedServicer(embed_pb2_grpc.EmbedServiceServicer):
             texts = [i.text for i in request.inputs]
             pairs = [i.text_pair if i.HasField("text_pair") else None for i in request.inputs]
             seqs = await self._tokenize(texts, pairs, truncate=request.truncate)
-            outs = await asyncio.wrap_future(self.batcher.submit(seqs, "logits"))
+            outs = await self._batch(seqs, "logits")
         except Exception as exc:  # noqa: BLE001
             await abort_with(context, exc)
         labels = self.engine.labels

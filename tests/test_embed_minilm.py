@@ -3,6 +3,7 @@ in process: engine + batcher, the same code the EmbedService runs."""
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -137,3 +138,97 @@ def test_plan_forwards_sorts_and_keeps_the_token_budget():
     assert flat == sorted(flat)
     for g in groups:
         assert len(g) == 1 or len(g) * max(lengths[i] for i in g) <= 100
+
+
+SHORT = [f"short sentence number {k}" for k in range(40)]  # tiny inputs: ~8 tokens, a few per 32-token forward
+
+
+class GatedEngine:
+    """Wraps the engine: records each forward's sequence count; the first forward waits for ``gate``."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.forwards: list[int] = []
+        self.started = threading.Event()
+        self.gate = threading.Event()
+
+    def forward(self, seqs, poolings):
+        self.started.set()
+        assert self.gate.wait(timeout=60)
+        self.forwards.append(len(seqs))
+        return self.engine.forward(seqs, poolings)
+
+
+def test_cancelled_job_runs_no_more_forwards(engine):
+    gated = GatedEngine(engine)
+    b = EmbedBatcher(gated, max_batch_tokens=32)  # a few sequences per forward, so many forwards
+    try:
+        big = b.submit(engine.tokenize(SHORT), "mean")
+        assert gated.started.wait(timeout=60)  # the first forward is under way
+        assert big.cancel()  # what the servicer does when the gRPC call is cancelled
+        gated.gate.set()
+        small = b.submit(engine.tokenize(["hello"]), "mean").result(timeout=60)
+        assert len(small) == 1
+        assert gated.forwards[1:] == [1]  # after the big job's first forward only the small one ran
+        assert sum(gated.forwards[:1]) < len(SHORT)
+    finally:
+        gated.gate.set()
+        b.stop()
+
+
+def test_small_job_runs_between_the_forwards_of_a_big_one(engine):
+    gated = GatedEngine(engine)
+    b = EmbedBatcher(gated, max_batch_tokens=32)
+    try:
+        finished: list[str] = []
+        big = b.submit(engine.tokenize(SHORT), "mean")
+        big.add_done_callback(lambda _: finished.append("big"))
+        assert gated.started.wait(timeout=60)
+        small = b.submit(engine.tokenize(["a short one"]), "mean")
+        small.add_done_callback(lambda _: finished.append("small"))
+        gated.gate.set()
+        big_outs, small_outs = big.result(timeout=120), small.result(timeout=60)
+        assert finished == ["small", "big"]
+        assert len(gated.forwards) > 3  # the big job really took several forwards
+    finally:
+        gated.gate.set()
+        b.stop()
+    # Interleaving changes nothing: the same vectors as on their own, one list each.
+    ref = EmbedBatcher(engine, max_batch_tokens=4096)
+    try:
+        for outs, texts in ((big_outs, SHORT), (small_outs, ["a short one"])):
+            alone = ref.submit(engine.tokenize(texts), "mean").result(timeout=120)
+            assert (torch.stack(outs) - torch.stack(alone)).abs().max().item() < 1e-5
+    finally:
+        ref.stop()
+
+
+def test_servicer_cancels_the_batcher_job_of_a_cancelled_call(engine):
+    import asyncio
+
+    from encoder_svc.embed_servicer import EmbedServicer
+
+    gated = GatedEngine(engine)
+    b = EmbedBatcher(gated, max_batch_tokens=32)
+    servicer = EmbedServicer(engine, b, "all-MiniLM-L6-v2", frozenset({"all-MiniLM-L6-v2"}), 100)
+    submitted = []
+    submit = b.submit
+    b.submit = lambda *a: submitted.append(submit(*a)) or submitted[-1]
+
+    async def call_then_cancel():
+        task = asyncio.create_task(servicer._batch(engine.tokenize(SHORT), "mean"))
+        while not gated.started.is_set():
+            await asyncio.sleep(0.01)
+        task.cancel()  # what grpc.aio does to the handler when the client goes away
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    try:
+        asyncio.run(call_then_cancel())
+        assert submitted[0].cancelled()
+        gated.gate.set()
+        b.submit(engine.tokenize(["hello"]), "mean").result(timeout=60)
+        assert gated.forwards[1:] == [1]
+    finally:
+        gated.gate.set()
+        b.stop()
