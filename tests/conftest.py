@@ -8,6 +8,17 @@ import uuid
 import pytest
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _torch_threads():
+    """Model tests run with 2 torch threads, as on CI's 2-core machines, whatever this machine has."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(old)
+
+
 @pytest.fixture(scope="session")
 def redis_url():
     """URL of a real redis-server: ``$REDIS_URL`` if set (CI starts one), else a

@@ -34,14 +34,6 @@ def read_wav(path: Path) -> np.ndarray:
         return np.frombuffer(w.readframes(w.getnframes()), dtype=np.int16).astype(np.float32) / 32768.0
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _threads():
-    old = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(old)
-
-
 @pytest.fixture(scope="module")
 def setup(whisper_model_dir, whisper_features, hf_whisper_tokens):
     assert CLIPS, "no clips in tests/data"

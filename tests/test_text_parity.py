@@ -26,14 +26,6 @@ MAX_NEW = 24
 BLOCK = 7
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _threads():
-    old = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(old)
-
-
 def hf_model(path):
     from transformers import AutoModelForSeq2SeqLM
 

@@ -18,14 +18,6 @@ CLIPS = sorted(p.name for p in DATA.glob("*.wav"))
 LOGIT_ATOL = 1e-3
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _threads():
-    old = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(old)
-
-
 @pytest.fixture(scope="module")
 def model_dir(whisper_model_dir) -> Path:
     return whisper_model_dir
