@@ -35,6 +35,29 @@ def test_int8_model_transcribes_like_hf(whisper_model_dir, whisper_features, hf_
         assert difflib.SequenceMatcher(a=ours_text, b=hf_text).ratio() >= 0.9, (n, ours_text, hf_text)
 
 
+def test_int8_decoder_alone_keeps_every_transcript(whisper_model_dir, whisper_features, hf_whisper_tokens):
+    """int8 decoder layers + int8 output projection whose top candidates are rescored in fp32."""
+    model = load_model(whisper_model_dir)
+    apply_quantization(model, "int8", "decoder")
+    names = sorted(whisper_features)
+    with torch.inference_mode():
+        ours = paged_greedy_decode(model, torch.stack([whisper_features[n] for n in names]))
+    assert {n: o for n, o in zip(names, ours)} == {n: hf_whisper_tokens[n] for n in names}
+
+
+def test_int8_output_projection_rescores_top_candidates_exactly():
+    from shared.models.quantize import Int8OutputProjection
+
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(500, 24, generator=g)
+    hidden = torch.randn(6, 24, generator=g)
+    exact = hidden @ weight.T  # [6, 500]
+    got = Int8OutputProjection(weight, rescore_top_k=8)(hidden)
+    assert torch.equal(got.argmax(-1), exact.argmax(-1))
+    top = exact.topk(3, dim=-1).indices
+    torch.testing.assert_close(got.gather(1, top), exact.gather(1, top), rtol=1e-5, atol=1e-5)
+
+
 def test_quantize_setting_is_validated():
     with pytest.raises(ValueError, match="quantize"):
         DecoderServiceConfig(quantize="int4")
