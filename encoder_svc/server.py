@@ -94,9 +94,15 @@ def run(config: EncoderServiceConfig) -> None:
         return run_embed(config)
     model = load_model(config.model)
     apply_quantization(model, config.quantize, "encoder")
+    max_batch_size = config.max_batch_size
+    if config.quantize == "int8" and max_batch_size > 1:
+        # Dynamic int8 scales activations per tensor: a batch companion would change this
+        # request's encoder output. One request per forward keeps results per request.
+        log.info("int8 encoder: encoding one request per forward (was max_batch_size=%d)", max_batch_size)
+        max_batch_size = 1
     _warm_up(model)
     writer = create_writer("shm")
-    batcher = EncodeBatcher(model, log_mel_spectrogram, writer, config.max_batch_size, config.batch_wait_ms)
+    batcher = EncodeBatcher(model, log_mel_spectrogram, writer, max_batch_size, config.batch_wait_ms)
     servicer = EncoderServicer(config, model, batcher)
 
     async def on_stop() -> None:

@@ -11,6 +11,12 @@ fp32 (``Int8OutputProjection``), so the int8 decoder keeps every bundled
 clip's greedy transcript equal to HF's; the int8 encoder flips one of the
 five (``tests/test_quantize.py``). ``encdec bench whisper --int8`` counts
 matches; CTranslate2's ``int8`` compute type is the comparable mode.
+
+Known limit: torch's dynamic quantization scales activations per tensor, so
+an int8 layer's output for one sequence depends slightly on what else is in
+the tensor. The encoder service therefore encodes one request per forward in
+int8 mode; the decoder's flat batch still shares scales across sequences, so
+int8 decoding is not guaranteed batch-invariant (fp32 is).
 """
 
 from __future__ import annotations
