@@ -4,7 +4,7 @@
 # the project (which regenerates shared/proto/*_pb2*.py from proto/).
 #
 # Needs: python3.11 (or a python3 >= 3.11) and a C compiler.
-# Env: TORCH_INDEX_URL  optional index for torch (e.g. https://download.pytorch.org/whl/cpu)
+# Env: TORCH_INDEX_URL  optional package index for torch (e.g. PyTorch's CPU wheel index)
 #      EXTRAS           extras to install (default: test)
 set -euo pipefail
 
