@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from decoder_svc.engine import CapacityError, DecoderEngine
+from decoder_svc.engine import CapacityError, DecoderEngine, RequestOutput
 from decoder_svc.engine_loop import EngineLoop
 from decoder_svc.inputs import RequestInput, parse_input
 from shared.config import DecoderServiceConfig
@@ -217,23 +217,12 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         if active is None:
             return decoder_pb2.AbortResponse(aborted=False)
         active.abort_requested = True
-        active.stream.put_nowait(_AbortOutput(request.request_id, **active.usage()))
+        active.stream.put_nowait(RequestOutput(request.request_id, [], "", True, "abort", **active.usage()))
         return decoder_pb2.AbortResponse(aborted=True)
 
     async def GetStats(self, request, context):
         stats = await self.loop.call(self.engine.stats)
         return decoder_pb2.DecoderStats(**{k: int(v) for k, v in stats.items() if k in decoder_pb2.DecoderStats.DESCRIPTOR.fields_by_name})
-
-
-@dataclass
-class _AbortOutput:
-    request_id: str
-    text: str = ""
-    new_token_ids: tuple = ()
-    finished: bool = True
-    finish_reason: str = "abort"
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
 
 
 
