@@ -103,5 +103,5 @@ class ModelRunner:
         input_ids, positions, md = self.prepare_inputs(so)
         hidden = self.model.forward(input_ids, positions, md, self.self_kv_cache, self.cross_kv_cache)  # [T, d]
         logits = self.model.compute_logits(hidden[md.logits_indices])  # [B, V] float32
-        rows = [SamplingRow(s.request_id, s.sampling_params, s.num_output_tokens == 0, s.num_tokens, s.max_len) for s in so.scheduled_seqs]
+        rows = [SamplingRow.from_sequence(s) for s in so.scheduled_seqs]
         return self.sampler(logits.cpu(), rows)

@@ -32,6 +32,14 @@ class SamplingRow:
     is_first_token: bool
     num_tokens: int = 0  # decoder tokens so far (prompt + output): HF's cur_len
     max_len: int = 0  # the sequence's max tokens (prompt + output); 0 = unknown
+    num_output_tokens: int = 0  # generated tokens so far (``min_tokens`` counts these)
+    stop_token_ids: tuple[int, ...] = ()  # ids masked while num_output_tokens < params.min_tokens
+
+    @classmethod
+    def from_sequence(cls, seq) -> "SamplingRow":
+        """The row of a ``decoder_svc.sequence.Sequence`` about to sample its next token."""
+        return cls(seq.request_id, seq.sampling_params, seq.num_output_tokens == 0, seq.num_tokens, seq.max_len,
+                   seq.num_output_tokens, seq.stop_token_ids)
 
 
 def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -93,6 +101,9 @@ class Sampler:
     def process_logits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """``[N, V]`` float32 -> ``[N, V]`` after suppression and forced tokens (processors only, no warpers)."""
         logits = logits.float().clone()
+        for i, r in enumerate(rows):
+            if r.num_output_tokens < r.params.min_tokens and r.stop_token_ids:  # HF MinNewTokensLengthLogitsProcessor
+                logits[i, list(r.stop_token_ids)] = -float("inf")
         if self.suppress_tokens.numel():
             logits[:, self.suppress_tokens] = -float("inf")
         first = [i for i, r in enumerate(rows) if r.is_first_token]

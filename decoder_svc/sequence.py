@@ -112,10 +112,21 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
 
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """Token ids that end the sequence ("stop") and that ``min_tokens`` masks:
+        the end token (unless ``ignore_eos``)."""
+        return () if self.sampling_params.ignore_eos else (self.eos_token_id,)
+
     def check_stop(self) -> SequenceStatus | None:
-        """The finished status the last appended token implies, or None."""
-        if self.output_token_ids and self.output_token_ids[-1] == self.eos_token_id:
-            return SequenceStatus.FINISHED_STOPPED
+        """The finished status the last appended token implies, or None.
+
+        Before ``min_tokens`` new tokens only the length limit can end the
+        sequence (a forced end token at the model's max length ends it as "length").
+        """
+        if self.num_output_tokens >= self.sampling_params.min_tokens:
+            if self.output_token_ids and self.output_token_ids[-1] in self.stop_token_ids:
+                return SequenceStatus.FINISHED_STOPPED
         if self.num_tokens >= self.max_len:
             return SequenceStatus.FINISHED_LENGTH
         return None

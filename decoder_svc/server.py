@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import uuid
 from dataclasses import dataclass, field
 
@@ -22,6 +21,7 @@ import torch
 from decoder_svc.engine import CapacityError, DecoderEngine, RequestOutput
 from decoder_svc.engine_loop import EngineLoop
 from decoder_svc.inputs import RequestInput, parse_input
+from decoder_svc.kv_budget import block_bytes, resolve_budget, size_kv_cache
 from shared.config import DecoderServiceConfig
 from shared.errors import AlreadyExistsError, InvalidRequestError, NotFoundError, ResourceExhaustedError, UnavailableError
 from shared.grpc_server import GRPC_OPTIONS, abort_with, serve
@@ -42,6 +42,7 @@ FINISH_REASONS = {
 
 
 MAX_REQUEST_ID_LEN = 256
+KV_DTYPE_BYTES = 4  # both KV caches are float32 (create_pool's default dtype)
 
 
 @dataclass
@@ -89,7 +90,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
 
     @staticmethod
     def _sampling(pb: decoder_pb2.SamplingParams) -> SamplingParams:
-        kwargs = {f: getattr(pb, f) for f in ("temperature", "top_k", "top_p", "seed", "max_tokens") if pb.HasField(f)}
+        kwargs = {f: getattr(pb, f) for f in ("temperature", "top_k", "top_p", "seed", "max_tokens", "min_tokens", "ignore_eos") if pb.HasField(f)}
         return SamplingParams(**kwargs)
 
     # -- engine callbacks (event loop) --------------------------------------
@@ -227,11 +228,27 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
 
 
 def build_engine(config: DecoderServiceConfig, model):
-    """Creates the cross-KV pool (shared with the encoder) and the engine over it."""
+    """Creates the cross-KV pool (shared with the encoder) and the engine over it.
+
+    Pool sizes come from ``decoder_svc.kv_budget.size_kv_cache`` (explicit
+    block counts, else ``kv_cache_memory``, else ``max_num_seqs``) and are
+    logged with the max number of concurrent max-length requests.
+
+    Raises:
+        ValueError: ``kv_cache_memory`` cannot hold one max-length request.
+    """
     cfg = model.config
-    max_len = model.generation.max_length
-    num_cross = config.num_cross_blocks or config.max_num_seqs * math.ceil(cfg.max_source_positions / config.block_size)
-    num_self = config.num_self_blocks or config.max_num_seqs * math.ceil(max_len / config.block_size)
+    sizing = size_kv_cache(
+        block_bytes=block_bytes(cfg.decoder_layers, config.block_size, cfg.num_heads, cfg.head_dim, KV_DTYPE_BYTES),
+        block_size=config.block_size,
+        max_decoder_len=min(model.generation.max_length, cfg.max_target_positions),
+        max_encoder_len=cfg.max_source_positions,
+        max_num_seqs=config.max_num_seqs,
+        budget_bytes=resolve_budget(config.kv_cache_memory, "cpu"),  # the shm pool and the self cache live in RAM
+        num_self_blocks=config.num_self_blocks,
+        num_cross_blocks=config.num_cross_blocks,
+    )
+    num_self, num_cross = sizing.num_self_blocks, sizing.num_cross_blocks
     pool = create_pool(config.kv_transport, (cfg.decoder_layers, 2, num_cross, config.block_size, cfg.num_heads, cfg.head_dim))
     engine = DecoderEngine(
         model,
@@ -242,7 +259,7 @@ def build_engine(config: DecoderServiceConfig, model):
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
     )
-    log.info("KV cache: %d self blocks, %d cross blocks of %d tokens (%s)", num_self, num_cross, config.block_size, pool.spec.segment)
+    log.info("%s; %d tokens per block (%s)", sizing.describe(config.max_num_seqs), config.block_size, pool.spec.segment)
     return engine, pool
 
 

@@ -130,3 +130,21 @@ def test_tiny_temperatures_are_greedy_and_never_fail_the_batch():
     assert out[:2] == logits[:2].argmax(-1).tolist()
     alone = Sampler()(logits[2:], rows[2:])
     assert out[2] == alone[0]
+
+
+def test_min_tokens_masks_stop_ids_like_hf():
+    """Rows below min_tokens get every stop id masked (HF MinNewTokensLengthLogitsProcessor); others untouched."""
+    from transformers.generation.logits_process import MinNewTokensLengthLogitsProcessor
+
+    torch.manual_seed(1)
+    logits = torch.randn(3, V)
+    rows = [
+        SamplingRow("below", SamplingParams(min_tokens=4), False, num_tokens=5, num_output_tokens=2, stop_token_ids=(11, 12)),
+        SamplingRow("reached", SamplingParams(min_tokens=4), False, num_tokens=7, num_output_tokens=4, stop_token_ids=(11,)),
+        SamplingRow("ignore-eos", SamplingParams(min_tokens=4, ignore_eos=True), False, num_tokens=4, num_output_tokens=1),
+    ]
+    ours = Sampler().process_logits(logits, rows)
+    for i, r in enumerate(rows):
+        hf = MinNewTokensLengthLogitsProcessor(r.num_tokens - r.num_output_tokens, r.params.min_tokens, list(r.stop_token_ids) or [V + 1])
+        torch.testing.assert_close(ours[i], hf(torch.zeros(1, r.num_tokens, dtype=torch.long), logits[i : i + 1])[0], rtol=0, atol=0)
+    assert ours[0, 11] == -float("inf") and ours[1, 11] == logits[1, 11]
