@@ -84,6 +84,13 @@ class DecoderServiceConfig:
         num_threads: torch intra-op threads; 0 keeps torch's default.
         quantize: ``none`` or ``int8`` (opt-in dynamic int8 decoder weights and
             output projection, see ``shared.models.quantize``).
+        kv_cache_memory: memory for both KV cache groups: bytes (``2GiB``,
+            ``512MB``, ``1073741824``) or a fraction of the memory free after the
+            model is loaded (``0.3`` or ``30%``; RAM on CPU, GPU memory on a
+            GPU). Split between self and cross blocks in proportion to what one
+            max-length request needs of each (``decoder_svc.kv_budget``); an
+            explicit ``num_self_blocks`` / ``num_cross_blocks`` wins for its
+            group. Empty: size for ``max_num_seqs`` max-length requests.
     """
 
     model: str = DEFAULT_MODEL
@@ -101,9 +108,11 @@ class DecoderServiceConfig:
     max_audio_s: float = 30.0
     num_threads: int = 0
     quantize: str = "none"
+    kv_cache_memory: str = ""
 
     def __post_init__(self) -> None:
         _check_port(self.port)
+        parse_memory_size(self.kv_cache_memory)  # ValueError names the accepted forms
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -115,6 +124,43 @@ class DecoderServiceConfig:
         if self.encode_timeout_s <= 0 or self.max_audio_s <= 0:
             raise ValueError("encode_timeout_s and max_audio_s must be > 0")
         _check_quantize(self.quantize)
+
+
+_MEMORY_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+                 "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_memory_size(text: str) -> tuple[float, bool] | None:
+    """Parses a memory setting: ``(bytes, False)``, ``(fraction, True)`` or None when empty.
+
+    Bytes: a number with an optional unit, decimal (``KB``, ``MB``, ``GB``,
+    ``TB``; ``K``/``M``/``G``/``T`` alike) or binary (``KiB``, ``MiB``, ``GiB``,
+    ``TiB``), case-insensitive: ``2GiB``, ``512MB``, ``1073741824``. Fraction
+    of free memory: a bare number below 1 (``0.3``) or a percentage (``30%``),
+    in (0, 1].
+
+    Raises:
+        ValueError: anything else, with the accepted forms.
+    """
+    s = text.strip().lower().replace(" ", "")
+    if not s:
+        return None
+    forms = "bytes with an optional unit (2GiB, 512MB, 1073741824) or a fraction of free memory (0.3, 30%)"
+    try:
+        if s.endswith("%"):
+            fraction = float(s[:-1]) / 100
+            if not 0 < fraction <= 1:
+                raise ValueError
+            return fraction, True
+        number = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+        value, unit = float(number), s[len(number):]
+        if unit not in _MEMORY_UNITS or value <= 0:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"memory size {text!r} must be {forms}") from None
+    if not unit and value < 1:
+        return value, True
+    return value * _MEMORY_UNITS[unit], False
 
 
 def _check_quantize(quantize: str) -> None:
@@ -170,4 +216,5 @@ __all__ = [
     "DecoderServiceConfig",
     "add_config_arguments",
     "config_from",
+    "parse_memory_size",
 ]
