@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+
 import grpc
-import redis.exceptions
 
 
 class ServiceError(Exception):
@@ -51,7 +52,10 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """
     if isinstance(exc, ServiceError):
         return exc.code, str(exc)
-    if isinstance(exc, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)):
+    # Looked up, not imported: a redis error exists only once redis-py is loaded, and the
+    # GPU check machine (scripts/gpu_check.sh) imports this module without redis-py installed.
+    redis_errors = sys.modules.get("redis.exceptions")
+    if redis_errors is not None and isinstance(exc, (redis_errors.ConnectionError, redis_errors.TimeoutError)):
         return grpc.StatusCode.UNAVAILABLE, f"request-state store unavailable: {exc}"
     if isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
