@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 import torch
 
 from decoder_svc.block_manager import BlockManager
-from decoder_svc.detokenizer import IncrementalDetokenizer
+from decoder_svc.detokenizer import OutputText
 from decoder_svc.model_runner import ModelRunner
-from decoder_svc.sampler import Sampler
+from decoder_svc.sampler import Sampler, TokenLogprobs
 from decoder_svc.scheduler import CapacityError, Scheduler
 from decoder_svc.sequence import Sequence
 from shared.sampling_params import SamplingParams
@@ -30,11 +30,17 @@ class RequestOutput:
     Attributes:
         request_id: the request.
         new_token_ids: tokens generated this step (the end token included when sampled).
-        text: new text; special tokens (the end token too) are never part of it.
+        text: new text; special tokens (the end token too) are never part of it, nor
+            text held back because it may begin a stop string, nor a matched stop
+            string / stop token's text (unless ``include_stop_str_in_output``).
         finished: True on the request's last output.
-        finish_reason: "stop" (end token) or "length" (max_tokens / model max length) once finished.
+        finish_reason: "stop" (end token, stop token id or stop string) or "length"
+            (max_tokens / model max length) once finished.
         prompt_tokens: decoder prompt length.
         completion_tokens: tokens generated so far, the end token included.
+        stop_reason: on a "stop": the stop token id (the end token's too) or the stop string.
+        logprobs: one ``TokenLogprobs`` per ``new_token_ids`` entry when the request asked
+            for logprobs, else None.
     """
 
     request_id: str
@@ -44,6 +50,8 @@ class RequestOutput:
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass
@@ -67,9 +75,11 @@ class DecoderEngine:
         block_size: tokens per block of both caches.
         max_num_seqs: most sequences in one step.
         max_num_batched_tokens: most query tokens in one step (>= the model max length).
+        attention_backend: ``torch`` or ``triton`` (``kernels.attention_backend``).
 
     Raises:
-        ValueError: ``cross_kv_cache`` does not have the model's layout.
+        ValueError: ``cross_kv_cache`` does not have the model's layout, or the
+            attention backend cannot run here.
     """
 
     def __init__(
@@ -81,6 +91,7 @@ class DecoderEngine:
         block_size: int,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 4096,
+        attention_backend: str = "torch",
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -92,8 +103,7 @@ class DecoderEngine:
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
         self.sampler = Sampler(gen.suppress_tokens, gen.begin_suppress_tokens,
                                getattr(gen, "forced_bos_token_id", None), getattr(gen, "forced_eos_token_id", None))
-        self.model_runner = ModelRunner(model, cross_kv_cache, num_self_blocks, block_size, self.sampler)
-        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self.model_runner = ModelRunner(model, cross_kv_cache, num_self_blocks, block_size, self.sampler, attention_backend)
 
     def add_request(
         self,
@@ -111,7 +121,7 @@ class DecoderEngine:
 
         Raises:
             CapacityError: it can never fit the KV pools / batch token limit.
-            ValueError: duplicate request id, bad encoder_len or prompt.
+            ValueError: duplicate request id, bad encoder_len, prompt or stop_token_ids.
         """
         params = sampling_params if sampling_params is not None else SamplingParams()
         prompt = list(self.default_prompt if prompt_token_ids is None else prompt_token_ids)
@@ -125,41 +135,43 @@ class DecoderEngine:
         vocab = self.model.config.vocab_size
         if any(not 0 <= t < vocab for t in prompt):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {vocab}), got {list(params.stop_token_ids)}")
         if request_id in self.scheduler.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
         seq = Sequence(request_id, prompt, encoder_len, params, self.eos_token_id, self.max_total_len)
+        seq.output_text = OutputText(self.tokenizer, params.stop, params.include_stop_str_in_output)
         self.scheduler.add(seq)
-        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer)
 
     def step(self) -> StepOutput:
         """One engine iteration: schedule, run the decoder, append tokens and stream them."""
         so = self.scheduler.schedule()
         token_ids = self.model_runner.execute_model(so)
+        logprobs = self.sampler.take_logprobs()
+        # Appends the tokens; each sequence's check_stop detokenizes and matches stop strings.
         finished = self.scheduler.update_from_output([s.request_id for s in so.scheduled_seqs], token_ids)
         out = StepOutput(to_encode=[(s.request_id, list(s.cross_block_ids)) for s in so.to_encode])
         finished_ids = {s.request_id for s in finished}
         for seq, tok in zip(so.scheduled_seqs, token_ids):
-            out.outputs.append(self._make_output(seq, tok, seq.request_id in finished_ids))
+            out.outputs.append(self._make_output(seq, tok, seq.request_id in finished_ids, logprobs.get(seq.request_id)))
         return out
 
-    def _make_output(self, seq: Sequence, token_id: int, finished: bool) -> RequestOutput:
-        detok = self._detok[seq.request_id]
-        text = "" if token_id == self.eos_token_id else detok.add_tokens([token_id])
+    def _make_output(self, seq: Sequence, token_id: int, finished: bool, logprobs: TokenLogprobs | None) -> RequestOutput:
         if finished:
-            text += detok.flush()
             self._release(seq.request_id)
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=[token_id],
-            text=text,
+            text=seq.output_text.pop_delta(),
             finished=finished,
             finish_reason=seq.finish_reason if finished else None,
             prompt_tokens=seq.num_prompt_tokens,
             completion_tokens=seq.num_output_tokens,
+            stop_reason=seq.stop_reason if finished else None,
+            logprobs=None if logprobs is None else [logprobs],
         )
 
     def _release(self, request_id: str) -> None:
-        self._detok.pop(request_id, None)
         self.sampler.release(request_id)
 
     def mark_encoded(self, request_id: str) -> bool:

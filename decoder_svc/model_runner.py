@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from decoder_svc.sampler import Sampler, SamplingRow
+from kernels.attention_backend import check_attention_backend
 from decoder_svc.scheduler import SchedulerOutput
 from shared.attention_metadata import AttentionMetadata
 
@@ -22,9 +23,17 @@ class ModelRunner:
         num_self_blocks: blocks of the self-attention KV cache allocated here.
         block_size: tokens per block (both caches).
         sampler: picks tokens from logits.
+        attention_backend: ``torch`` or ``triton``; the model's attention call
+            sites run it (``kernels.attention_backend``).
+
+    Raises:
+        ValueError: bad cache layout, or an attention backend this machine
+            cannot run.
     """
 
-    def __init__(self, model, cross_kv_cache: torch.Tensor, num_self_blocks: int, block_size: int, sampler: Sampler) -> None:
+    def __init__(self, model, cross_kv_cache: torch.Tensor, num_self_blocks: int, block_size: int, sampler: Sampler,
+                 attention_backend: str = "torch") -> None:
+        check_attention_backend(attention_backend)
         c = model.config
         expected = (c.decoder_layers, 2, cross_kv_cache.shape[2], block_size, c.num_heads, c.head_dim)
         if tuple(cross_kv_cache.shape) != expected:
@@ -33,6 +42,7 @@ class ModelRunner:
                 f"[num_layers, 2, num_blocks, block_size, H, Dh] = {list(expected)}"
             )
         self.model = model
+        self.attention_backend = attention_backend
         self.block_size = block_size
         self.sampler = sampler
         self.device = cross_kv_cache.device
@@ -92,6 +102,7 @@ class ModelRunner:
             max_seq_len=max(seq_lens, default=0),
             max_encoder_len=max(encoder_lens, default=0),
             cross_kv_spans=spans,
+            attention_backend=self.attention_backend,
         )
         return t(input_ids), t(positions), md
 

@@ -258,6 +258,7 @@ def build_engine(config: DecoderServiceConfig, model):
         block_size=config.block_size,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
+        attention_backend=config.attention_backend,
     )
     log.info("%s; %d tokens per block (%s)", sizing.describe(config.max_num_seqs), config.block_size, pool.spec.segment)
     return engine, pool

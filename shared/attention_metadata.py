@@ -42,6 +42,8 @@ class AttentionMetadata:
             one ascending run of ids, so its cross K/V is the slice
             ``first_slot : first_slot + encoder_len`` of the flat cross cache
             (read in place by ``kernels.cross_attention``); None otherwise.
+        attention_backend: ``torch`` or ``triton``: which implementation the
+            model's attention call sites run (``kernels.attention_backend``).
     """
 
     query_start_loc: torch.Tensor
@@ -55,6 +57,7 @@ class AttentionMetadata:
     max_seq_len: int
     max_encoder_len: int
     cross_kv_spans: list[tuple[int, int, int, int]] | None = None
+    attention_backend: str = "torch"
 
     @property
     def num_seqs(self) -> int:

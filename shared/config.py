@@ -91,6 +91,10 @@ class DecoderServiceConfig:
             max-length request needs of each (``decoder_svc.kv_budget``); an
             explicit ``num_self_blocks`` / ``num_cross_blocks`` wins for its
             group. Empty: size for ``max_num_seqs`` max-length requests.
+        attention_backend: ``torch`` (default) or ``triton``: what runs the
+            decoder's paged self- and cross-attention (``kernels.attention_backend``);
+            ``triton`` needs the triton package and a CUDA device (or
+            ``TRITON_INTERPRET=1``, tests only).
     """
 
     model: str = DEFAULT_MODEL
@@ -109,6 +113,7 @@ class DecoderServiceConfig:
     num_threads: int = 0
     quantize: str = "none"
     kv_cache_memory: str = ""
+    attention_backend: str = "torch"
 
     def __post_init__(self) -> None:
         _check_port(self.port)
@@ -124,6 +129,10 @@ class DecoderServiceConfig:
         if self.encode_timeout_s <= 0 or self.max_audio_s <= 0:
             raise ValueError("encode_timeout_s and max_audio_s must be > 0")
         _check_quantize(self.quantize)
+        if self.attention_backend != "torch":
+            from kernels.attention_backend import check_attention_backend  # imports torch: only off the default
+
+            check_attention_backend(self.attention_backend)
 
 
 _MEMORY_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,

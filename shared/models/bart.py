@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from kernels.paged_attention import paged_attention, write_kv
+from kernels.attention_backend import paged_attention
+from kernels.paged_attention import write_kv
 from shared.attention_metadata import AttentionMetadata
 from shared.models.hf_checkpoint import TextGenerationDefaults, copy_weights, linear_names, load_hf_weights, read_json
 
@@ -145,14 +146,15 @@ class DecoderLayer(nn.Module):
             q, k, v = (p(h).view(t, a.h, a.dh) for p in (a.q_proj, a.k_proj, a.v_proj))  # [T, H, Dh]
             write_kv(self_kv[0], self_kv[1], k, v, md.slot_mapping)
             out = paged_attention(q, self_kv[0], self_kv[1], md.block_tables, md.seq_lens, md.query_start_loc, causal=True,
-                                  scale=a.dh**-0.5, max_query_len=md.max_query_len, max_context_len=md.max_seq_len)
+                                  scale=a.dh**-0.5, max_query_len=md.max_query_len, max_context_len=md.max_seq_len,
+                                  backend=md.attention_backend)
             return a.out_proj(out.reshape(t, d))
 
         def cross_attend(h: torch.Tensor) -> torch.Tensor:
             a = self.encoder_attn
             out = paged_attention(a.q_proj(h).view(t, a.h, a.dh), cross_kv[0], cross_kv[1], md.cross_block_tables, md.encoder_lens,
                                   md.query_start_loc, causal=False, scale=a.dh**-0.5, max_query_len=md.max_query_len,
-                                  max_context_len=md.max_encoder_len)
+                                  max_context_len=md.max_encoder_len, backend=md.attention_backend)
             return a.out_proj(out.reshape(t, d))
 
         x = self.self_block(x, self_attend)

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from kernels.paged_attention import paged_attention, write_kv
+from kernels.attention_backend import paged_attention
+from kernels.paged_attention import write_kv
 from shared.attention_metadata import AttentionMetadata
 from shared.models.hf_checkpoint import TextGenerationDefaults, copy_weights, load_hf_weights, max_source_positions, read_json
 
@@ -164,12 +165,14 @@ class DecoderLayer(nn.Module):
         q, k, v = (p(h).view(t, a.h, a.dh) for p in (a.q, a.k, a.v))  # [T, H, Dh]
         write_kv(self_kv[0], self_kv[1], k, v, md.slot_mapping)
         out = paged_attention(q, self_kv[0], self_kv[1], md.block_tables, md.seq_lens, md.query_start_loc, causal=True, scale=1.0,
-                              max_query_len=md.max_query_len, max_context_len=md.max_seq_len, position_bias=bias)
+                              max_query_len=md.max_query_len, max_context_len=md.max_seq_len, position_bias=bias,
+                              backend=md.attention_backend)
         x = x + a.o(out.reshape(t, -1))
         a = self.cross_attn
         q = a.q(self.cross_norm(x)).view(t, a.h, a.dh)
         out = paged_attention(q, cross_kv[0], cross_kv[1], md.cross_block_tables, md.encoder_lens, md.query_start_loc, causal=False,
-                              scale=1.0, max_query_len=md.max_query_len, max_context_len=md.max_encoder_len)
+                              scale=1.0, max_query_len=md.max_query_len, max_context_len=md.max_encoder_len,
+                              backend=md.attention_backend)
         x = x + a.o(out.reshape(t, -1))
         return x + self.ffn(self.ffn_norm(x))
 

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cross_attention import contiguous_cross_attention
-from kernels.paged_attention import paged_attention, write_kv
+from kernels.attention_backend import contiguous_cross_attention, paged_attention
+from kernels.paged_attention import write_kv
 from shared.attention_metadata import AttentionMetadata
 from shared.models.ct2_reader import load_ct2_weights
 from shared.models.whisper_features import load_tokenizer, log_mel_spectrogram, special_token_ids
@@ -140,14 +140,17 @@ class DecoderLayer(nn.Module):
         q, k, v = self.self_qkv(self.self_attn_norm(x)).view(t, 3, self.h, self.dh).unbind(1)  # [T, H, Dh] each
         write_kv(self_kv[0], self_kv[1], k, v, md.slot_mapping)
         a = paged_attention(q, self_kv[0], self_kv[1], md.block_tables, md.seq_lens, md.query_start_loc,
-                            causal=True, scale=self.scale, max_query_len=md.max_query_len, max_context_len=md.max_seq_len)
+                            causal=True, scale=self.scale, max_query_len=md.max_query_len, max_context_len=md.max_seq_len,
+                            backend=md.attention_backend)
         x = x + self.self_out(a.reshape(t, d))
         q = self.cross_q(self.cross_attn_norm(x)).view(t, self.h, self.dh)
         if md.cross_kv_spans is not None:  # every sequence's cross blocks are one run: read them in place
-            a = contiguous_cross_attention(q, cross_kv[0], cross_kv[1], md.cross_kv_spans, self.scale)
+            a = contiguous_cross_attention(q, cross_kv[0], cross_kv[1], md.cross_kv_spans, self.scale,
+                                           backend=md.attention_backend)
         else:
             a = paged_attention(q, cross_kv[0], cross_kv[1], md.cross_block_tables, md.encoder_lens, md.query_start_loc,
-                                causal=False, scale=self.scale, max_query_len=md.max_query_len, max_context_len=md.max_encoder_len)
+                                causal=False, scale=self.scale, max_query_len=md.max_query_len, max_context_len=md.max_encoder_len,
+                                backend=md.attention_backend)
         x = x + self.cross_out(a.reshape(t, d))
         return x + self.fc2(F.gelu(self.fc1(self.ffn_norm(x))))
 

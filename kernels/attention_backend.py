@@ -1,0 +1,67 @@
+"""The ``attention_backend`` switch: plain torch (default) or the Triton kernels.
+
+Model call sites call ``paged_attention`` / ``contiguous_cross_attention`` from
+here with ``backend=md.attention_backend``; arguments and results are those of
+the torch references (``kernels.paged_attention``, ``kernels.cross_attention``)
+whichever backend runs. The Triton module is imported on first use, so the
+torch backend never needs triton installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+from kernels import cross_attention as _torch_cross
+from kernels import paged_attention as _torch_paged
+
+ATTENTION_BACKENDS = ("torch", "triton")
+
+
+def check_attention_backend(backend: str) -> None:
+    """Checks that ``backend`` can run on this machine.
+
+    Raises:
+        ValueError: unknown name; or ``triton`` without the triton package, or
+            with neither a CUDA device nor ``TRITON_INTERPRET=1`` (the CPU
+            interpreter, for tests only: it is orders of magnitude slower).
+    """
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; got {backend!r}")
+    if backend == "triton":
+        if importlib.util.find_spec("triton") is None:
+            raise ValueError("attention_backend 'triton' needs the triton package: pip install 'encdec-serve[gpu]' "
+                             "(or triton==3.9.0), or use attention_backend 'torch'")
+        if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "on", "yes"):
+            raise ValueError("attention_backend 'triton' needs a CUDA device (none is visible); on CPU set "
+                             "TRITON_INTERPRET=1 (tests only, very slow) or use attention_backend 'torch'")
+
+
+def _module(backend: str):
+    if backend == "torch":
+        return _torch_paged, _torch_cross
+    if backend == "triton":
+        from kernels import triton_paged_attention  # imported lazily: triton is an optional extra
+
+        return triton_paged_attention, triton_paged_attention
+    raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; got {backend!r}")
+
+
+def paged_attention(*args, backend: str = "torch", **kwargs) -> torch.Tensor:
+    """``kernels.paged_attention.paged_attention`` run by ``backend`` (``torch`` or ``triton``).
+
+    Raises:
+        ValueError: unknown backend (or what the implementation raises).
+    """
+    return _module(backend)[0].paged_attention(*args, **kwargs)
+
+
+def contiguous_cross_attention(*args, backend: str = "torch", **kwargs) -> torch.Tensor:
+    """``kernels.cross_attention.contiguous_cross_attention`` run by ``backend``.
+
+    Raises:
+        ValueError: unknown backend.
+    """
+    return _module(backend)[1].contiguous_cross_attention(*args, **kwargs)
