@@ -111,6 +111,7 @@ class DecoderEngine:
         encoder_len: int,
         sampling_params: SamplingParams | None = None,
         prompt_token_ids: list[int] | None = None,
+        priority: int = 0,
     ) -> None:
         """Queues a request; its cross blocks are reserved at a later ``step()``.
 
@@ -118,6 +119,8 @@ class DecoderEngine:
             encoder_len: cross-attention KV length (1500 for Whisper's 30 s window;
                 the source token count for text models).
             prompt_token_ids: decoder prompt; default ``model.generation.decoder_prompt_ids``.
+            priority: lower value = scheduled earlier; ties first come first served
+                (``decoder_svc.scheduler``).
 
         Raises:
             CapacityError: it can never fit the KV pools / batch token limit.
@@ -139,7 +142,7 @@ class DecoderEngine:
             raise ValueError(f"stop_token_ids must be in [0, {vocab}), got {list(params.stop_token_ids)}")
         if request_id in self.scheduler.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
-        seq = Sequence(request_id, prompt, encoder_len, params, self.eos_token_id, self.max_total_len)
+        seq = Sequence(request_id, prompt, encoder_len, params, self.eos_token_id, self.max_total_len, priority)
         seq.output_text = OutputText(self.tokenizer, params.stop, params.include_stop_str_in_output)
         self.scheduler.add(seq)
 

@@ -51,6 +51,8 @@ class Sequence:
         num_computed_tokens: tokens whose self-attention K/V are in the cache.
         arrival_time: `time.monotonic()` at creation.
         arrival_order: monotonically increasing tie-breaker (preemption picks the largest).
+        priority: scheduling priority, lower value = earlier (vLLM's convention);
+            ties are first come first served.
     """
 
     def __init__(
@@ -61,8 +63,10 @@ class Sequence:
         sampling_params: SamplingParams,
         eos_token_id: int,
         max_total_len: int,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
+        self.priority = priority
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.encoder_len = encoder_len

@@ -153,7 +153,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         try:
             encoder_len = inp.encoder_len
             try:
-                await self.loop.call(self.engine.add_request, request_id, encoder_len, params, inp.prompt_token_ids)
+                await self.loop.call(self.engine.add_request, request_id, encoder_len, params, inp.prompt_token_ids, request.priority)
             except CapacityError as exc:
                 raise ResourceExhaustedError(str(exc)) from exc
             while True:

@@ -14,12 +14,13 @@ import os
 import re
 import secrets
 import threading
+import time
 from multiprocessing import shared_memory
 
 import torch
 
 from shared.errors import InvalidRequestError, UnavailableError
-from shared.kv_transport.base import DTYPES, CrossKVPool, CrossKVWriter, KVTargetSpec, write_blocks
+from shared.kv_transport.base import DTYPES, CrossKVPool, CrossKVWriter, KVTargetSpec, TransferStats, write_blocks
 
 
 _INSTANCE_ID = re.compile(r"[0-9a-f]{16}")
@@ -113,7 +114,8 @@ class ShmCrossKVWriter(CrossKVWriter):
         except BufferError:  # a tensor view is still alive; the GC closes it later
             pass
 
-    def write(self, spec: KVTargetSpec, block_ids: list[int], cross_kv: torch.Tensor) -> None:
+    def write(self, spec: KVTargetSpec, block_ids: list[int], cross_kv: torch.Tensor, transfer_id: int = 0) -> TransferStats:
+        start = time.perf_counter()
         if spec.transport != "shm":
             raise InvalidRequestError(f"shm writer got a {spec.transport!r} target")
         try:
@@ -127,6 +129,7 @@ class ShmCrossKVWriter(CrossKVWriter):
             write_blocks(pool, block_ids, cross_kv)
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from exc
+        return TransferStats(cross_kv.numel() * pool.element_size(), (time.perf_counter() - start) * 1000.0)
 
     def close(self) -> None:
         with self._lock:
