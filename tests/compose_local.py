@@ -1,0 +1,407 @@
+"""Runs compose.yaml's services as local processes (the translator behind tests/test_compose.py).
+
+No Docker engine runs on our machines, so this reads ``compose.yaml`` and the
+``.env`` beside it as ``docker compose up`` would (YAML anchors and merge keys,
+``${VAR}`` / ``${VAR:-default}`` / ``${VAR-default}`` / ``$$`` interpolation
+from ``.env``, the profiles ``COMPOSE_PROFILES`` selects) and runs each active
+service as a process on this machine:
+
+* a service with ``build`` runs its ``command`` from this checkout (``encdec``
+  is ``python -m shared.cli``, ``python`` is this interpreter) with exactly its
+  ``environment`` (plus PATH/HOME/locale and the image's PYTHONUNBUFFERED);
+* the ``redis`` image is replaced by a real local redis-server (the
+  ``redis_url`` fixture);
+* service hostnames become 127.0.0.1 and every exposed container port gets a
+  free local port: see ``remap``, the one place values are rewritten;
+* ``depends_on`` is honoured in order; ``service_healthy`` waits until the
+  service's own ``healthcheck`` command, run locally with the service's
+  environment, exits 0.
+
+Docker-only isolation (networks, IPC/PID namespaces, shm size) has no local
+effect; the tests check those keys structurally. ``check_understood`` refuses
+any key or value form not listed here, so the test fails rather than silently
+skipping part of the deployment.
+
+Example::
+
+    project = load_project(Path("compose.yaml"))
+    with LocalDeployment(project, redis_url, log_dir) as deployment:
+        address = deployment.published(50051)   # "127.0.0.1:<port>"
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import yaml
+
+from shared.redis_server import free_port
+
+
+class UnsupportedCompose(ValueError):
+    """compose.yaml uses a key or value form this translator does not understand."""
+
+
+SERVICE_KEYS = {"image", "build", "command", "environment", "expose", "ports", "networks", "volumes",
+                "depends_on", "healthcheck", "profiles", "ipc", "pid", "shm_size", "deploy"}
+HEALTHCHECK_KEYS = {"test", "interval", "timeout", "retries", "start_period"}
+CONDITIONS = {"service_healthy", "service_started"}
+LOOPBACK = {"127.0.0.1", "localhost", "0.0.0.0"}
+PASSED_HOST_ENV = ("PATH", "HOME", "TMPDIR", "LANG", "LC_ALL")
+IMAGE_ENV = {"PYTHONUNBUFFERED": "1"}  # the Dockerfile's ENV (besides PATH)
+
+
+@dataclass
+class Project:
+    """compose.yaml after anchors and interpolation; ``profiles`` are the active ones."""
+
+    services: dict[str, dict]
+    networks: dict[str, dict]
+    volumes: dict[str, dict]
+    profiles: set[str]
+
+    def active(self) -> dict[str, dict]:
+        """Services ``docker compose up`` starts: no profiles, or one of the active ones."""
+        return {n: s for n, s in self.services.items() if not s.get("profiles") or self.profiles & set(s["profiles"])}
+
+
+# ---- loading -------------------------------------------------------------------------------------
+def read_dotenv(path: Path) -> dict[str, str]:
+    """``KEY=VALUE`` lines of a compose ``.env`` file (``#`` comments, optional quotes)."""
+    values: dict[str, str] = {}
+    for line in path.read_text().splitlines() if path.exists() else []:
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, sep, value = line.partition("=")
+        if not sep:
+            raise UnsupportedCompose(f"{path}: not KEY=VALUE: {line!r}")
+        values[key.strip()] = value.strip().strip("'\"")
+    return values
+
+
+_VAR = re.compile(r"\$(?:(?P<escaped>\$)|\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:-|-)(?P<default>[^}]*))?\}|(?P<other>.))")
+
+
+def interpolate(value, variables: dict[str, str]):
+    """Compose variable substitution on every string in ``value``.
+
+    Raises:
+        UnsupportedCompose: a form other than ``$$``, ``${VAR}``, ``${VAR:-d}``, ``${VAR-d}``.
+    """
+    if isinstance(value, dict):
+        return {k: interpolate(v, variables) for k, v in value.items()}
+    if isinstance(value, list):
+        return [interpolate(v, variables) for v in value]
+    if not isinstance(value, str):
+        return value
+
+    def sub(m: re.Match) -> str:
+        if m["escaped"]:
+            return "$"
+        if m["other"] is not None or m["name"] is None:
+            raise UnsupportedCompose(f"unsupported variable syntax in {value!r}")
+        got = variables.get(m["name"])
+        if m["op"] == ":-" and not got:
+            return m["default"]
+        if m["op"] == "-" and got is None:
+            return m["default"]
+        return got or ""
+
+    return _VAR.sub(sub, value)
+
+
+def load_project(path: Path) -> Project:
+    """Reads ``path`` and the ``.env`` beside it; the committed defaults, not this shell's variables,
+    drive interpolation and profiles, so the test checks what the repository ships."""
+    dotenv = read_dotenv(path.parent / ".env")
+    doc = interpolate(yaml.safe_load(path.read_text()), dotenv)
+    unknown = {k for k in doc if not k.startswith("x-")} - {"services", "networks", "volumes"}
+    if unknown:
+        raise UnsupportedCompose(f"top-level keys not understood: {sorted(unknown)}")
+    profiles = {p.strip() for p in dotenv.get("COMPOSE_PROFILES", "").split(",") if p.strip()}
+    return Project(doc["services"], doc.get("networks") or {}, {k: v or {} for k, v in (doc.get("volumes") or {}).items()}, profiles)
+
+
+# ---- what the translator understands ---------------------------------------------------------------
+def parse_duration(text: str) -> float:
+    """Compose duration (``1m30s``, ``5s``, ``250ms``) in seconds."""
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|s|m|h)", text)
+    if not parts or "".join(n + u for n, u in parts) != text:
+        raise UnsupportedCompose(f"duration not understood: {text!r}")
+    return sum(float(n) * {"ms": 1e-3, "s": 1, "m": 60, "h": 3600}[u] for n, u in parts)
+
+
+def exposed_ports(service: dict) -> list[int]:
+    return [int(p) for p in service.get("expose", [])]
+
+
+def published_ports(service: dict) -> list[tuple[int, int]]:
+    """``(host port, container port)`` of each short-syntax ``HOST:CONTAINER`` entry."""
+    out = []
+    for entry in service.get("ports", []):
+        m = re.fullmatch(r"(\d+):(\d+)", str(entry))
+        if not m:
+            raise UnsupportedCompose(f"ports entry not understood (use \"HOST:CONTAINER\"): {entry!r}")
+        out.append((int(m[1]), int(m[2])))
+    return out
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise UnsupportedCompose(message)
+
+
+def check_understood(project: Project) -> None:
+    """Raises UnsupportedCompose on any key or value form outside what this module translates."""
+    for net, spec in project.networks.items():
+        _require(set(spec or {}) <= {"internal"}, f"network {net}: keys not understood: {sorted(spec)}")
+    for vol, spec in project.volumes.items():
+        _require(not spec, f"volume {vol}: options not understood: {spec}")
+    for name, svc in project.services.items():
+        where = f"service {name}"
+        _require(set(svc) <= SERVICE_KEYS, f"{where}: keys not understood: {sorted(set(svc) - SERVICE_KEYS)}")
+        _require("build" in svc or str(svc.get("image", "")).startswith("redis:"), f"{where}: only built services and the redis image run here")
+        if "build" in svc:
+            _require(set(svc["build"]) <= {"context", "args"} and svc["build"].get("context") == ".", f"{where}: build must be {{context: ., args}}")
+        cmd = svc.get("command")
+        _require(isinstance(cmd, list) and all(isinstance(a, str) for a in cmd), f"{where}: command must be a list of strings")
+        env = svc.get("environment", {})
+        _require(isinstance(env, dict), f"{where}: environment must be a mapping")
+        for key, value in env.items():
+            _require(isinstance(value, (str, int, float)) and not isinstance(value, bool), f"{where}: {key} must be a string or number")
+        for port in svc.get("expose", []):
+            _require(str(port).isdigit(), f"{where}: expose entry {port!r}")
+        for _, container in published_ports(svc):
+            _require(container in exposed_ports(svc), f"{where}: publishes {container}, which it does not expose")
+        for net in svc.get("networks", []):
+            _require(isinstance(net, str) and net in project.networks, f"{where}: network {net!r} not declared")
+        for mount in svc.get("volumes", []):
+            vol, _, target = str(mount).partition(":")
+            _require(vol in project.volumes and target.startswith("/"), f"{where}: only NAMED_VOLUME:/path mounts, got {mount!r}")
+        deps = svc.get("depends_on", {})
+        _require(isinstance(deps, dict), f"{where}: depends_on must be a mapping with conditions")
+        for dep, spec in deps.items():
+            _require(dep in project.services and set(spec) == {"condition"} and spec["condition"] in CONDITIONS,
+                     f"{where}: depends_on {dep}: {spec}")
+        hc = svc.get("healthcheck")
+        if hc is not None:
+            _require(set(hc) <= HEALTHCHECK_KEYS and hc["test"][0] == "CMD", f"{where}: healthcheck must be a CMD list with {sorted(HEALTHCHECK_KEYS)}")
+            for k in ("interval", "timeout", "start_period"):
+                parse_duration(hc.get(k, "0s"))
+        for key, own_mode in (("ipc", "shareable"), ("pid", None)):  # namespace sharing: no local effect
+            mode = svc.get(key)
+            joined = mode.removeprefix("service:") if isinstance(mode, str) and mode.startswith("service:") else None
+            _require(mode in (None, own_mode) or joined in project.services, f"{where}: {key} {mode!r} not understood")
+        if "deploy" in svc:
+            devices = svc["deploy"]["resources"]["reservations"]["devices"]
+            _require(svc["deploy"] == {"resources": {"reservations": {"devices": devices}}}, f"{where}: deploy beyond device reservations")
+            _require(all(set(d) <= {"driver", "count", "capabilities"} for d in devices), f"{where}: device reservation keys")
+
+
+# ---- the one rewrite -------------------------------------------------------------------------------
+_HOST_PORT = re.compile(r"(?P<host>[A-Za-z0-9_.-]+):(?P<port>\d+)\b")
+
+
+def remap(value: str, service: str, endpoints: dict[tuple[str, int], tuple[str, int]], key: str = "") -> str:
+    """Rewrites one environment value or command argument from the compose network to this machine.
+
+    Args:
+        value: the value as the container would see it (already interpolated).
+        service: the service it belongs to.
+        endpoints: ``(service, container port) -> (host, port)`` on this machine; every exposed
+            port of every service has one (free local ports; redis: the local redis-server).
+        key: the environment variable's name, if it is one.
+
+    Rules, applied to the whole value:
+        * ``HOST:PORT`` anywhere in it (alone, or inside ``redis://redis:6379/0``): a service
+          name as HOST means that service's endpoint; 127.0.0.1 / localhost / 0.0.0.0 means this
+          service's own. Other hosts are left alone.
+        * the value of a ``*_PORT`` variable is one of this service's container ports: its local port.
+        * ``0.0.0.0`` alone (listen on every interface) becomes ``127.0.0.1``.
+
+    Raises:
+        UnsupportedCompose: a ``HOST:PORT`` or ``*_PORT`` names a port its service does not expose
+            (in Docker that connection would fail too).
+    """
+    if key.endswith("_PORT"):
+        _require(value.isdigit() and (service, int(value)) in endpoints, f"{service}: {key}={value} is not an exposed port")
+        return str(endpoints[(service, int(value))][1])
+    if value == "0.0.0.0":
+        return "127.0.0.1"
+
+    def sub(m: re.Match) -> str:
+        host, port = m["host"], int(m["port"])
+        owner = service if host in LOOPBACK else host
+        if owner not in {s for s, _ in endpoints}:
+            return m[0]
+        _require((owner, port) in endpoints, f"{service}: {m[0]} names a port {owner} does not expose")
+        local_host, local_port = endpoints[(owner, port)]
+        return f"{local_host}:{local_port}"
+
+    return _HOST_PORT.sub(sub, value)
+
+
+def local_command(argv: list[str]) -> list[str]:
+    """The image's executables as this checkout's: ``encdec`` and ``python``."""
+    head = {"encdec": [sys.executable, "-m", "shared.cli"], "python": [sys.executable]}.get(argv[0])
+    _require(head is not None, f"executable {argv[0]!r} has no local equivalent")
+    return [*head, *argv[1:]]
+
+
+# ---- running -----------------------------------------------------------------------------------------
+@dataclass
+class LocalDeployment:
+    """The active services of ``project`` as local processes, started in ``depends_on`` order.
+
+    Args:
+        project: from ``load_project``.
+        redis_url: a running redis-server standing in for the ``redis`` image.
+        log_dir: each service's output goes to ``<log_dir>/<service>.log``.
+        poll_s: how often an unhealthy service's healthcheck runs (compose waits ``interval``).
+    """
+
+    project: Project
+    redis_url: str
+    log_dir: Path
+    poll_s: float = 1.0
+    endpoints: dict[tuple[str, int], tuple[str, int]] = field(default_factory=dict)
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    healthy: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        check_understood(self.project)
+        url = urlsplit(self.redis_url)
+        for name, svc in self.project.active().items():
+            _require("deploy" not in svc, f"{name} reserves devices; this machine has none")
+            for port in exposed_ports(svc):
+                self.endpoints[(name, port)] = (url.hostname, url.port) if "build" not in svc else ("127.0.0.1", free_port())
+
+    def env(self, name: str) -> dict[str, str]:
+        """The process environment of ``name``: its compose environment, remapped."""
+        base = {k: os.environ[k] for k in PASSED_HOST_ENV if k in os.environ} | IMAGE_ENV
+        svc_env = self.project.services[name].get("environment", {})
+        return base | {k: remap(str(v), name, self.endpoints, k) for k, v in svc_env.items()}
+
+    def published(self, host_port: int) -> str:
+        """``host:port`` on this machine of whatever compose publishes on ``host_port``."""
+        for name, svc in self.project.active().items():
+            for host, container in published_ports(svc):
+                if host == host_port:
+                    host, port = self.endpoints[(name, container)]
+                    return f"{host}:{port}"
+        raise KeyError(f"nothing publishes port {host_port}")
+
+    def service_address(self, name: str) -> str:
+        host, port = self.endpoints[(name, exposed_ports(self.project.services[name])[0])]
+        return f"{host}:{port}"
+
+    def healthcheck(self, name: str) -> subprocess.Popen:
+        """Starts ``name``'s healthcheck command locally with the service's environment."""
+        test = self.project.services[name]["healthcheck"]["test"][1:]
+        argv = local_command([remap(a, name, self.endpoints) for a in test])
+        return subprocess.Popen(argv, env=self.env(name), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    def _ready(self, dep: str, condition: str) -> bool:
+        return dep in self.healthy if condition == "service_healthy" else dep in self.procs or dep in self.healthy
+
+    def _start(self, name: str, svc: dict) -> None:
+        if "build" not in svc:  # the redis image: the local redis-server is already up
+            self.healthy.add(name)
+            return
+        log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
+        self.procs[name] = subprocess.Popen(local_command(svc["command"]), env=self.env(name), stdout=log,
+                                            stderr=subprocess.STDOUT, start_new_session=True)
+        if "healthcheck" not in svc:
+            self.healthy.add(name)
+
+    def _listening(self, name: str) -> bool:
+        """Whether any exposed port of ``name`` accepts a TCP connection."""
+        for port in exposed_ports(self.project.services[name]):
+            try:
+                socket.create_connection(self.endpoints[(name, port)], timeout=0.5).close()
+                return True
+            except OSError:
+                pass
+        return False
+
+    def _log_tail(self, name: str) -> str:
+        path = self.log_dir / f"{name}.log"
+        return path.read_text(errors="replace")[-3000:] if path.exists() else ""
+
+    def up(self) -> LocalDeployment:
+        """Starts every active service once its dependencies' conditions hold; returns when all are
+        healthy.
+
+        Raises:
+            RuntimeError: a service exited; or was not healthy within ``start_period + interval *
+                retries`` (compose would mark it unhealthy and fail its dependents); or a
+                ``depends_on`` can never hold.
+        """
+        services = self.project.active()
+        deadlines: dict[str, float] = {}
+        last_error: dict[str, str] = {}
+        try:
+            while len(self.healthy) < len(services):
+                for name, svc in services.items():
+                    if name not in deadlines and all(self._ready(d, c["condition"]) for d, c in svc.get("depends_on", {}).items()):
+                        self._start(name, svc)
+                        hc = svc.get("healthcheck", {})
+                        deadlines[name] = time.monotonic() + parse_duration(hc.get("start_period", "0s")) + \
+                            parse_duration(hc.get("interval", "30s")) * hc.get("retries", 3)
+                waiting = [n for n in deadlines if n not in self.healthy]
+                if not waiting:
+                    raise RuntimeError(f"depends_on never holds for {sorted(set(services) - set(deadlines))}")
+                for name, proc in self.procs.items():
+                    if proc.poll() is not None:
+                        raise RuntimeError(f"{name} exited with code {proc.returncode}:\n{self._log_tail(name)}")
+                for name in waiting:
+                    if time.monotonic() > deadlines[name]:
+                        raise RuntimeError(f"{name} unhealthy ({last_error.get(name, 'port never opened')}):\n{self._log_tail(name)}")
+                # The command proper (a Python process) only once a port is open: it cannot pass before,
+                # and spawning it every poll would steal the CPU the services load their models with.
+                checks = {n: self.healthcheck(n) for n in waiting if self._listening(n)}
+                for name, check in checks.items():
+                    try:
+                        _, err = check.communicate(timeout=parse_duration(services[name]["healthcheck"].get("timeout", "30s")) + 10)
+                    except subprocess.TimeoutExpired:
+                        check.kill()
+                        _, err = check.communicate()
+                    if check.returncode == 0:
+                        self.healthy.add(name)
+                    else:
+                        last_error[name] = err.decode(errors="replace").strip()[-500:]
+                if len(self.healthy) < len(services):
+                    time.sleep(self.poll_s)
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def down(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM to every service, last started first; SIGKILL what outlives ``timeout_s``."""
+        for proc in reversed(self.procs.values()):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in reversed(self.procs.values()):
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.procs.clear()
+
+    def __enter__(self) -> LocalDeployment:
+        return self.up()
+
+    def __exit__(self, *exc) -> None:
+        self.down()
