@@ -16,6 +16,9 @@ from typing import Any, TypeVar
 DEFAULT_MODEL = "whisper-tiny.en"
 DEFAULT_ENCODER_ADDRESS = "127.0.0.1:50061"
 DEFAULT_DECODER_ADDRESS = "127.0.0.1:50051"
+KV_TRANSPORTS = ("shm", "torch_dist")  # cross-KV transports (``shared.kv_transport``)
+KV_DIST_BACKENDS = ("gloo", "nccl")  # torch_dist backends
+KV_DTYPES = ("float32", "float16", "bfloat16")  # cross-KV pool / transfer dtypes
 
 C = TypeVar("C")
 
@@ -36,6 +39,15 @@ class EncoderServiceConfig:
             padded tokens (sequences x longest) in one forward.
         max_inputs_per_request: encoder-only models: most inputs (or rerank
             documents) in one request; more get RESOURCE_EXHAUSTED.
+        kv_transport: comma-separated cross-KV transports this encoder accepts
+            (``shm``, ``torch_dist``, ...); each Encode's target names one.
+        kv_dist_backend: torch_dist: ``gloo`` (CPU tensors over TCP) or
+            ``nccl`` (CUDA tensors); must match the decoder's.
+        kv_device: torch_dist: where payloads are staged for sending
+            (``cpu``; ``cuda`` for nccl).
+        kv_transfer_timeout_s: torch_dist: bound on pairing with a decoder and
+            on every send/receive of a transfer (seconds); a hung decoder holds
+            the encoder's batcher at most this long.
     """
 
     model: str = DEFAULT_MODEL
@@ -47,9 +59,17 @@ class EncoderServiceConfig:
     max_batch_tokens: int = 8192
     max_inputs_per_request: int = 2048
     quantize: str = "none"
+    kv_transport: str = "shm,torch_dist"
+    kv_dist_backend: str = "gloo"
+    kv_device: str = "cpu"
+    kv_transfer_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         _check_port(self.port)
+        names = [t.strip() for t in self.kv_transport.split(",") if t.strip()]
+        if not names or any(t not in KV_TRANSPORTS for t in names):
+            raise ValueError(f"kv_transport must list some of: {', '.join(KV_TRANSPORTS)}; got {self.kv_transport!r}")
+        _check_kv_dist(self.kv_dist_backend, self.kv_device, self.kv_transfer_timeout_s)
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.batch_wait_ms < 0:
@@ -77,7 +97,20 @@ class DecoderServiceConfig:
         num_cross_blocks: cross-attention KV blocks (the shared pool the
             encoder writes into); 0 sizes it for ``max_num_seqs`` requests of
             the model's max encoder length.
-        kv_transport: how cross-attention KV arrives (``shm``).
+        kv_transport: how cross-attention KV arrives: ``shm`` (same host,
+            shared memory) or ``torch_dist`` (Gloo / NCCL point-to-point, any
+            host); see docs/kv_transport.md.
+        kv_dist_address: torch_dist: ``host:port`` of the rendezvous store this
+            decoder hosts (port 0 picks a free one); encoders must reach it,
+            and Gloo binds to ``host``.
+        kv_dist_backend: torch_dist: ``gloo`` or ``nccl`` (needs ``kv_device`` cuda).
+        kv_device: device of the cross-KV pool (``cpu``; ``cuda`` for nccl).
+        kv_transfer_timeout_s: torch_dist: how long a request waits for its
+            cross KV to land once Encode answered, and the bound on pairing
+            (seconds); past it the request fails with UNAVAILABLE.
+        kv_transfer_dtype: dtype of the cross-KV pool, hence of what the
+            encoder writes / sends: ``float32`` (default), ``float16`` or
+            ``bfloat16`` (half the bytes; accuracy in docs/kv_transport.md).
         encode_timeout_s: an Encode call slower than this fails the request
             with UNAVAILABLE and frees its blocks (seconds).
         max_audio_s: longest accepted audio (seconds).
@@ -108,6 +141,11 @@ class DecoderServiceConfig:
     num_self_blocks: int = 0
     num_cross_blocks: int = 0
     kv_transport: str = "shm"
+    kv_dist_address: str = "127.0.0.1:0"
+    kv_dist_backend: str = "gloo"
+    kv_device: str = "cpu"
+    kv_transfer_timeout_s: float = 30.0
+    kv_transfer_dtype: str = "float32"
     encode_timeout_s: float = 120.0
     max_audio_s: float = 30.0
     num_threads: int = 0
@@ -124,8 +162,15 @@ class DecoderServiceConfig:
         for name in ("num_self_blocks", "num_cross_blocks"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 = sized automatically), got {getattr(self, name)}")
-        if self.kv_transport not in ("shm",):
-            raise ValueError(f"kv_transport must be one of: shm; got {self.kv_transport!r}")
+        if self.kv_transport not in KV_TRANSPORTS:
+            raise ValueError(f"kv_transport must be one of: {', '.join(KV_TRANSPORTS)}; got {self.kv_transport!r}")
+        _check_kv_dist(self.kv_dist_backend, self.kv_device, self.kv_transfer_timeout_s)
+        host, _, port = self.kv_dist_address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"kv_dist_address must be host:port, got {self.kv_dist_address!r}")
+        _check_port(int(port))
+        if self.kv_transfer_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_transfer_dtype must be one of: {', '.join(KV_DTYPES)}; got {self.kv_transfer_dtype!r}")
         if self.encode_timeout_s <= 0 or self.max_audio_s <= 0:
             raise ValueError("encode_timeout_s and max_audio_s must be > 0")
         _check_quantize(self.quantize)
@@ -170,6 +215,15 @@ def parse_memory_size(text: str) -> tuple[float, bool] | None:
     if not unit and value < 1:
         return value, True
     return value * _MEMORY_UNITS[unit], False
+
+
+def _check_kv_dist(backend: str, device: str, timeout_s: float) -> None:
+    if backend not in KV_DIST_BACKENDS:
+        raise ValueError(f"kv_dist_backend must be one of: {', '.join(KV_DIST_BACKENDS)}; got {backend!r}")
+    if backend == "nccl" and not device.startswith("cuda"):
+        raise ValueError(f"kv_dist_backend nccl moves CUDA tensors: set kv_device to cuda, got {device!r}")
+    if timeout_s <= 0:
+        raise ValueError(f"kv_transfer_timeout_s must be > 0, got {timeout_s}")
 
 
 def _check_quantize(quantize: str) -> None:
