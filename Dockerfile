@@ -2,11 +2,13 @@
 # One image for every service (encoder, decoder, embed); compose.yaml builds it.
 #
 #   CPU (default):  docker build -t encdec-serve:cpu .
-#   CUDA:           docker build -t encdec-serve:cuda --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .
+#   CUDA:           docker build -t encdec-serve:cuda --build-arg TORCH_INDEX_URL= .
 #
-# The CUDA variant differs only in the torch wheel: PyTorch's CUDA wheels carry
-# their CUDA libraries (and Triton), and the NVIDIA Container Toolkit brings the
-# host's driver in, so the slim Python base serves both. BASE_IMAGE takes any
+# The CUDA variant differs only in the torch wheel: an empty TORCH_INDEX_URL
+# means PyPI, whose Linux torch is the CUDA build (or name a CUDA index such as
+# https://download.pytorch.org/whl/cu128). Those wheels carry their CUDA
+# libraries and Triton, and the NVIDIA Container Toolkit brings the host's
+# driver in, so the slim Python base serves both. BASE_IMAGE takes any
 # Debian-based image with Python >= 3.11 and its venv module.
 #
 # The project is installed exactly as scripts/setup.sh does it (torch==2.13.0

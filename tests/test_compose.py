@@ -12,6 +12,7 @@ and sends a Generate and an Embed through the published ports.
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 from pathlib import Path
 
@@ -129,6 +130,17 @@ def test_models_volume_and_gpu_profile(project):
     env = gpu["decoder-gpu"]["environment"]
     assert env["ENCDEC_KV_TRANSPORT"] == "cuda_ipc" and env["ENCDEC_ATTENTION_BACKEND"] == "triton"
     assert gpu["decoder-gpu"]["ipc"] == gpu["decoder-gpu"]["pid"] == "service:encoder-gpu"
+
+
+def test_image_installs_like_setup_sh_and_puts_its_venv_first(project):
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    declared = dict(re.findall(r"^ARG (\w+)(?:=(.*))?$", dockerfile, flags=re.M))
+    for name, svc in project.services.items():
+        assert set(svc.get("build", {}).get("args", {})) <= set(declared), name
+    assert "embed" in declared["EXTRAS"].split(",")  # the embed service's default model
+    assert 'TORCH_INDEX_URL="$TORCH_INDEX_URL" EXTRAS="$EXTRAS" bash scripts/setup.sh' in dockerfile
+    # `encdec` and `python` in commands and health checks are the venv's, as the local run assumes
+    assert re.search(r"^ENV PATH=/app/.venv/bin:\$PATH", dockerfile, flags=re.M)
 
 
 def test_remap_rewrites_hosts_and_ports_consistently():
