@@ -49,7 +49,8 @@ class ModelRunner:
         self.cross_kv_cache = cross_kv_cache
         self.self_kv_cache = torch.zeros(  # [L, 2, num_self_blocks, block_size, H, Dh]
             c.decoder_layers, 2, num_self_blocks, block_size, c.num_heads, c.head_dim,
-            dtype=cross_kv_cache.dtype, device=self.device,
+            # CPU decodes in float32 even over a float16/bfloat16 cross pool (kv_transfer_dtype): attention upcasts it.
+            dtype=torch.float32 if self.device.type == "cpu" else cross_kv_cache.dtype, device=self.device,
         )
 
     def prepare_inputs(self, so: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:

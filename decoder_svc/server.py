@@ -11,6 +11,7 @@ writes per request, never one per token.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import uuid
 from dataclasses import dataclass, field
@@ -73,6 +74,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         self.served_names = model_names(config.model)
         self.active: dict[str, _Active] = {}
         self.loop: EngineLoop | None = None
+        self.transfer_ids = itertools.count(1)  # names each request's cross-KV transfer (torch_dist)
         self.channel = grpc.aio.insecure_channel(config.encoder_address, options=GRPC_OPTIONS)
         self.encoder = encoder_pb2_grpc.EncoderServiceStub(self.channel)
 
@@ -109,22 +111,43 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             active.stream.put_nowait(exc)
 
     async def _encode(self, request_id: str, active: _Active, block_ids: list[int]) -> None:
+        """Has the encoder fill ``block_ids``; marks the request runnable, or fails its stream.
+
+        With a transport that delivers on its own connection (torch_dist) the
+        transfer is announced first and awaited after Encode answers; either
+        way, once this returns no write for the request can still land in the
+        pool, so ``_release`` may free the blocks.
+        """
         spec = self.pool.spec
         target = encoder_pb2.KVTarget(transport=spec.transport, segment=spec.segment, shape=spec.shape, dtype=spec.dtype, instance_id=spec.instance_id)
+        transfer_id = next(self.transfer_ids)
+        arrival = self.pool.expect(transfer_id, block_ids)
         try:
             await asyncio.to_thread(self.store.set_state, request_id, RequestState.ENCODING)
             inp = active.input
             source = {"input_ids": inp.input_ids} if inp.input_ids is not None else {"pcm": inp.pcm.astype("<f4").tobytes()}
-            await self.encoder.Encode(
-                encoder_pb2.EncodeRequest(request_id=request_id, model=self.config.model, block_ids=block_ids, target=target, **source),
+            response = await self.encoder.Encode(
+                encoder_pb2.EncodeRequest(request_id=request_id, model=self.config.model, block_ids=block_ids, target=target,
+                                          transfer_id=transfer_id, **source),
                 timeout=self.config.encode_timeout_s,
             )
+            nbytes, ms = response.transfer_bytes, response.transfer_ms
+            if arrival is not None:
+                try:
+                    stats = await asyncio.wait_for(asyncio.wrap_future(arrival), self.config.kv_transfer_timeout_s)
+                except TimeoutError as exc:
+                    raise UnavailableError(f"cross KV did not arrive within kv_transfer_timeout_s={self.config.kv_transfer_timeout_s:g} s") from exc
+                nbytes, ms = stats.nbytes, stats.ms
+            log.info("cross KV for %s: %d bytes in %.2f ms (%s, encoder batch %d)", request_id, nbytes, ms, spec.transport, response.batch_size)
         except grpc.aio.AioRpcError as exc:
             active.stream.put_nowait(UnavailableError(f"encoder failed: {exc.code().name}: {exc.details()}"))
             return
         except Exception as exc:  # noqa: BLE001 - reported on the request's stream
             active.stream.put_nowait(exc)
             return
+        finally:
+            if arrival is not None:  # blocks until no scatter for this transfer is in flight
+                await asyncio.to_thread(self.pool.cancel, transfer_id)
         if active.abort_requested:
             return
         await asyncio.to_thread(self.store.set_state, request_id, RequestState.DECODING)
@@ -249,7 +272,8 @@ def build_engine(config: DecoderServiceConfig, model):
         num_cross_blocks=config.num_cross_blocks,
     )
     num_self, num_cross = sizing.num_self_blocks, sizing.num_cross_blocks
-    pool = create_pool(config.kv_transport, (cfg.decoder_layers, 2, num_cross, config.block_size, cfg.num_heads, cfg.head_dim))
+    pool = create_pool(config.kv_transport, (cfg.decoder_layers, 2, num_cross, config.block_size, cfg.num_heads, cfg.head_dim),
+                       config.kv_transfer_dtype, **_pool_options(config))
     engine = DecoderEngine(
         model,
         load_tokenizer(config.model),
@@ -262,6 +286,14 @@ def build_engine(config: DecoderServiceConfig, model):
     )
     log.info("%s; %d tokens per block (%s)", sizing.describe(config.max_num_seqs), config.block_size, pool.spec.segment)
     return engine, pool
+
+
+def _pool_options(config: DecoderServiceConfig) -> dict:
+    """Transport-specific keyword options of the cross-KV pool."""
+    if config.kv_transport == "torch_dist":
+        return dict(address=config.kv_dist_address, backend=config.kv_dist_backend, device=config.kv_device,
+                    timeout_s=config.kv_transfer_timeout_s)
+    return {}
 
 
 def run(config: DecoderServiceConfig) -> None:

@@ -27,7 +27,8 @@ class EncodeItem:
         spec: where the cross KV goes.
         block_ids: the decoder's reserved cross blocks, in token order.
         input_ids: source token ids (text models; else None).
-        future: resolves to ``(encoder_len, encode_ms, batch_size)`` or an error.
+        transfer_id: the transfer the decoder announced (torch_dist; else 0).
+        future: resolves to ``(encoder_len, encode_ms, batch_size, TransferStats)`` or an error.
     """
 
     request_id: str
@@ -35,6 +36,7 @@ class EncodeItem:
     spec: KVTargetSpec
     block_ids: list[int]
     input_ids: list[int] | None = None
+    transfer_id: int = 0
     future: Future = field(default_factory=Future)
 
 
@@ -129,9 +131,12 @@ class EncodeBatcher:
         for i, item in enumerate(batch):
             encoder_len = lens[i]
             try:
-                self.writer.write(item.spec, item.block_ids, cross_kv[:, :, i, :encoder_len])
+                stats = self.writer.write(item.spec, item.block_ids, cross_kv[:, :, i, :encoder_len], item.transfer_id)
             except Exception as exc:  # noqa: BLE001 - fail this request only
+                log.info("cross KV for %s not delivered (%s): %s", item.request_id, item.spec.transport, exc)
                 item.future.set_exception(exc)
                 continue
-            item.future.set_result((encoder_len, (time.perf_counter() - start) * 1000.0, len(batch)))
+            log.info("cross KV for %s: %d bytes in %.2f ms (%.2f GB/s, %s)", item.request_id, stats.nbytes, stats.ms,
+                     stats.gb_per_s, item.spec.transport)
+            item.future.set_result((encoder_len, (time.perf_counter() - start) * 1000.0, len(batch), stats))
         log.debug("encoded %d requests in %.1f ms", len(batch), (time.perf_counter() - start) * 1000.0)

@@ -13,7 +13,7 @@ from encoder_svc.batcher import EncodeBatcher, EncodeItem
 from shared.config import EncoderServiceConfig
 from shared.errors import InvalidRequestError, NotFoundError
 from shared.grpc_server import abort_with, serve
-from shared.kv_transport import KVTargetSpec, create_writer
+from shared.kv_transport import KVTargetSpec, WriterSet
 from shared.models.quantize import apply_quantization
 from shared.models.registry import is_encoder_only, load_model, model_names
 from shared.models.whisper_features import log_mel_spectrogram
@@ -29,6 +29,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         self.config = config
         self.model = model
         self.batcher = batcher
+        self.writers: WriterSet = batcher.writer
         self.served_names = model_names(config.model)
 
     def _item(self, request: encoder_pb2.EncodeRequest) -> EncodeItem:
@@ -46,6 +47,9 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         target = request.target
         spec = KVTargetSpec(target.transport, target.segment, tuple(target.shape), target.dtype, target.instance_id)
         spec.validate()  # ValueError -> INVALID_ARGUMENT before any shape is used
+        self.writers.check(spec)
+        if request.transfer_id >= 2**63:
+            raise InvalidRequestError(f"transfer_id {request.transfer_id} does not fit int64")
         cfg = self.model.config
         expected = (cfg.decoder_layers, 2, cfg.num_heads, cfg.head_dim)
         if len(spec.shape) != 6 or (spec.shape[0], spec.shape[1], spec.shape[4], spec.shape[5]) != expected:
@@ -60,18 +64,20 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         if len(request.block_ids) != needed:
             raise InvalidRequestError(f"{encoder_len} encoder positions need {needed} blocks, got {len(request.block_ids)}")
         if text_model:
-            return EncodeItem(request.request_id, None, spec, list(request.block_ids), input_ids=list(request.input_ids))
+            return EncodeItem(request.request_id, None, spec, list(request.block_ids), input_ids=list(request.input_ids),
+                              transfer_id=request.transfer_id)
         pcm = np.frombuffer(request.pcm, dtype="<f4").astype(np.float32)
-        return EncodeItem(request.request_id, pcm, spec, list(request.block_ids))
+        return EncodeItem(request.request_id, pcm, spec, list(request.block_ids), transfer_id=request.transfer_id)
 
     async def Encode(self, request, context):
         try:
             item = self._item(request)
-            encoder_len, encode_ms, batch_size = await asyncio.wrap_future(self.batcher.submit(item))
+            encoder_len, encode_ms, batch_size, stats = await asyncio.wrap_future(self.batcher.submit(item))
         except Exception as exc:  # noqa: BLE001 - mapped to a status code
             await abort_with(context, exc)
         return encoder_pb2.EncodeResponse(
-            request_id=request.request_id, encoder_len=encoder_len, encode_ms=encode_ms, batch_size=batch_size
+            request_id=request.request_id, encoder_len=encoder_len, encode_ms=encode_ms, batch_size=batch_size,
+            transfer_bytes=stats.nbytes, transfer_ms=stats.ms,
         )
 
 
@@ -101,7 +107,10 @@ def run(config: EncoderServiceConfig) -> None:
         log.info("int8 encoder: encoding one request per forward (was max_batch_size=%d)", max_batch_size)
         max_batch_size = 1
     _warm_up(model)
-    writer = create_writer("shm")
+    writer = WriterSet(
+        [t.strip() for t in config.kv_transport.split(",") if t.strip()],
+        {"torch_dist": dict(backend=config.kv_dist_backend, device=config.kv_device, timeout_s=config.kv_transfer_timeout_s)},
+    )
     batcher = EncodeBatcher(model, log_mel_spectrogram, writer, max_batch_size, config.batch_wait_ms)
     servicer = EncoderServicer(config, model, batcher)
 

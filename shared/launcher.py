@@ -65,6 +65,7 @@ class Services:
     log_level: str = "INFO"
     procs: list[subprocess.Popen] = field(default_factory=list)
     _redis: object = None
+    _named: dict[str, tuple[subprocess.Popen, list[str], str]] = field(default_factory=dict)
 
     @property
     def encoder_address(self) -> str:
@@ -82,7 +83,28 @@ class Services:
             out = open(os.path.join(self.log_dir, f"{name}.log"), "ab")  # noqa: SIM115 - owned by the child
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True)
         self.procs.append(proc)
+        address = self.encoder_address if name == "encoder" else self.decoder_address
+        self._named[name] = (proc, args, address)
         return proc
+
+    def kill(self, name: str, sig: int = signal.SIGKILL, timeout_s: float = 15.0) -> None:
+        """Sends ``sig`` (default SIGKILL: a crash) to the ``encoder`` or ``decoder`` process and waits for it to exit."""
+        proc = self._named[name][0]
+        if proc.poll() is None:
+            proc.send_signal(sig)
+        proc.wait(timeout=timeout_s)
+        self.procs.remove(proc)
+
+    def restart(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Kills the ``encoder`` or ``decoder`` (if still running) and starts it again with the same arguments and port.
+
+        Raises:
+            RuntimeError: the new process did not become healthy in time.
+        """
+        proc, args, address = self._named[name]
+        if proc in self.procs:
+            self.kill(name, sig)
+        wait_healthy(address, self.startup_timeout_s, self._spawn(name, args))
 
     def start(self) -> Services:
         """Starts everything and waits for health.
