@@ -133,7 +133,8 @@ def _launch(query, k_cache, v_cache, seq_idx, kv_len, scale, *, block_tables=Non
     return out
 
 
-_INTERPRET = bool(triton.knobs.runtime.interpret)  # what @triton.jit saw when it built the kernel above
+# @triton.jit returns an InterpretedFunction when TRITON_INTERPRET=1 was set at import.
+_INTERPRET = type(_paged_attention_kernel).__name__ == "InterpretedFunction"
 
 
 def _block_n(kv_len: torch.Tensor) -> int:
