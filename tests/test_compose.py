@@ -20,16 +20,15 @@ import grpc
 import pytest
 import torch
 import torch.nn.functional as F
-from compose_local import (
-    LocalDeployment,
+from compose_file import (
     Project,
     UnsupportedCompose,
     check_understood,
+    interpolate,
     load_project,
-    local_command,
     published_ports,
-    remap,
 )
+from compose_local import LocalDeployment, local_command, remap
 from embed_sentences import SENTENCES
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -63,6 +62,9 @@ def test_everything_in_compose_yaml_is_understood_and_the_translator_refuses_the
         check_understood(bad)
     with pytest.raises(UnsupportedCompose, match="executable"):
         local_command(["sh", "-c", "true"])
+    with pytest.raises(UnsupportedCompose, match="variable syntax"):
+        interpolate({"a": ["$HOME"]}, {})
+    assert interpolate("${A:-x}/${B-y}/${C}/$$", {"B": ""}) == "x///$"
 
 
 def test_only_the_public_ports_are_published_and_redis_stays_internal(project):
@@ -134,13 +136,13 @@ def test_models_volume_and_gpu_profile(project):
 
 def test_image_installs_like_setup_sh_and_puts_its_venv_first(project):
     dockerfile = (ROOT / "Dockerfile").read_text()
-    declared = dict(re.findall(r"^ARG (\w+)(?:=(.*))?$", dockerfile, flags=re.M))
+    declared = dict(re.findall(r"^ARG (\w+)(?:=(.*))?$", dockerfile, flags=re.MULTILINE))
     for name, svc in project.services.items():
         assert set(svc.get("build", {}).get("args", {})) <= set(declared), name
     assert "embed" in declared["EXTRAS"].split(",")  # the embed service's default model
     assert 'TORCH_INDEX_URL="$TORCH_INDEX_URL" EXTRAS="$EXTRAS" bash scripts/setup.sh' in dockerfile
     # `encdec` and `python` in commands and health checks are the venv's, as the local run assumes
-    assert re.search(r"^ENV PATH=/app/.venv/bin:\$PATH", dockerfile, flags=re.M)
+    assert re.search(r"^ENV PATH=/app/.venv/bin:\$PATH", dockerfile, flags=re.MULTILINE)
 
 
 def test_remap_rewrites_hosts_and_ports_consistently():
