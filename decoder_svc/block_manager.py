@@ -5,7 +5,10 @@ group beside the decoder's own: self-attention blocks grow with a sequence's
 tokens; cross-attention blocks are sized once from ``encoder_len``
 (``ceil(encoder_len / block_size)``), written by the encoder service, and freed
 when the request finishes. Every block carries a reference count so that
-several sequences (n > 1, beams) can later share one request's cross blocks.
+several sequences (n > 1, beams) can share one request's cross blocks and the
+full self blocks of a common prefix (``fork``). Invariant: a self block with
+more than one reference is full, so no sequence ever writes into a block
+another one reads.
 """
 
 from __future__ import annotations
@@ -160,6 +163,44 @@ class BlockManager:
         new = self.self_pool.allocate(self.num_new_self_blocks(seq, num_new_tokens))
         seq.block_table.extend(new)
         return new
+
+    def num_freeable_self_blocks(self, seq: Sequence) -> int:
+        """Self blocks that ``free_self(seq)`` would return to the pool (those only ``seq`` references)."""
+        return sum(1 for b in seq.block_table if self.self_pool.ref_counts[b] == 1)
+
+    def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]]:
+        """Gives ``child`` the KV of ``parent``'s computed tokens (n > 1 samples, beams).
+
+        The child references the parent's cross blocks and every *full* self
+        block of its ``num_computed_tokens``; the partly filled last block,
+        which both will write next, is copied into a fresh block now
+        (copy-on-write at fork time: a block referenced twice is always full
+        and never written again). Blocks past the computed tokens are not
+        shared. ``child.num_computed_tokens`` is set to the parent's; its
+        token ids are the caller's business.
+
+        Returns:
+            ``(src, dst)`` self block id pairs whose KV the model runner must
+            copy (``cache[:, :, dst] = cache[:, :, src]``) before the child runs.
+
+        Raises:
+            BlockError: ``child`` already holds blocks, or no self block is
+                free for the copy (nothing changes then).
+        """
+        if child.block_table or child.cross_block_ids:
+            raise BlockError(f"{child.request_id}: a forked sequence must start without blocks")
+        num_full, partial = divmod(parent.num_computed_tokens, self.block_size)
+        table = parent.block_table[:num_full]
+        copies = []
+        if partial:
+            [dst] = self.self_pool.allocate(1)  # first: raises before any reference is taken
+            copies.append((parent.block_table[num_full], dst))
+        self.self_pool.incref(table)
+        self.cross_pool.incref(parent.cross_block_ids)
+        child.block_table = table + [dst for _, dst in copies]
+        child.cross_block_ids = list(parent.cross_block_ids)
+        child.num_computed_tokens = parent.num_computed_tokens
+        return copies
 
     def free_self(self, seq: Sequence) -> None:
         self.self_pool.free(seq.block_table)

@@ -1,22 +1,50 @@
-"""Continuous batching with recompute preemption (vLLM v1 / nano-vllm style, no torch).
+"""Continuous batching with priority, admission control and recompute preemption (no torch).
 
-Each ``schedule()`` (1) reserves cross-attention blocks, first come first
-served, for requests waiting for them and hands them out in ``to_encode``;
-(2) gives every running sequence one new self-attention slot, preempting the
-most recently arrived running sequence when self blocks run out; (3) if
-nothing was preempted, admits encoded waiting sequences (prefill of all their
-uncomputed tokens) while blocks, ``max_num_seqs`` and ``max_num_batched_tokens``
-allow. Preemption is recompute: the victim's self blocks are freed, its cross
-blocks kept, and it re-prefills prompt + output tokens later.
+vLLM v1 / nano-vllm style. Queues are ordered by ``(priority, arrival_order)``:
+lower priority value first (vLLM's convention), first come first served among
+equals; the default priority 0 for every request gives plain FCFS.
+
+Each ``schedule()``:
+
+1. **Cross blocks.** The best waiting request gets its cross-attention blocks
+   (``ceil(encoder_len / block_size)``) reserved and is handed out in
+   ``to_encode`` only when its cross blocks AND its first self blocks (the
+   prompt's, on top of those promised to requests already encoding or
+   waiting) fit. Head of line: a request that does not fit blocks those
+   behind it, so a long request is never starved by short ones.
+2. **Decode.** Every running sequence, best first, gets one new self slot.
+   When self blocks run out a victim is preempted: the running sequence with
+   the lowest priority (largest value), latest arrival among equals; it may
+   be the sequence asking.
+3. **Admission (prefill).** Unless step 2 preempted, encoded waiting
+   sequences start, best first, while ``max_num_seqs`` seats, the
+   ``max_num_batched_tokens`` budget and free self blocks allow. A waiting
+   sequence that does not fit may preempt running sequences of strictly lower
+   priority (never of equal priority, so FCFS never thrashes).
+
+Preemption mode: **recompute**. The victim's self-attention blocks are freed;
+its cross-attention blocks are KEPT (its cross KV stays valid, so it is never
+re-encoded), its prompt and generated tokens are kept, and it goes back to the
+waiting queue at its original place (``(priority, arrival_order)``). When it is
+admitted again its prefill recomputes the self KV of prompt + output tokens
+(hence ``check_capacity`` requires the longest such prefill to fit
+``max_num_batched_tokens``) and then samples the next token exactly as the
+uninterrupted run would have: the per-request sampler state (seeded
+generator) lives outside the scheduler and is untouched by preemption.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from bisect import insort
 from dataclasses import dataclass, field
 
 from decoder_svc.block_manager import BlockManager
 from decoder_svc.sequence import Sequence, SequenceStatus
+
+
+def queue_key(seq: Sequence) -> tuple[int, int]:
+    """Queue order: lower ``priority`` first, then earlier arrival (FCFS)."""
+    return (seq.priority, seq.arrival_order)
 
 
 class CapacityError(ValueError):
@@ -71,10 +99,11 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.requests: dict[str, Sequence] = {}  # every unfinished sequence
-        self.waiting_cross: deque[Sequence] = deque()
+        self.waiting_cross: list[Sequence] = []  # sorted by queue_key
         self.encoding: dict[str, Sequence] = {}
-        self.waiting: deque[Sequence] = deque()
+        self.waiting: list[Sequence] = []  # sorted by queue_key
         self.running: list[Sequence] = []
+        self.num_preemptions = 0  # since start, for metrics
 
     # --- admission ------------------------------------------------------
     def check_capacity(self, seq: Sequence) -> None:
@@ -101,7 +130,7 @@ class Scheduler:
             )
 
     def add(self, seq: Sequence) -> None:
-        """Queues ``seq`` for cross blocks.
+        """Queues ``seq`` for cross blocks (in ``(priority, arrival_order)`` order).
 
         Raises:
             CapacityError: it can never fit (message names the numbers).
@@ -112,7 +141,7 @@ class Scheduler:
         self.check_capacity(seq)
         seq.status = SequenceStatus.WAITING_CROSS_BLOCKS
         self.requests[seq.request_id] = seq
-        self.waiting_cross.append(seq)
+        insort(self.waiting_cross, seq, key=queue_key)
 
     def mark_encoded(self, request_id: str) -> None:
         """The encoder has filled ``request_id``'s cross blocks: it may now run."""
@@ -120,34 +149,92 @@ class Scheduler:
         if seq is None:
             raise KeyError(f"request {request_id!r} is not encoding")
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        insort(self.waiting, seq, key=queue_key)
+
+    def fork(self, parent_id: str, child: Sequence) -> list[tuple[int, int]]:
+        """Adds ``child`` (n > 1 samples, beams) sharing ``parent_id``'s cross KV and computed self KV.
+
+        ``child`` must carry the parent's token ids up to the parent's
+        ``num_computed_tokens`` (later ones may differ) and its own request id
+        and sampling params. A RUNNING parent's child runs from the next step
+        with the parent's full self blocks shared and the partly filled one
+        copied (``BlockManager.fork``) when a batch seat and a self block are
+        free; otherwise, and for a WAITING parent, the child waits with only
+        the cross blocks shared and prefills its tokens when admitted.
+
+        Returns:
+            ``(src, dst)`` self block copies for the model runner (see ``BlockManager.fork``).
+
+        Raises:
+            KeyError: ``parent_id`` is not unfinished here.
+            ValueError: the parent's cross KV is not written yet (still queued
+                or encoding), the child's id is taken, or its tokens differ
+                from the parent's computed ones.
+        """
+        parent = self.requests[parent_id]
+        if parent.status not in (SequenceStatus.RUNNING, SequenceStatus.WAITING):
+            raise ValueError(f"cannot fork {parent_id!r} while {parent.status.name}: its cross KV is not written yet")
+        if child.request_id in self.requests:
+            raise ValueError(f"duplicate request id {child.request_id!r}")
+        computed = parent.num_computed_tokens
+        if child.all_token_ids[:computed] != parent.all_token_ids[:computed]:
+            raise ValueError(f"{child.request_id!r} does not start with {parent_id!r}'s {computed} computed tokens")
+        self.check_capacity(child)
+        bm = self.block_manager
+        copies: list[tuple[int, int]] = []
+        runs = (
+            parent.status is SequenceStatus.RUNNING
+            and len(self.running) < self.max_num_seqs
+            and (computed % bm.block_size == 0 or bm.num_free_self_blocks >= 1)
+        )
+        if runs:
+            copies = bm.fork(parent, child)
+            child.status = SequenceStatus.RUNNING
+            self.running.append(child)
+        else:
+            bm.share_cross(parent, child)
+            child.status = SequenceStatus.WAITING
+            insort(self.waiting, child, key=queue_key)
+        self.requests[child.request_id] = child
+        return copies
+
+    def _promised_self_blocks(self) -> int:
+        """Self blocks the encoding and waiting sequences need to start (their prefill)."""
+        bm = self.block_manager
+        return sum(bm.num_blocks_for(s.num_tokens) for s in (*self.encoding.values(), *self.waiting))
 
     # --- one step -------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """Plans one step (see the module docstring); allocates the blocks it plans."""
         bm = self.block_manager
         out = SchedulerOutput()
 
-        # (a) cross blocks, FCFS (head of line blocks the rest).
-        while self.waiting_cross and bm.can_allocate_cross(self.waiting_cross[0]):
-            seq = self.waiting_cross.popleft()
+        # (1) cross blocks + first self blocks must fit; head of line blocks the rest.
+        promised = self._promised_self_blocks()
+        while self.waiting_cross:
+            seq = self.waiting_cross[0]
+            first_self = bm.num_blocks_for(seq.num_tokens)
+            if not bm.can_allocate_cross(seq) or promised + first_self > bm.num_free_self_blocks:
+                break
+            self.waiting_cross.pop(0)
             bm.allocate_cross(seq)
+            promised += first_self
             seq.status = SequenceStatus.ENCODING
             self.encoding[seq.request_id] = seq
             out.to_encode.append(seq)
 
-        # (b) one slot for every running sequence, preempting the newest on shortage.
+        # (2) one slot for every running sequence, best first; preempt the worst on shortage.
         budget = self.max_num_batched_tokens
         scheduled: dict[str, int] = {}  # request_id -> tokens, insertion = batch order
-        for seq in list(self.running):
+        for seq in sorted(self.running, key=queue_key):
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = seq.num_tokens - seq.num_computed_tokens
             if n > budget:
                 break
             while not bm.can_append_slots(seq, n):
-                victim = max(self.running, key=lambda s: s.arrival_order)
-                if victim.request_id in scheduled:
-                    budget += scheduled.pop(victim.request_id)
+                victim = max(self.running, key=queue_key)
+                budget += scheduled.pop(victim.request_id, 0)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
@@ -157,14 +244,19 @@ class Scheduler:
                 scheduled[seq.request_id] = n
                 budget -= n
 
-        # (c) admit waiting sequences (prefill) unless this step had to preempt.
+        # (3) admit waiting sequences (prefill) unless this step had to preempt for decodes.
         if not out.preempted:
-            while self.waiting and len(self.running) < self.max_num_seqs:
+            while self.waiting:
                 seq = self.waiting[0]
                 n = seq.num_tokens - seq.num_computed_tokens
-                if n > budget or not bm.can_append_slots(seq, n):
+                victims = self._victims_for(seq, n, budget, scheduled)
+                if victims is None:
                     break
-                self.waiting.popleft()
+                for victim in victims:
+                    budget += scheduled.pop(victim.request_id, 0)
+                    self._preempt(victim)
+                    out.preempted.append(victim)
+                self.waiting.pop(0)
                 bm.append_slots(seq, n)
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
@@ -176,13 +268,32 @@ class Scheduler:
             out.num_scheduled_tokens.append(n)
         return out
 
+    def _victims_for(self, seq: Sequence, n: int, budget: int, scheduled: dict[str, int]) -> list[Sequence] | None:
+        """Running sequences to preempt so ``seq`` can prefill ``n`` tokens: [] if it fits
+        as is; the fewest of strictly lower priority (worst first) if that suffices; else None."""
+        bm = self.block_manager
+        need = bm.num_new_self_blocks(seq, n)
+        free, seats = bm.num_free_self_blocks, self.max_num_seqs - len(self.running)
+        victims: list[Sequence] = []
+        candidates = sorted((r for r in self.running if r.priority > seq.priority), key=queue_key, reverse=True)
+        while not (need <= free and seats >= 1 and n <= budget):
+            if not candidates:
+                return None
+            victim = candidates.pop(0)
+            victims.append(victim)
+            free += bm.num_freeable_self_blocks(victim)
+            seats += 1
+            budget += scheduled.get(victim.request_id, 0)
+        return victims
+
     def _preempt(self, seq: Sequence) -> None:
-        """Recompute preemption: drop self KV, keep cross KV, back to the front of WAITING."""
+        """Recompute preemption: drop self KV, keep cross KV, back into WAITING at its place."""
         self.running.remove(seq)
         self.block_manager.free_self(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        insort(self.waiting, seq, key=queue_key)
+        self.num_preemptions += 1
 
     def update_from_output(self, seq_ids: list[str], token_ids: list[int]) -> list[Sequence]:
         """Appends each scheduled sequence's sampled token; returns the sequences that finished.

@@ -1,7 +1,10 @@
-"""Scheduler: cross-block reservation, admission, decode, recompute preemption, finish, abort."""
+"""Scheduler: cross-block reservation, admission, priority, decode, recompute preemption, fork, finish, abort."""
+
+import subprocess
+import sys
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from decoder_svc.block_manager import BlockManager
@@ -12,8 +15,8 @@ from shared.sampling_params import SamplingParams
 EOS = 0
 
 
-def make_seq(rid, encoder_len=8, prompt=(1, 2), max_tokens=None, max_total_len=32):
-    return Sequence(rid, list(prompt), encoder_len, SamplingParams(max_tokens=max_tokens), EOS, max_total_len)
+def make_seq(rid, encoder_len=8, prompt=(1, 2), max_tokens=None, max_total_len=32, priority=0):
+    return Sequence(rid, list(prompt), encoder_len, SamplingParams(max_tokens=max_tokens), EOS, max_total_len, priority)
 
 
 def fake_token(seq, stop_at=None):
@@ -96,28 +99,31 @@ def test_capacity_errors_name_numbers():
         sched.add(make_seq("ok", max_tokens=6))
 
 
-def test_preemption_recomputes_same_tokens():
+@pytest.mark.parametrize("priorities, first_victim", [((0, 0, 0), "r2"), ((2, 0, 1), "r0"), ((0, 1, 1), "r2")])
+def test_preemption_recomputes_same_tokens(priorities, first_victim):
     def run(num_self_blocks):
         bm = BlockManager(num_self_blocks, 16, block_size=2)
         sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=32)
         preempted, outputs = [], {}
-        for i in range(3):
-            sched.add(make_seq(f"r{i}", max_tokens=10))
+        for i, priority in enumerate(priorities):
+            sched.add(make_seq(f"r{i}", max_tokens=10, priority=priority))
         while sched.has_unfinished():
             so, finished = step(sched)
             preempted += [s.request_id for s in so.preempted]
             outputs.update({s.request_id: s.output_token_ids for s in finished})
             for s in so.preempted:
+                # Recompute: self blocks dropped, cross KV kept, tokens kept, back in the waiting queue.
                 assert s.status is SequenceStatus.WAITING and s.block_table == [] and s.cross_block_ids
-                assert sched.waiting[0] is s or s in sched.waiting
+                assert s in sched.waiting and s.num_computed_tokens == 0
         assert bm.num_free_self_blocks == num_self_blocks and bm.num_free_cross_blocks == 16
-        return preempted, outputs
+        return preempted, outputs, sched.num_preemptions
 
-    no_preempt, reference = run(64)
-    assert no_preempt == []
-    preempted, outputs = run(6)
+    no_preempt, reference, count = run(64)
+    assert no_preempt == [] and count == 0
+    preempted, outputs, count = run(6)
     assert outputs == reference  # 12 slots for three sequences of up to 11 fed tokens each
-    assert preempted and preempted[0] == "r2"  # the most recently arrived goes first
+    assert preempted and preempted[0] == first_victim  # lowest priority, then latest arrival
+    assert count == len(preempted)
 
 
 def test_preempted_goes_to_front_and_keeps_tokens():
@@ -178,26 +184,41 @@ def check_invariants(sched):
 
 ops = st.lists(
     st.one_of(
-        st.tuples(st.just("add"), st.integers(1, 24), st.integers(1, 12)),  # encoder_len, max_tokens
-        st.tuples(st.just("step"), st.integers(0, 3), st.integers(0, 100)),  # how many to mark encoded, eos odds
-        st.tuples(st.just("abort"), st.integers(0, 30), st.just(0)),
+        st.tuples(st.just("add"), st.integers(1, 24), st.integers(1, 12), st.integers(-1, 2)),  # encoder_len, max_tokens, priority
+        st.tuples(st.just("add"), st.integers(1, 8), st.integers(6, 12), st.integers(-1, 2)),
+        st.tuples(st.just("step"), st.integers(0, 3), st.integers(0, 100), st.just(0)),  # how many to mark encoded, eos odds
+        st.tuples(st.just("step"), st.integers(1, 3), st.integers(0, 30), st.just(0)),
+        st.tuples(st.just("abort"), st.integers(0, 30), st.just(0), st.just(0)),
+        st.tuples(st.just("fork"), st.integers(0, 30), st.integers(0, 1000), st.just(0)),  # parent, child's next token
     ),
-    max_size=60,
+    max_size=80,
 )
 
 
+def fork_child(sched, parent, rid, token):
+    """A sample of ``parent`` diverging after its computed tokens (as n > 1 / beams would)."""
+    child = make_seq(rid, parent.encoder_len, parent.prompt_token_ids, parent.sampling_params.max_tokens,
+                     parent.max_total_len, parent.priority)
+    kept = parent.all_token_ids[: max(parent.num_computed_tokens, parent.num_prompt_tokens)]
+    child.output_token_ids = kept[parent.num_prompt_tokens:]
+    if child.num_tokens < child.max_len - 1:
+        child.output_token_ids.append(1 + token)
+    return sched.fork(parent.request_id, child)
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=ops, num_self=st.integers(7, 16), num_cross=st.integers(6, 12), block_size=st.integers(1, 4))
+@given(ops=ops, num_self=st.integers(4, 10), num_cross=st.integers(6, 12), block_size=st.integers(1, 4))
 def test_property_no_leaks(ops, num_self, num_cross, block_size):
+    """Random add / step (decode, preempt, finish) / abort / fork: blocks and refcounts always add up."""
     bm = BlockManager(num_self, num_cross, block_size)
     sched = Scheduler(bm, max_num_seqs=3, max_num_batched_tokens=16)
     ids = []
-    for op, x, y in ops:
+    for op, x, y, z in ops:
         if op == "add":
             rid = f"r{len(ids)}"
             ids.append(rid)
             try:
-                sched.add(make_seq(rid, encoder_len=x, max_tokens=y, max_total_len=14))
+                sched.add(make_seq(rid, encoder_len=x, max_tokens=y, max_total_len=14, priority=z))
             except CapacityError:
                 pass
         elif op == "step":
@@ -206,7 +227,18 @@ def test_property_no_leaks(ops, num_self, num_cross, block_size):
                 sched.mark_encoded(seq.request_id)
             toks = [EOS if (y and fake_token(s) % 100 < y // 10) else fake_token(s) for s in so.scheduled_seqs]
             sched.update_from_output([s.request_id for s in so.scheduled_seqs], toks)
-        elif ids:
+        elif op == "fork":
+            forkable = [s for s in sched.requests.values() if s.status in (SequenceStatus.RUNNING, SequenceStatus.WAITING)]
+            if forkable:
+                parent = forkable[x % len(forkable)]
+                rid = f"r{len(ids)}"
+                ids.append(rid)
+                copies = fork_child(sched, parent, rid, y)
+                child = sched.requests[rid]
+                event(f"fork -> {child.status.name}")
+                for src, dst in copies:
+                    assert src in parent.block_table and dst in child.block_table and bm.self_pool.ref_counts[dst] == 1
+        elif op == "abort" and ids:
             sched.abort(ids[x % len(ids)])
         check_invariants(sched)
     # Drain: everything finishes or is aborted, and every block comes back.
@@ -220,3 +252,97 @@ def test_property_no_leaks(ops, num_self, num_cross, block_size):
     assert not sched.has_unfinished()
     assert bm.num_free_self_blocks == num_self and bm.num_free_cross_blocks == num_cross
     assert sum(bm.self_pool.ref_counts) == 0 and sum(bm.cross_pool.ref_counts) == 0
+    event(f"preemptions: {min(sched.num_preemptions, 3)}")
+
+
+def drain_encoding(sched):
+    so = sched.schedule()
+    for seq in so.to_encode:
+        sched.mark_encoded(seq.request_id)
+    return so
+
+
+def test_priority_orders_cross_blocks_and_admission_ties_fcfs():
+    sched = Scheduler(BlockManager(64, 4, block_size=4), max_num_seqs=1, max_num_batched_tokens=64)
+    for rid, prio in (("low", 5), ("mid-a", 1), ("high", -2), ("mid-b", 1)):
+        sched.add(make_seq(rid, encoder_len=8, priority=prio))
+    assert [s.request_id for s in sched.waiting_cross] == ["high", "mid-a", "mid-b", "low"]
+    so = drain_encoding(sched)
+    assert [s.request_id for s in so.to_encode] == ["high", "mid-a"]  # 2 cross blocks each, 4 in the pool
+    so = sched.schedule()
+    assert [s.request_id for s in so.scheduled_seqs] == ["high"]  # one seat
+    assert [s.request_id for s in sched.waiting] == ["mid-a"]
+
+
+def test_waiting_higher_priority_preempts_lower_never_equal():
+    bm = BlockManager(64, 64, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=64)
+    sched.add(make_seq("a", priority=3))
+    sched.add(make_seq("b", priority=3))
+    drain_encoding(sched)
+    step(sched)
+    assert {s.request_id for s in sched.running} == {"a", "b"}
+    sched.add(make_seq("c", priority=3))  # equal priority: waits for a seat
+    drain_encoding(sched)
+    so, _ = step(sched)
+    assert so.preempted == [] and sched.waiting[0].request_id == "c"
+    sched.add(make_seq("urgent", priority=0))
+    drain_encoding(sched)
+    so, _ = step(sched)
+    assert [s.request_id for s in so.preempted] == ["b"]  # the latest arrival of the lowest priority
+    assert "urgent" in [s.request_id for s in so.scheduled_seqs] and "b" not in [s.request_id for s in so.scheduled_seqs]
+    assert [s.request_id for s in sched.waiting] == ["b", "c"]  # b keeps its place before c
+    check_invariants(sched)
+
+
+def test_cross_blocks_reserved_only_when_first_self_blocks_fit():
+    bm = BlockManager(3, 16, block_size=2)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=32)
+    sched.add(make_seq("a", prompt=(1, 2, 3), max_tokens=2))  # prompt needs 2 self blocks
+    sched.add(make_seq("b", prompt=(1, 2, 3), max_tokens=2))
+    so = sched.schedule()
+    # Cross blocks are plentiful, but a's prefill is promised 2 of the 3 self blocks: b must wait.
+    assert [s.request_id for s in so.to_encode] == ["a"] and bm.num_free_cross_blocks == 12
+    sched.mark_encoded("a")
+    so = sched.schedule()
+    assert [s.request_id for s in so.scheduled_seqs] == ["a"] and so.to_encode == []
+    sched.abort("a")
+    assert [s.request_id for s in sched.schedule().to_encode] == ["b"]
+
+
+def test_fork_shares_full_blocks_and_copies_the_partial_one():
+    bm = BlockManager(8, 8, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
+    parent = make_seq("p", prompt=(1, 2, 3, 4, 5), max_tokens=8)
+    with pytest.raises(KeyError):
+        sched.fork("p", make_seq("c0"))
+    sched.add(parent)
+    sched.schedule()
+    with pytest.raises(ValueError, match="ENCODING"):
+        sched.fork("p", make_seq("c0"))
+    sched.mark_encoded("p")
+    sched.schedule()
+    sched.update_from_output(["p"], [7])  # 5 computed tokens: block 0 full, block 1 holds 1
+    child = make_seq("c", prompt=(1, 2, 3, 4, 5), max_tokens=8)
+    child.output_token_ids = [8]  # a different sample after the shared prefix
+    copies = sched.fork("p", child)
+    assert child.block_table[0] == parent.block_table[0] and bm.self_pool.ref_counts[parent.block_table[0]] == 2
+    assert copies == [(parent.block_table[1], child.block_table[1])] and child.num_computed_tokens == 5
+    assert child.cross_block_ids == parent.cross_block_ids and child.status is SequenceStatus.RUNNING
+    with pytest.raises(ValueError, match="computed tokens"):
+        sched.fork("p", make_seq("bad", prompt=(9, 9, 9, 9, 9)))
+    check_invariants(sched)
+    while sched.has_unfinished():
+        step(sched)
+        check_invariants(sched)
+    assert bm.num_free_self_blocks == 8 and bm.num_free_cross_blocks == 8
+
+
+def test_scheduler_and_block_manager_never_import_torch():
+    code = (
+        "import sys, decoder_svc.scheduler, decoder_svc.block_manager, decoder_svc.sequence, decoder_svc.kv_budget; "
+        "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')); "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
