@@ -81,3 +81,91 @@ class IncrementalDetokenizer:
     def text(self) -> str:
         """All text emitted so far."""
         return self.emitted
+
+
+class OutputText:
+    """One sequence's streamed text: incremental detokenization plus stop strings.
+
+    ``text`` is the output text so far (cut at a matched stop string);
+    ``pop_delta`` hands out the part not yet streamed, minus the held-back
+    tail: the longest suffix that is a proper prefix of some stop string, so
+    text that may turn out to be the start of a stop string is never streamed.
+    A stop string is found wherever token boundaries fall (inside one token,
+    across several), because matching runs on the text, not the tokens.
+
+    Joining every ``pop_delta`` of a sequence gives the full decode (as
+    ``IncrementalDetokenizer``), cut before the first stop string match (after
+    it with ``include_stop_str_in_output``).
+
+    Args:
+        tokenizer: a HF tokenizer.
+        stop: stop strings (non-empty).
+        include_stop_str_in_output: keep the matched stop string (or the text of
+            a stop token given to ``finish``).
+    """
+
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), include_stop_str_in_output: bool = False) -> None:
+        self.detokenizer = IncrementalDetokenizer(tokenizer)
+        self.stop = tuple(stop)
+        self.include_stop_str_in_output = include_stop_str_in_output
+        self.text = ""
+        self.sent = 0  # characters of ``text`` already streamed
+        self.finished = False
+
+    def add_token(self, token_id: int, check_stop: bool = True) -> str | None:
+        """Detokenizes one more token; returns the stop string it completed (the text is cut), or None.
+
+        ``check_stop=False`` (``min_tokens`` not reached) only extends the text.
+        """
+        if self.finished:
+            raise RuntimeError("add_token after the text finished")
+        prev = len(self.text)
+        self.text += self.detokenizer.add_tokens([token_id])
+        if not check_stop or len(self.text) == prev or not self.stop:
+            return None
+        match = self._find_stop(prev)
+        if match is None:
+            return None
+        idx, stop = match
+        self.text = self.text[: idx + len(stop) if self.include_stop_str_in_output else idx]
+        self.finished = True
+        return stop
+
+    def _find_stop(self, prev: int) -> tuple[int, str] | None:
+        """Earliest stop string ending in the text added after ``prev`` characters: (index, string)."""
+        best = None
+        for s in self.stop:
+            idx = self.text.find(s, max(self.sent, prev - len(s) + 1))
+            if idx >= 0 and (best is None or idx < best[0]):
+                best = (idx, s)
+        return best
+
+    def finish(self, final_token_id: int | None = None) -> None:
+        """The sequence ended without a stop string: optionally detokenize its last
+        (stop) token, then release the held-back text and any trailing bytes."""
+        if self.finished:
+            return
+        if final_token_id is not None:
+            self.text += self.detokenizer.add_tokens([final_token_id])
+        self.text += self.detokenizer.flush()
+        self.finished = True
+
+    def _held_back(self) -> int:
+        """Characters at the end of ``text`` that might begin a stop string."""
+        if self.finished or not self.stop:
+            return 0
+        unsent = len(self.text) - self.sent
+        best = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, unsent), best, -1):
+                if self.text.endswith(s[:k]):
+                    best = k
+                    break
+        return best
+
+    def pop_delta(self) -> str:
+        """Text ready to stream since the previous call ("" while everything new is held back)."""
+        end = max(self.sent, len(self.text) - self._held_back())
+        delta = self.text[self.sent : end]
+        self.sent = end
+        return delta

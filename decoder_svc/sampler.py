@@ -1,26 +1,43 @@
 """Per-row token sampling over a batch of logits.
 
-Order follows HF ``generate``: logits processors first (Whisper's
-``SuppressTokensLogitsProcessor`` on every step and
-``SuppressTokensAtBeginLogitsProcessor`` on the first generated token, both
-setting scores to ``-inf``; BART-family ``ForcedBOSTokenLogitsProcessor`` at
-``cur_len == 1`` and ``ForcedEOSTokenLogitsProcessor`` at
-``cur_len == max_length - 1``, leaving only the forced token), then warpers in HF order: temperature, top-k,
-top-p (``TemperatureLogitsWarper``, ``TopKLogitsWarper``, ``TopPLogitsWarper``
-with ``min_tokens_to_keep=1``), then greedy argmax or a multinomial draw from
-each request's own ``torch.Generator`` so a seeded request gets the same
-tokens whatever else shares its batch.
+Order follows HF ``generate`` (``GenerationMixin._get_logits_processor``).
+Logits processors, on greedy and sampled rows alike:
+
+1. ``repetition_penalty`` (``RepetitionPenaltyLogitsProcessor``) and
+2. ``no_repeat_ngram_size`` (``NoRepeatNGramLogitsProcessor``), both over the
+   row's decoder tokens (prompt + output, HF's ``input_ids``);
+3. ``min_tokens`` (``MinNewTokensLengthLogitsProcessor``): the end token and
+   ``stop_token_ids`` masked until that many tokens were generated;
+4. BART-family ``ForcedBOSTokenLogitsProcessor`` at ``cur_len == 1`` and
+   ``ForcedEOSTokenLogitsProcessor`` at ``cur_len == max_length - 1``, leaving
+   only the forced token;
+5. Whisper's ``SuppressTokensLogitsProcessor`` (every step) and
+   ``SuppressTokensAtBeginLogitsProcessor`` (first generated token), ``-inf``.
+
+Then for sampled rows the warpers in HF order: temperature, top-k, top-p,
+min-p (``TemperatureLogitsWarper``, ``TopKLogitsWarper``, ``TopPLogitsWarper``,
+``MinPLogitsWarper``, all with ``min_tokens_to_keep=1``), and a multinomial
+draw from each request's own ``torch.Generator`` so a seeded request gets the
+same tokens whatever else shares its batch; greedy rows take the argmax.
+
+Log-probabilities (rows with ``params.logprobs``) are ``log_softmax`` of the
+scores the token was picked from: after the processors, and for sampled rows
+after the warpers too (vLLM's ``logprobs_mode="processed_logprobs"``; vLLM
+v1's own default is the raw model output). So the picked token always has a
+finite logprob, and a greedy row's token is its top-1 alternative.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from shared.sampling_params import SamplingParams
+
+NEG_INF = -float("inf")
 
 
 @dataclass
@@ -34,19 +51,41 @@ class SamplingRow:
     max_len: int = 0  # the sequence's max tokens (prompt + output); 0 = unknown
     num_output_tokens: int = 0  # generated tokens so far (``min_tokens`` counts these)
     stop_token_ids: tuple[int, ...] = ()  # ids masked while num_output_tokens < params.min_tokens
+    token_ids: Seq[int] = ()  # decoder tokens (prompt + output); only filled when a penalty needs them
 
     @classmethod
     def from_sequence(cls, seq) -> "SamplingRow":
         """The row of a ``decoder_svc.sequence.Sequence`` about to sample its next token."""
-        return cls(seq.request_id, seq.sampling_params, seq.num_output_tokens == 0, seq.num_tokens, seq.max_len,
-                   seq.num_output_tokens, seq.stop_token_ids)
+        p = seq.sampling_params
+        history = seq.all_token_ids if (p.repetition_penalty != 1.0 or p.no_repeat_ngram_size) else ()
+        return cls(seq.request_id, p, seq.num_output_tokens == 0, seq.num_tokens, seq.max_len,
+                   seq.num_output_tokens, seq.stop_token_ids, history)
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probabilities of one sampled token.
+
+    Attributes:
+        token_id: the sampled token.
+        logprob: its log-probability (natural log; see the module docstring for
+            which distribution).
+        rank: 1 + how many tokens have a strictly larger logprob.
+        top: up to ``params.top_logprobs`` (token_id, logprob) pairs, most likely
+            first; tokens filtered to ``-inf`` are left out.
+    """
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return logits / temperature
 
 
-def apply_top_k(logits: torch.Tensor, top_k: int, filter_value: float = -float("inf")) -> torch.Tensor:
+def apply_top_k(logits: torch.Tensor, top_k: int, filter_value: float = NEG_INF) -> torch.Tensor:
     """``[..., V]``: keep scores >= the k-th largest (ties kept), as HF ``TopKLogitsWarper``."""
     if top_k <= 0:
         return logits
@@ -55,7 +94,7 @@ def apply_top_k(logits: torch.Tensor, top_k: int, filter_value: float = -float("
     return logits.masked_fill(logits < kth, filter_value)
 
 
-def apply_top_p(logits: torch.Tensor, top_p: float, filter_value: float = -float("inf")) -> torch.Tensor:
+def apply_top_p(logits: torch.Tensor, top_p: float, filter_value: float = NEG_INF) -> torch.Tensor:
     """``[..., V]``: nucleus filter exactly as HF ``TopPLogitsWarper`` (keeps at least one token)."""
     if top_p >= 1.0:
         return logits
@@ -67,6 +106,43 @@ def apply_top_p(logits: torch.Tensor, top_p: float, filter_value: float = -float
     return logits.masked_fill(remove, filter_value)
 
 
+def apply_min_p(logits: torch.Tensor, min_p: float, filter_value: float = NEG_INF) -> torch.Tensor:
+    """``[..., V]``: drop tokens with probability < ``min_p * p_max`` (HF ``MinPLogitsWarper``; the top token is kept)."""
+    if min_p <= 0.0:
+        return logits
+    probs = logits.softmax(dim=-1)
+    top = probs.amax(dim=-1, keepdim=True)
+    remove = probs < min_p * top
+    remove.scatter_(-1, probs.argmax(dim=-1, keepdim=True), False)
+    return logits.masked_fill(remove, filter_value)
+
+
+def apply_repetition_penalty(logits: torch.Tensor, token_ids: Seq[int], penalty: float) -> torch.Tensor:
+    """``[V]`` in place: every id in ``token_ids`` scores ``s / penalty`` if ``s >= 0`` else ``s * penalty``
+    (HF ``RepetitionPenaltyLogitsProcessor``; ids outside ``[0, V)`` are ignored)."""
+    if penalty == 1.0 or not token_ids:
+        return logits
+    v = logits.shape[-1]
+    ids = torch.tensor(sorted({t for t in token_ids if 0 <= t < v}), dtype=torch.long)
+    scores = logits[ids]
+    logits[ids] = torch.where(scores < 0, scores * penalty, scores / penalty)
+    return logits
+
+
+def banned_ngram_tokens(token_ids: Seq[int], n: int) -> list[int]:
+    """Tokens that would complete an n-gram already in ``token_ids`` (HF ``NoRepeatNGramLogitsProcessor``).
+
+    The last ``n - 1`` tokens are matched against every earlier window of
+    ``n - 1`` tokens; each match bans the token that followed it. O(len * n).
+    """
+    cur = len(token_ids)
+    if n <= 0 or cur < n:
+        return []
+    ids = list(token_ids)
+    prefix = ids[cur - n + 1 :]
+    return [ids[j + n - 1] for j in range(cur - n + 1) if ids[j : j + n - 1] == prefix]
+
+
 class Sampler:
     """Picks one token per row.
 
@@ -75,6 +151,9 @@ class Sampler:
         begin_suppress_tokens: ids masked on a sequence's first generated token.
         forced_bos_token_id: the only allowed token when ``row.num_tokens == 1``.
         forced_eos_token_id: the only allowed token when ``row.num_tokens == row.max_len - 1``.
+
+    After each call, ``take_logprobs()`` returns the step's ``TokenLogprobs`` of
+    the rows that asked for them.
     """
 
     def __init__(self, suppress_tokens: Seq[int] = (), begin_suppress_tokens: Seq[int] = (),
@@ -84,6 +163,7 @@ class Sampler:
         self.forced_bos_token_id = forced_bos_token_id
         self.forced_eos_token_id = forced_eos_token_id
         self._generators: dict[str, torch.Generator] = {}
+        self._logprobs: dict[str, TokenLogprobs] = {}
 
     def generator(self, request_id: str, seed: int | None) -> torch.Generator:
         """The request's own generator, created (seeded) on first use."""
@@ -98,18 +178,24 @@ class Sampler:
         """Forgets a finished or aborted request's generator."""
         self._generators.pop(request_id, None)
 
+    def take_logprobs(self) -> dict[str, TokenLogprobs]:
+        """request_id -> logprobs of the token the last call picked (rows with ``params.logprobs`` only)."""
+        out, self._logprobs = self._logprobs, {}
+        return out
+
     def process_logits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """``[N, V]`` float32 -> ``[N, V]`` after suppression and forced tokens (processors only, no warpers)."""
+        """``[N, V]`` float32 -> ``[N, V]`` after the logits processors (steps 1-5 of the module docstring)."""
         logits = logits.float().clone()
         for i, r in enumerate(rows):
-            if r.num_output_tokens < r.params.min_tokens and r.stop_token_ids:  # HF MinNewTokensLengthLogitsProcessor
-                logits[i, list(r.stop_token_ids)] = -float("inf")
-        if self.suppress_tokens.numel():
-            logits[:, self.suppress_tokens] = -float("inf")
-        first = [i for i, r in enumerate(rows) if r.is_first_token]
-        if first and self.begin_suppress_tokens.numel():
-            idx = torch.tensor(first, dtype=torch.long)
-            logits[idx[:, None], self.begin_suppress_tokens[None, :]] = -float("inf")
+            p = r.params
+            if p.repetition_penalty != 1.0:
+                apply_repetition_penalty(logits[i], r.token_ids, p.repetition_penalty)
+            if p.no_repeat_ngram_size:
+                banned = banned_ngram_tokens(r.token_ids, p.no_repeat_ngram_size)
+                if banned:
+                    logits[i, [t for t in banned if t < logits.shape[1]]] = NEG_INF
+            if r.num_output_tokens < p.min_tokens and r.stop_token_ids:  # HF MinNewTokensLengthLogitsProcessor
+                logits[i, list(r.stop_token_ids)] = NEG_INF
         for i, r in enumerate(rows):
             forced = None
             if self.forced_bos_token_id is not None and r.num_tokens == 1:
@@ -117,31 +203,55 @@ class Sampler:
             if self.forced_eos_token_id is not None and r.max_len and r.num_tokens == r.max_len - 1:
                 forced = self.forced_eos_token_id
             if forced is not None:
-                logits[i] = -float("inf")
+                logits[i] = NEG_INF
                 logits[i, forced] = 0.0
+        if self.suppress_tokens.numel():
+            logits[:, self.suppress_tokens] = NEG_INF
+        first = [i for i, r in enumerate(rows) if r.is_first_token]
+        if first and self.begin_suppress_tokens.numel():
+            idx = torch.tensor(first, dtype=torch.long)
+            logits[idx[:, None], self.begin_suppress_tokens[None, :]] = NEG_INF
         return logits
 
     @staticmethod
     def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-        """``[..., V]`` -> warped scores: temperature, then top-k, then top-p."""
+        """``[..., V]`` -> warped scores: temperature, top-k, top-p, then min-p."""
         logits = apply_temperature(logits, params.temperature)
         logits = apply_top_k(logits, params.top_k)
-        return apply_top_p(logits, params.top_p)
+        logits = apply_top_p(logits, params.top_p)
+        return apply_min_p(logits, params.min_p)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
         """``logits``: ``[N, V]`` (row i for ``rows[i]``) -> N token ids."""
         if logits.shape[0] != len(rows):
             raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} sampling rows")
+        self._logprobs = {}
         if not rows:
             return []
         logits = self.process_logits(logits, rows)
         out = logits.argmax(dim=-1).tolist()  # greedy rows are done in one batched op
         for i, row in enumerate(rows):
-            if row.params.greedy:
-                continue
-            probs = self.warp(logits[i], row.params).softmax(dim=-1)  # [V]
-            gen = self.generator(row.request_id, row.params.seed)
-            if not bool(torch.isfinite(probs).all()):  # never let one row's overflow fail the whole batch
-                continue  # keeps the row's argmax
-            out[i] = int(torch.multinomial(probs, 1, generator=gen).item())
+            scores = logits[i]
+            if not row.params.greedy:
+                warped = self.warp(scores, row.params)
+                probs = warped.softmax(dim=-1)  # [V]
+                gen = self.generator(row.request_id, row.params.seed)
+                if bool(torch.isfinite(probs).all()):  # never let one row's overflow fail the whole batch
+                    out[i] = int(torch.multinomial(probs, 1, generator=gen).item())
+                    scores = warped
+                # else: keeps the row's argmax (and reports the processed scores' logprobs)
+            if row.params.logprobs:
+                self._logprobs[row.request_id] = token_logprobs(scores, out[i], row.params.top_logprobs)
         return out
+
+
+def token_logprobs(scores: torch.Tensor, token_id: int, top_n: int) -> TokenLogprobs:
+    """``scores`` ``[V]`` -> the logprobs of ``token_id`` and the ``top_n`` most likely finite tokens."""
+    lp = torch.log_softmax(scores.float(), dim=-1)
+    chosen = lp[token_id]
+    rank = int((lp > chosen).sum()) + 1
+    top: list[tuple[int, float]] = []
+    if top_n:
+        vals, idx = torch.topk(lp, min(top_n, lp.shape[-1]))
+        top = [(int(t), float(v)) for v, t in zip(vals.tolist(), idx.tolist()) if v != NEG_INF]
+    return TokenLogprobs(int(token_id), float(chosen), rank, top)

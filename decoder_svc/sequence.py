@@ -45,6 +45,8 @@ class Sequence:
         sampling_params: how to pick each next token.
         eos_token_id: token that stops the sequence ("stop").
         max_total_len: model's max decoder length (prompt + output), e.g. 448.
+        output_text: the engine's detokenizer + stop-string matcher, or None.
+        stop_reason: the stop token id or stop string that ended a "stop" sequence.
         status: a `SequenceStatus`.
         block_table: self-attention KV block ids, in order.
         cross_block_ids: cross-attention KV block ids, allocated once.
@@ -79,6 +81,11 @@ class Sequence:
         self.num_computed_tokens = 0
         self.arrival_time = time.monotonic()
         self.arrival_order = next(_arrival_counter)
+        # Set by the engine: the ``decoder_svc.detokenizer.OutputText`` that turns
+        # output tokens into streamed text and finds stop strings (None: token-level stops only).
+        self.output_text = None
+        # What ended a "stop": the stop token id (the end token included) or the stop string.
+        self.stop_reason: int | str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -119,19 +126,36 @@ class Sequence:
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
         """Token ids that end the sequence ("stop") and that ``min_tokens`` masks:
-        the end token (unless ``ignore_eos``)."""
-        return () if self.sampling_params.ignore_eos else (self.eos_token_id,)
+        the end token (unless ``ignore_eos``) and ``sampling_params.stop_token_ids``."""
+        extra = self.sampling_params.stop_token_ids
+        return extra if self.sampling_params.ignore_eos else (self.eos_token_id, *extra)
 
     def check_stop(self) -> SequenceStatus | None:
-        """The finished status the last appended token implies, or None.
+        """The finished status the last appended token implies, or None; sets ``stop_reason``.
 
-        Before ``min_tokens`` new tokens only the length limit can end the
-        sequence (a forced end token at the model's max length ends it as "length").
+        Order: a stop token id ("stop", ``stop_reason`` = the id), then the new
+        text via ``output_text`` (a stop string: "stop", ``stop_reason`` = the
+        string), then the length limit ("length"). Before ``min_tokens`` new
+        tokens only the length limit can end the sequence (a forced end token
+        at the model's max length ends it as "length").
         """
-        if self.num_output_tokens >= self.sampling_params.min_tokens:
-            if self.output_token_ids and self.output_token_ids[-1] in self.stop_token_ids:
+        if not self.output_token_ids:
+            return None
+        last = self.output_token_ids[-1]
+        can_stop = self.num_output_tokens >= self.sampling_params.min_tokens
+        if can_stop and last in self.stop_token_ids:
+            self.stop_reason = last
+            if self.output_text is not None:
+                self.output_text.finish(last if self.sampling_params.include_stop_str_in_output else None)
+            return SequenceStatus.FINISHED_STOPPED
+        if self.output_text is not None:
+            matched = self.output_text.add_token(last, check_stop=can_stop)
+            if matched is not None:
+                self.stop_reason = matched
                 return SequenceStatus.FINISHED_STOPPED
         if self.num_tokens >= self.max_len:
+            if self.output_text is not None:
+                self.output_text.finish()
             return SequenceStatus.FINISHED_LENGTH
         return None
 

@@ -35,6 +35,12 @@ from shared.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
+_SCALAR_SAMPLING_FIELDS = frozenset({
+    "temperature", "top_k", "top_p", "seed", "max_tokens", "min_tokens", "ignore_eos", "min_p",
+    "repetition_penalty", "no_repeat_ngram_size", "include_stop_str_in_output", "logprobs", "top_logprobs",
+})
+_REPEATED_SAMPLING_FIELDS = frozenset({"stop", "stop_token_ids"})
+
 FINISH_REASONS = {
     "stop": decoder_pb2.FINISH_REASON_STOP,
     "length": decoder_pb2.FINISH_REASON_LENGTH,
@@ -90,10 +96,29 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         if name and name not in self.served_names:
             raise NotFoundError(f"model {name!r} is not served here; this decoder serves {self.config.model!r}")
 
-    @staticmethod
-    def _sampling(pb: decoder_pb2.SamplingParams) -> SamplingParams:
-        kwargs = {f: getattr(pb, f) for f in ("temperature", "top_k", "top_p", "seed", "max_tokens", "min_tokens", "ignore_eos") if pb.HasField(f)}
-        return SamplingParams(**kwargs)
+    def _sampling(self, pb: decoder_pb2.SamplingParams) -> SamplingParams:
+        """Proto -> ``SamplingParams``; unset fields keep their defaults.
+
+        Every field of the proto message must be listed here: an unknown one
+        (added to the proto but not implemented) is refused, never ignored.
+
+        Raises:
+            InvalidRequestError: a field out of range (the message names it) or not implemented.
+        """
+        unknown = sorted({f.name for f, _ in pb.ListFields()} - _SCALAR_SAMPLING_FIELDS - _REPEATED_SAMPLING_FIELDS)
+        if unknown:
+            raise InvalidRequestError(f"sampling.{unknown[0]} is not supported by this server; leave it unset")
+        kwargs = {f: getattr(pb, f) for f in _SCALAR_SAMPLING_FIELDS if pb.HasField(f)}
+        kwargs.update({f: tuple(getattr(pb, f)) for f in _REPEATED_SAMPLING_FIELDS})
+        try:
+            params = SamplingParams(**kwargs)
+        except ValueError as exc:
+            raise InvalidRequestError(f"sampling: {exc}") from exc
+        vocab = self.model.config.vocab_size
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise InvalidRequestError(f"sampling.stop_token_ids {bad} are outside the vocabulary [0, {vocab})")
+        return params
 
     # -- engine callbacks (event loop) --------------------------------------
     def _on_encode(self, request_id: str, block_ids: list[int]) -> None:
@@ -186,11 +211,17 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
                 final = item.finished
                 active.prompt_tokens, active.completion_tokens = item.prompt_tokens, item.completion_tokens
                 message = decoder_pb2.GenerateResponse(request_id=request_id, text=item.text, token_ids=item.new_token_ids)
+                if item.logprobs:
+                    message.logprobs.extend(_logprobs_pb(lp) for lp in item.logprobs)
                 if final:
                     reason = item.finish_reason
                     message.finish_reason = FINISH_REASONS[reason]
                     message.usage.CopyFrom(decoder_pb2.Usage(prompt_tokens=item.prompt_tokens, completion_tokens=item.completion_tokens, encoder_tokens=encoder_len))
                     message.applied_generation_defaults.extend(inp.applied)
+                    if isinstance(item.stop_reason, str):
+                        message.stop_str = item.stop_reason
+                    elif item.stop_reason is not None:
+                        message.stop_token_id = item.stop_reason
                     state = RequestState.ABORTED if reason == "abort" else RequestState.FINISHED
                     fields = {"finish_reason": reason, "prompt_tokens": item.prompt_tokens, "completion_tokens": item.completion_tokens}
                 if item.text or item.new_token_ids or final:
@@ -248,6 +279,11 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         stats = await self.loop.call(self.engine.stats)
         return decoder_pb2.DecoderStats(**{k: int(v) for k, v in stats.items() if k in decoder_pb2.DecoderStats.DESCRIPTOR.fields_by_name})
 
+
+def _logprobs_pb(lp) -> decoder_pb2.Logprobs:
+    """``decoder_svc.sampler.TokenLogprobs`` -> its proto message."""
+    return decoder_pb2.Logprobs(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank,
+                                top=[decoder_pb2.TokenLogprob(token_id=t, logprob=v) for t, v in lp.top])
 
 
 def build_engine(config: DecoderServiceConfig, model):

@@ -2,16 +2,30 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 # Temperatures below this sample greedily: dividing logits by a smaller one
 # overflows float32 (vLLM uses the same cut-off, ``_SAMPLING_EPS``).
 SAMPLING_EPS = 1e-5
+# The OpenAI API's cap on top_logprobs (vLLM's default max_logprobs is 20 too).
+MAX_TOP_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+
+
+def _finite(x: float) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick each next token.
+    """How to pick each next token and when to stop.
+
+    Processing order is HF ``generate``'s: repetition_penalty, no_repeat_ngram_size,
+    min_tokens, (the checkpoint's forced / suppressed tokens), then for sampled
+    rows temperature, top_k, top_p, min_p (``decoder_svc.sampler``).
 
     Attributes:
         temperature: softmax temperature; 0 (or anything below
@@ -30,6 +44,31 @@ class SamplingParams:
         ignore_eos: keep generating past the end token (it is still appended
             and counted) until max_tokens / the model's max length (vLLM's
             ``ignore_eos``; for benchmarks).
+        min_p: drop tokens whose probability is below ``min_p`` times the top
+            token's (HF ``MinPLogitsWarper``, after top_p); 0 = off; in [0, 1].
+        repetition_penalty: CTRL penalty (Keskar et al. 2019, HF
+            ``RepetitionPenaltyLogitsProcessor``): the score of every token id
+            already among the decoder tokens -- the decoder prompt (start token,
+            forced prefix) included, as HF applies it over ``decoder_input_ids``;
+            the encoder source is not counted -- is divided by it when positive,
+            multiplied when negative. 1 = off; finite and > 0.
+        no_repeat_ngram_size: ban any token that would repeat an n-gram of
+            this size among the decoder tokens (prompt included, as HF
+            ``NoRepeatNGramLogitsProcessor``); 0 = off.
+        stop: strings that end the sequence (finish reason "stop") when they
+            appear in the output text, wherever the token boundaries fall; the
+            text is cut before the match (after it with
+            ``include_stop_str_in_output``). At most ``MAX_STOP_STRINGS``, each
+            1..``MAX_STOP_STRING_CHARS`` characters.
+        stop_token_ids: token ids that end the sequence ("stop") besides the
+            end token; the stopping token's text is not streamed (unless
+            ``include_stop_str_in_output``). At most ``MAX_STOP_TOKEN_IDS``; each
+            must be in the model's vocabulary (checked by the engine).
+        include_stop_str_in_output: keep the matched stop string / stop token's
+            text in the output.
+        logprobs: return each generated token's log-probability.
+        top_logprobs: also return the N most likely tokens per step, 0..20;
+            needs ``logprobs``.
 
     Raises:
         ValueError: from ``validate`` with a message naming the bad field.
@@ -42,12 +81,22 @@ class SamplingParams:
     max_tokens: int | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    no_repeat_ngram_size: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         self.validate()
 
     def validate(self) -> None:
-        if not (self.temperature >= 0.0) or self.temperature != self.temperature or self.temperature == float("inf"):
+        if not (_finite(self.temperature) and self.temperature >= 0.0):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
@@ -61,6 +110,25 @@ class SamplingParams:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if self.seed is not None and not (0 <= self.seed < 2**63):
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p}")
+        if not (_finite(self.repetition_penalty) and self.repetition_penalty > 0.0):
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 disables it), got {self.repetition_penalty}")
+        if self.no_repeat_ngram_size < 0:
+            raise ValueError(f"no_repeat_ngram_size must be >= 0 (0 disables it), got {self.no_repeat_ngram_size}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
+        for s in self.stop:
+            if not isinstance(s, str) or not 1 <= len(s) <= MAX_STOP_STRING_CHARS:
+                raise ValueError(f"each stop string must be 1..{MAX_STOP_STRING_CHARS} characters, got {s!r:.80}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids has {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be >= 0, got {list(self.stop_token_ids)}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
 
     @property
     def greedy(self) -> bool:

@@ -62,3 +62,66 @@ def test_real_vocabulary_random_ids(tokenizer):
         assert "".join(deltas) == full
         if REPLACEMENT_CHAR not in full:
             assert all(REPLACEMENT_CHAR not in d for d in deltas)
+
+
+# -- byte-level BPE (BART's tokenizer family): property-style checks on multi-byte text ------------------------
+
+MULTIBYTE = ["日本語のテキスト", "中文字符", "한국어 문장", "emoji 🎉🎉 party 👩‍👩‍👧", "naïve café — “quoted” ½ €", "Ελληνικά κείμενο"]
+
+
+def byte_level_tokenizer(out_dir):
+    """A BART tokenizer (byte-level BPE, as ``text_checkpoints.build_bart``) trained on English plus multi-byte
+    text, so merges cut UTF-8 characters at many byte offsets. Loaded through ``AutoTokenizer`` as the server does."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import AutoTokenizer, BartTokenizer
+
+    from text_checkpoints import corpus
+
+    bpe = ByteLevelBPETokenizer()
+    texts = corpus(1500) + [f"{a} {b}" for a in MULTIBYTE for b in MULTIBYTE] * 3
+    bpe.train_from_iterator(texts, vocab_size=600, min_frequency=2, special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"], show_progress=False)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    bpe.save_model(str(out_dir))
+    BartTokenizer(vocab=str(out_dir / "vocab.json"), merges=str(out_dir / "merges.txt")).save_pretrained(out_dir)
+    return AutoTokenizer.from_pretrained(out_dir)
+
+
+@pytest.fixture(scope="module")
+def bpe_tokenizer(tmp_path_factory):
+    return byte_level_tokenizer(tmp_path_factory.mktemp("bpe"))
+
+
+def test_byte_level_splits_multibyte_characters(bpe_tokenizer):
+    """The premise of the property test: some tokens are not valid UTF-8 on their own."""
+    ids = bpe_tokenizer.encode(" 👩‍👩‍👧 日本語 ½", add_special_tokens=False)
+    assert any(REPLACEMENT_CHAR in bpe_tokenizer.decode([t]) for t in ids)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_byte_level_stream_property(bpe_tokenizer, seed):
+    """Random texts (and random ids) in random chunks: deltas never hold U+FFFD for a split character, every
+    prefix of the stream is a prefix of the full decode (no duplicated characters), and all deltas join to it."""
+    import random
+
+    from text_checkpoints import WORDS
+
+    rng = random.Random(seed)
+    vocab = len(bpe_tokenizer)
+    for case in range(25):
+        if case % 5 == 4:  # arbitrary ids, special tokens included: stray continuation bytes decode to U+FFFD
+            ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))]
+        else:
+            text = " ".join(rng.choice(MULTIBYTE + list(WORDS)) for _ in range(rng.randrange(1, 12)))
+            ids = [0] + bpe_tokenizer.encode(text, add_special_tokens=False) + [2]
+        full = bpe_tokenizer.decode(ids, skip_special_tokens=True)
+        detok = IncrementalDetokenizer(bpe_tokenizer)
+        deltas, i = [], 0
+        while i < len(ids):
+            n = rng.choice([1, 1, 1, 2, 3])
+            deltas.append(detok.add_tokens(ids[i : i + n]))
+            i += n
+            assert full.startswith("".join(deltas)), (ids, deltas)
+        deltas.append(detok.flush())
+        assert "".join(deltas) == full, ids
+        if REPLACEMENT_CHAR not in full:
+            assert all(REPLACEMENT_CHAR not in d for d in deltas), ids
