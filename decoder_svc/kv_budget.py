@@ -1,15 +1,16 @@
 """Sizing the two KV cache groups (self-attention, cross-attention) from a memory budget.
 
-Rule (documented in ``size_kv_cache``): a block of either group holds the same
-bytes, ``num_layers * 2 (K, V) * block_size * num_heads * head_dim * dtype
-bytes``, so a budget is first turned into a number of blocks, then split
-between the groups in proportion to what ONE max-length request needs of each:
-``ceil((max_decoder_len - 1) / block_size)`` self blocks (the last sampled
+Rule (``size_kv_cache``): a block holds ``num_layers * 2 (K, V) * block_size *
+num_heads * head_dim * dtype bytes`` (the cross group may use a narrower
+dtype, ``kv_transfer_dtype``). ONE max-length request needs
+``s = ceil((max_decoder_len - 1) / block_size)`` self blocks (the last sampled
 token is never fed back, as ``Scheduler.check_capacity`` counts) and
-``ceil(max_encoder_len / block_size)`` cross blocks. With that split both
-groups run out at the same number of concurrent max-length requests, which is
-what vLLM's ``--kv-cache-memory`` / ``gpu_memory_utilization`` report as
-"maximum concurrency" (there for one group).
+``c = ceil(max_encoder_len / block_size)`` cross blocks, i.e.
+``P = s * self_block_bytes + c * cross_block_bytes``. A budget ``B`` gives the
+cross group ``floor(B * c / P)`` blocks and the self group what is left, so
+both groups run out at the same number of concurrent max-length requests,
+the "maximum concurrency" vLLM reports for its ``--kv-cache-memory`` /
+``gpu_memory_utilization`` (there for one group).
 
 Pure Python except ``free_memory_bytes``, which asks torch for free GPU memory
 when the cache lives on a GPU.
@@ -29,7 +30,7 @@ class KVCacheSizing:
 
     Attributes:
         num_self_blocks / num_cross_blocks: blocks per group.
-        block_bytes: bytes of one block (either group).
+        self_block_bytes / cross_block_bytes: bytes of one block of each group.
         self_blocks_per_request / cross_blocks_per_request: what one
             max-length request needs of each group.
         budget_bytes: the memory budget used, or None when sized from
@@ -39,7 +40,8 @@ class KVCacheSizing:
 
     num_self_blocks: int
     num_cross_blocks: int
-    block_bytes: int
+    self_block_bytes: int
+    cross_block_bytes: int
     self_blocks_per_request: int
     cross_blocks_per_request: int
     budget_bytes: int | None
@@ -47,7 +49,7 @@ class KVCacheSizing:
 
     @property
     def total_bytes(self) -> int:
-        return (self.num_self_blocks + self.num_cross_blocks) * self.block_bytes
+        return self.num_self_blocks * self.self_block_bytes + self.num_cross_blocks * self.cross_block_bytes
 
     @property
     def max_concurrent_requests(self) -> int:
@@ -59,8 +61,9 @@ class KVCacheSizing:
     def describe(self, max_num_seqs: int) -> str:
         """One log line: blocks, bytes and max concurrency."""
         line = (
-            f"KV cache ({self.source}): {self.num_self_blocks} self + {self.num_cross_blocks} cross blocks "
-            f"of {format_bytes(self.block_bytes)} = {format_bytes(self.total_bytes)}; one max-length request needs "
+            f"KV cache ({self.source}): {self.num_self_blocks} self blocks of {format_bytes(self.self_block_bytes)} + "
+            f"{self.num_cross_blocks} cross blocks of {format_bytes(self.cross_block_bytes)} = "
+            f"{format_bytes(self.total_bytes)}; one max-length request needs "
             f"{self.self_blocks_per_request} self + {self.cross_blocks_per_request} cross blocks; "
             f"max concurrent max-length requests: {self.max_concurrent_requests}"
         )
@@ -81,7 +84,8 @@ def block_bytes(num_layers: int, block_size: int, num_heads: int, head_dim: int,
 
 def size_kv_cache(
     *,
-    block_bytes: int,
+    self_block_bytes: int,
+    cross_block_bytes: int,
     block_size: int,
     max_decoder_len: int,
     max_encoder_len: int,
@@ -98,7 +102,7 @@ def size_kv_cache(
     group is sized for ``max_num_seqs`` max-length requests.
 
     Args:
-        block_bytes: bytes of one block (``block_bytes()``).
+        self_block_bytes / cross_block_bytes: bytes of one block of each group (``block_bytes()``).
         block_size: tokens per block.
         max_decoder_len: most decoder tokens of one request (prompt + output).
         max_encoder_len: most encoder positions (cross-attention KV length).
@@ -112,31 +116,27 @@ def size_kv_cache(
     """
     self_per = cdiv(max(max_decoder_len - 1, 1), block_size)
     cross_per = cdiv(max_encoder_len, block_size)
-    per_request_bytes = (self_per + cross_per) * block_bytes
+    per_request_bytes = self_per * self_block_bytes + cross_per * cross_block_bytes
+    sizes = (self_block_bytes, cross_block_bytes, self_per, cross_per)
     if budget_bytes is None or (num_self_blocks and num_cross_blocks):
         source = "explicit block counts" if num_self_blocks and num_cross_blocks else f"max_num_seqs={max_num_seqs}"
         return KVCacheSizing(
-            num_self_blocks or max_num_seqs * self_per,
-            num_cross_blocks or max_num_seqs * cross_per,
-            block_bytes, self_per, cross_per, None, source,
+            num_self_blocks or max_num_seqs * self_per, num_cross_blocks or max_num_seqs * cross_per, *sizes, None, source
         )
-    left = budget_bytes - (num_self_blocks + num_cross_blocks) * block_bytes
-    total = left // block_bytes
     if num_self_blocks:
-        num_cross = total
+        num_self = num_self_blocks
+        num_cross = max(budget_bytes - num_self * self_block_bytes, 0) // cross_block_bytes
     elif num_cross_blocks:
-        num_self = total
+        num_cross = num_cross_blocks
+        num_self = max(budget_bytes - num_cross * cross_block_bytes, 0) // self_block_bytes
     else:
-        num_cross = total * cross_per // (self_per + cross_per)
-        num_self = total - num_cross
-    num_self = num_self_blocks or num_self
-    num_cross = num_cross_blocks or num_cross
-    sizing = KVCacheSizing(num_self, num_cross, block_bytes, self_per, cross_per, budget_bytes,
-                           f"kv_cache_memory={format_bytes(budget_bytes)}")
+        num_cross = budget_bytes * cross_per // per_request_bytes
+        num_self = (budget_bytes - num_cross * cross_block_bytes) // self_block_bytes
+    sizing = KVCacheSizing(num_self, num_cross, *sizes, budget_bytes, f"kv_cache_memory={format_bytes(budget_bytes)}")
     if sizing.max_concurrent_requests < 1:
         raise ValueError(
-            f"kv_cache_memory {format_bytes(budget_bytes)} gives {num_self} self + {num_cross} cross blocks of "
-            f"{format_bytes(block_bytes)}; one max-length request needs {self_per} self + {cross_per} cross blocks "
+            f"kv_cache_memory {format_bytes(budget_bytes)} gives {num_self} self + {num_cross} cross blocks; "
+            f"one max-length request needs {self_per} self + {cross_per} cross blocks "
             f"({format_bytes(per_request_bytes)}): raise kv_cache_memory or lower block counts given explicitly"
         )
     return sizing

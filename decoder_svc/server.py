@@ -49,7 +49,7 @@ FINISH_REASONS = {
 
 
 MAX_REQUEST_ID_LEN = 256
-KV_DTYPE_BYTES = 4  # both KV caches are float32 (create_pool's default dtype)
+KV_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 @dataclass
@@ -297,13 +297,16 @@ def build_engine(config: DecoderServiceConfig, model):
         ValueError: ``kv_cache_memory`` cannot hold one max-length request.
     """
     cfg = model.config
+    cross_dtype_bytes = KV_DTYPE_BYTES[config.kv_transfer_dtype]
+    self_dtype_bytes = 4 if config.kv_device == "cpu" else cross_dtype_bytes  # as ModelRunner allocates the self cache
     sizing = size_kv_cache(
-        block_bytes=block_bytes(cfg.decoder_layers, config.block_size, cfg.num_heads, cfg.head_dim, KV_DTYPE_BYTES),
+        self_block_bytes=block_bytes(cfg.decoder_layers, config.block_size, cfg.num_heads, cfg.head_dim, self_dtype_bytes),
+        cross_block_bytes=block_bytes(cfg.decoder_layers, config.block_size, cfg.num_heads, cfg.head_dim, cross_dtype_bytes),
         block_size=config.block_size,
         max_decoder_len=min(model.generation.max_length, cfg.max_target_positions),
         max_encoder_len=cfg.max_source_positions,
         max_num_seqs=config.max_num_seqs,
-        budget_bytes=resolve_budget(config.kv_cache_memory, "cpu"),  # the shm pool and the self cache live in RAM
+        budget_bytes=resolve_budget(config.kv_cache_memory, config.kv_device),  # both caches live on kv_device
         num_self_blocks=config.num_self_blocks,
         num_cross_blocks=config.num_cross_blocks,
     )

@@ -45,7 +45,7 @@ def test_bad_memory_size_names_the_forms(text):
 
 
 def whisper_sizing(**kw):
-    args = dict(block_bytes=WHISPER_BLOCK_BYTES, block_size=16, max_decoder_len=448, max_encoder_len=1500, max_num_seqs=16)
+    args = dict(self_block_bytes=WHISPER_BLOCK_BYTES, cross_block_bytes=WHISPER_BLOCK_BYTES, block_size=16, max_decoder_len=448, max_encoder_len=1500, max_num_seqs=16)
     return size_kv_cache(**{**args, **kw})
 
 
@@ -60,6 +60,12 @@ def test_budget_split_in_proportion_to_one_max_length_request():
     big = whisper_sizing(budget_bytes=2 * 2**30)
     assert big.max_concurrent_requests == 2**31 // WHISPER_BLOCK_BYTES // 122 == 89
     assert "max concurrent max-length requests: 89 (max_num_seqs=16 caps" in big.describe(16)
+    # A float16 cross pool (kv_transfer_dtype) halves cross blocks: the split is by bytes per request.
+    half = whisper_sizing(budget_bytes=64 * MIB, cross_block_bytes=WHISPER_BLOCK_BYTES // 2)
+    per_request = 28 * WHISPER_BLOCK_BYTES + 94 * WHISPER_BLOCK_BYTES // 2
+    assert half.num_cross_blocks == 64 * MIB * 94 // per_request == 427
+    assert half.num_self_blocks == (64 * MIB - 427 * WHISPER_BLOCK_BYTES // 2) // WHISPER_BLOCK_BYTES == 127
+    assert half.max_concurrent_requests == 4 and half.total_bytes <= 64 * MIB
 
 
 def test_explicit_block_counts_win():
@@ -101,6 +107,6 @@ def test_build_engine_reports_blocks_and_concurrency(whisper_model_dir, caplog):
         bm = engine.block_manager
         assert (bm.num_self_blocks, bm.num_cross_blocks) == (79, 262)
         assert pool.tensor.shape[2] == 262 and engine.model_runner.self_kv_cache.shape[2] == 79
-        assert "79 self + 262 cross blocks" in caplog.text and "max concurrent max-length requests: 2" in caplog.text
+        assert "79 self blocks of 192.0 KiB + 262 cross blocks of 192.0 KiB" in caplog.text and "max concurrent max-length requests: 2" in caplog.text
     finally:
         pool.close()
