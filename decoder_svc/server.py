@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -27,6 +28,7 @@ from shared.config import DecoderServiceConfig
 from shared.errors import AlreadyExistsError, InvalidRequestError, NotFoundError, ResourceExhaustedError, UnavailableError
 from shared.grpc_server import GRPC_OPTIONS, abort_with, serve
 from shared.kv_transport import create_pool
+from shared.metrics import DecoderMetrics, start_metrics_server
 from shared.models.quantize import apply_quantization
 from shared.models.registry import load_model, load_tokenizer, model_names
 from shared.proto import decoder_pb2, decoder_pb2_grpc, encoder_pb2, encoder_pb2_grpc
@@ -62,6 +64,8 @@ class _Active:
     abort_requested: bool = False
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    arrival: float = field(default_factory=time.monotonic)  # Generate call received (TTFT's start)
+    last_token_at: float | None = None
 
     def usage(self) -> dict[str, int]:
         """Token counts as of the last output (recorded on abort and failure too)."""
@@ -83,6 +87,8 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         self.transfer_ids = itertools.count(1)  # names each request's cross-KV transfer (torch_dist)
         self.channel = grpc.aio.insecure_channel(config.encoder_address, options=GRPC_OPTIONS)
         self.encoder = encoder_pb2_grpc.EncoderServiceStub(self.channel)
+        self.metrics = DecoderMetrics()
+        self.metrics.watch_engine(engine.stats, lambda: engine.scheduler.num_preemptions)
 
     def start(self) -> None:
         self.loop = EngineLoop(self.engine, asyncio.get_running_loop(), self._on_encode, self._on_output, self._on_step_error)
@@ -151,6 +157,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             await asyncio.to_thread(self.store.set_state, request_id, RequestState.ENCODING)
             inp = active.input
             source = {"input_ids": inp.input_ids} if inp.input_ids is not None else {"pcm": inp.pcm.astype("<f4").tobytes()}
+            encode_start = time.monotonic()
             response = await self.encoder.Encode(
                 encoder_pb2.EncodeRequest(request_id=request_id, model=self.config.model, block_ids=block_ids, target=target,
                                           transfer_id=transfer_id, **source),
@@ -164,6 +171,8 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
                     raise UnavailableError(f"cross KV did not arrive within kv_transfer_timeout_s={self.config.kv_transfer_timeout_s:g} s") from exc
                 nbytes, ms = stats.nbytes, stats.ms
             log.info("cross KV for %s: %d bytes in %.2f ms (%s, encoder batch %d)", request_id, nbytes, ms, spec.transport, response.batch_size)
+            self.metrics.encode.observe(time.monotonic() - encode_start)
+            self.metrics.observe_transfer(nbytes, ms)
         except grpc.aio.AioRpcError as exc:
             active.stream.put_nowait(UnavailableError(f"encoder failed: {exc.code().name}: {exc.details()}"))
             return
@@ -180,6 +189,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
 
     # -- RPCs ---------------------------------------------------------------
     async def Generate(self, request, context):
+        arrival = time.monotonic()
         request_id = request.request_id or uuid.uuid4().hex
         try:
             self._check_model(request.model)
@@ -196,7 +206,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
                 raise AlreadyExistsError(f"request id {request_id!r} was already used; pick a new one") from exc
         except Exception as exc:  # noqa: BLE001 - nothing reserved yet
             await abort_with(context, exc)
-        active = self.active[request_id] = _Active(inp)
+        active = self.active[request_id] = _Active(inp, arrival=arrival)
         state, fields = RequestState.FAILED, {}
         try:
             encoder_len = inp.encoder_len
@@ -210,6 +220,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
                     raise item
                 final = item.finished
                 active.prompt_tokens, active.completion_tokens = item.prompt_tokens, item.completion_tokens
+                self._observe_tokens(active, len(item.new_token_ids))
                 message = decoder_pb2.GenerateResponse(request_id=request_id, text=item.text, token_ids=item.new_token_ids)
                 if item.logprobs:
                     message.logprobs.extend(_logprobs_pb(lp) for lp in item.logprobs)
@@ -237,8 +248,21 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         finally:
             await self._release(request_id, active, state, fields)
 
+    def _observe_tokens(self, active: _Active, num_tokens: int) -> None:
+        """Time to first token on a request's first tokens, then one time-per-output-token sample per token."""
+        if not num_tokens:
+            return
+        now = time.monotonic()
+        if active.last_token_at is None:
+            self.metrics.ttft.observe(now - active.arrival)
+        else:
+            for _ in range(num_tokens):
+                self.metrics.tpot.observe((now - active.last_token_at) / num_tokens)
+        active.last_token_at = now
+
     async def _release(self, request_id: str, active: _Active, state: RequestState, fields: dict) -> None:
         """Frees the request's blocks (after any in-flight Encode wrote them) and records its end."""
+        self.metrics.requests.labels(state=state.name.lower(), finish_reason=fields.get("finish_reason", "")).inc()
         active.abort_requested = True
         if active.encoding is not None and not active.encoding.done():
             # The encoder may still write into the reserved cross blocks: keep them until it answers.
@@ -348,6 +372,7 @@ def run(config: DecoderServiceConfig) -> None:
     async def main() -> None:
         servicer = DecoderServicer(config, model, engine, pool, store)
         servicer.start()
+        start_metrics_server(config.metrics_port, config.host, servicer.metrics.registry)
 
         async def on_stop() -> None:
             await servicer.close()

@@ -14,6 +14,7 @@ from shared.config import EncoderServiceConfig
 from shared.errors import InvalidRequestError, NotFoundError
 from shared.grpc_server import abort_with, serve
 from shared.kv_transport import KVTargetSpec, WriterSet
+from shared.metrics import EncoderMetrics, start_metrics_server
 from shared.models.quantize import apply_quantization
 from shared.models.registry import is_encoder_only, load_model, model_names
 from shared.models.whisper_features import log_mel_spectrogram
@@ -29,6 +30,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         self.config = config
         self.model = model
         self.batcher = batcher
+        self.metrics = EncoderMetrics()
         self.writers: WriterSet = batcher.writer
         self.served_names = model_names(config.model)
 
@@ -74,7 +76,9 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             item = self._item(request)
             encoder_len, encode_ms, batch_size, stats = await asyncio.wrap_future(self.batcher.submit(item))
         except Exception as exc:  # noqa: BLE001 - mapped to a status code
+            self.metrics.requests.labels(outcome="error").inc()
             await abort_with(context, exc)
+        self.metrics.observe_encode(encode_ms, batch_size, stats.nbytes, stats.ms)
         return encoder_pb2.EncodeResponse(
             request_id=request.request_id, encoder_len=encoder_len, encode_ms=encode_ms, batch_size=batch_size,
             transfer_bytes=stats.nbytes, transfer_ms=stats.ms,
@@ -113,6 +117,7 @@ def run(config: EncoderServiceConfig) -> None:
     )
     batcher = EncodeBatcher(model, log_mel_spectrogram, writer, max_batch_size, config.batch_wait_ms)
     servicer = EncoderServicer(config, model, batcher)
+    start_metrics_server(config.metrics_port, config.host, servicer.metrics.registry)
 
     async def on_stop() -> None:
         batcher.stop()

@@ -48,6 +48,8 @@ class EncoderServiceConfig:
         kv_transfer_timeout_s: torch_dist: bound on pairing with a decoder and
             on every send/receive of a transfer (seconds); a hung decoder holds
             the encoder's batcher at most this long.
+        metrics_port: Prometheus ``/metrics`` HTTP port (``shared.metrics``);
+            0 = off. A port already taken is logged and metrics stay off.
     """
 
     model: str = DEFAULT_MODEL
@@ -63,9 +65,11 @@ class EncoderServiceConfig:
     kv_dist_backend: str = "gloo"
     kv_device: str = "cpu"
     kv_transfer_timeout_s: float = 30.0
+    metrics_port: int = 9401
 
     def __post_init__(self) -> None:
         _check_port(self.port)
+        _check_port(self.metrics_port)
         names = [t.strip() for t in self.kv_transport.split(",") if t.strip()]
         if not names or any(t not in KV_TRANSPORTS for t in names):
             raise ValueError(f"kv_transport must list some of: {', '.join(KV_TRANSPORTS)}; got {self.kv_transport!r}")
@@ -124,6 +128,8 @@ class DecoderServiceConfig:
             max-length request needs of each (``decoder_svc.kv_budget``); an
             explicit ``num_self_blocks`` / ``num_cross_blocks`` wins for its
             group. Empty: size for ``max_num_seqs`` max-length requests.
+        metrics_port: Prometheus ``/metrics`` HTTP port (``shared.metrics``);
+            0 = off. A port already taken is logged and metrics stay off.
         attention_backend: ``torch`` (default) or ``triton``: what runs the
             decoder's paged self- and cross-attention (``kernels.attention_backend``);
             ``triton`` needs the triton package and a CUDA device (or
@@ -151,10 +157,12 @@ class DecoderServiceConfig:
     num_threads: int = 0
     quantize: str = "none"
     kv_cache_memory: str = ""
+    metrics_port: int = 9400
     attention_backend: str = "torch"
 
     def __post_init__(self) -> None:
         _check_port(self.port)
+        _check_port(self.metrics_port)
         parse_memory_size(self.kv_cache_memory)  # ValueError names the accepted forms
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:

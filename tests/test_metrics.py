@@ -1,0 +1,98 @@
+"""Prometheus /metrics: the endpoint itself, and both real service processes scraped after requests."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from shared.launcher import Services
+from shared.metrics import EncoderMetrics, start_metrics_server
+from shared.proto import decoder_pb2, decoder_pb2_grpc
+from shared.redis_server import free_port
+
+DATA = Path(__file__).parent / "data"
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    """``{(sample name, sorted labels): value}`` of ``http://127.0.0.1:port/metrics``."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_endpoint_serves_registry_and_survives_a_taken_port(caplog):
+    metrics = EncoderMetrics()
+    metrics.observe_encode(encode_ms=250.0, batch_size=3, transfer_bytes=1000, transfer_ms=2.0)
+    assert not start_metrics_server(0, "127.0.0.1", metrics.registry)  # 0 = off
+    port = free_port()
+    assert start_metrics_server(port, "127.0.0.1", metrics.registry)
+    got = scrape(port)
+    assert got[("encdec_encoder_requests_total", (("outcome", "ok"),))] == 1
+    assert got[("encdec_encoder_encode_seconds_sum", ())] == pytest.approx(0.25)
+    assert got[("encdec_encoder_batch_size_bucket", (("le", "4.0"),))] == 1
+    assert got[("encdec_encoder_batch_size_bucket", (("le", "2.0"),))] == 0
+    assert got[("encdec_encoder_kv_transfer_bytes_total", ())] == 1000
+    assert ("process_resident_memory_bytes", ()) in got
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        with caplog.at_level(logging.ERROR, logger="shared.metrics"):
+            assert not start_metrics_server(busy.getsockname()[1], "127.0.0.1", metrics.registry)
+    assert "serving without /metrics" in caplog.text
+
+
+@pytest.fixture(scope="module")
+def services(redis_url, tmp_path_factory):
+    ports = {"decoder": free_port(), "encoder": free_port()}
+    log_dir = tmp_path_factory.mktemp("metrics-logs")
+    with Services(
+        redis_url=redis_url,
+        log_dir=str(log_dir),
+        extra_decoder_args=["--metrics-port", str(ports["decoder"])],
+        extra_encoder_args=["--metrics-port", str(ports["encoder"])],
+    ) as svc:
+        yield svc, ports
+
+
+def test_services_expose_request_latency_kv_and_encoder_metrics(services):
+    svc, ports = services
+    audio = (DATA / "short.wav").read_bytes()
+    with grpc.insecure_channel(svc.decoder_address) as channel:
+        stub = decoder_pb2_grpc.DecoderServiceStub(channel)
+        full = list(stub.Generate(decoder_pb2.GenerateRequest(audio=audio), timeout=120))
+        cut = list(stub.Generate(decoder_pb2.GenerateRequest(audio=audio, sampling=decoder_pb2.SamplingParams(max_tokens=2)),
+                                 timeout=120))
+        stats = stub.GetStats(decoder_pb2.GetStatsRequest())
+    assert full[-1].finish_reason == decoder_pb2.FINISH_REASON_STOP and cut[-1].finish_reason == decoder_pb2.FINISH_REASON_LENGTH
+    tokens = [sum(len(m.token_ids) for m in r) for r in (full, cut)]
+    assert tokens[1] == 2
+
+    d = scrape(ports["decoder"])
+    assert d[("encdec_decoder_requests_total", (("finish_reason", "stop"), ("state", "finished")))] == 1
+    assert d[("encdec_decoder_requests_total", (("finish_reason", "length"), ("state", "finished")))] == 1
+    assert d[("encdec_decoder_time_to_first_token_seconds_count", ())] == 2
+    assert d[("encdec_decoder_time_per_output_token_seconds_count", ())] == sum(tokens) - 2  # every token after the first
+    assert d[("encdec_decoder_encode_seconds_count", ())] == 2 and d[("encdec_decoder_encode_seconds_sum", ())] > 0
+    assert d[("encdec_decoder_kv_transfer_seconds_count", ())] == 2
+    # Both requests' cross KV: 1500 positions x 4 layers x (K, V) x 6 heads x 64 x float32, at least.
+    assert d[("encdec_decoder_kv_transfer_bytes_total", ())] >= 2 * 1500 * 4 * 2 * 6 * 64 * 4
+    assert d[("encdec_decoder_num_requests_running", ())] == 0 and d[("encdec_decoder_num_requests_waiting", ())] == 0
+    for group, total in (("self", stats.num_self_blocks), ("cross", stats.num_cross_blocks)):
+        assert d[("encdec_decoder_kv_blocks", (("group", group),))] == total
+        assert d[("encdec_decoder_kv_free_blocks", (("group", group),))] == total  # everything freed
+    assert d[("encdec_decoder_num_preemptions_total", ())] == 0
+
+    e = scrape(ports["encoder"])
+    assert e[("encdec_encoder_requests_total", (("outcome", "ok"),))] == 2
+    assert e[("encdec_encoder_batch_size_count", ())] == 2
+    assert e[("encdec_encoder_kv_transfer_bytes_total", ())] == d[("encdec_decoder_kv_transfer_bytes_total", ())]
