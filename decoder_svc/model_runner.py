@@ -33,7 +33,7 @@ class ModelRunner:
 
     def __init__(self, model, cross_kv_cache: torch.Tensor, num_self_blocks: int, block_size: int, sampler: Sampler,
                  attention_backend: str = "torch") -> None:
-        check_attention_backend(attention_backend)
+        check_attention_backend(attention_backend, cross_kv_cache.device)
         c = model.config
         expected = (c.decoder_layers, 2, cross_kv_cache.shape[2], block_size, c.num_heads, c.head_dim)
         if tuple(cross_kv_cache.shape) != expected:

@@ -20,13 +20,18 @@ from kernels import paged_attention as _torch_paged
 ATTENTION_BACKENDS = ("torch", "triton")
 
 
-def check_attention_backend(backend: str) -> None:
-    """Checks that ``backend`` can run on this machine.
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def check_attention_backend(backend: str, device: torch.device | str | None = None) -> None:
+    """Checks that ``backend`` can run on this machine (and on ``device``, the KV cache's, if given).
 
     Raises:
         ValueError: unknown name; or ``triton`` without the triton package, or
             with neither a CUDA device nor ``TRITON_INTERPRET=1`` (the CPU
-            interpreter, for tests only: it is orders of magnitude slower).
+            interpreter, for tests only: it is orders of magnitude slower), or
+            with a non-CUDA ``device`` outside the interpreter.
     """
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; got {backend!r}")
@@ -34,9 +39,12 @@ def check_attention_backend(backend: str) -> None:
         if importlib.util.find_spec("triton") is None:
             raise ValueError("attention_backend 'triton' needs the triton package: pip install 'encdec-serve[gpu]' "
                              "(or triton==3.9.0), or use attention_backend 'torch'")
-        if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "on", "yes"):
+        if not torch.cuda.is_available() and not _interpret():
             raise ValueError("attention_backend 'triton' needs a CUDA device (none is visible); on CPU set "
                              "TRITON_INTERPRET=1 (tests only, very slow) or use attention_backend 'torch'")
+        if device is not None and torch.device(device).type != "cuda" and not _interpret():
+            raise ValueError(f"attention_backend 'triton' runs on CUDA tensors but the KV cache is on {device}; "
+                             "put the model and KV cache on the GPU or use attention_backend 'torch'")
 
 
 def _module(backend: str):

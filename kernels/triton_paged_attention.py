@@ -105,6 +105,9 @@ def _launch(query, k_cache, v_cache, seq_idx, kv_len, scale, *, block_tables=Non
             q_pos=None, position_bias=None) -> torch.Tensor:
     """Runs the kernel over grid ``(T, H)``; per-token ``seq_idx`` / ``kv_len`` (/ ``q_pos``) are int64 ``[T]``."""
     t, h, d = query.shape
+    if not _INTERPRET and query.device.type != "cuda":
+        raise ValueError(f"the Triton attention kernels need CUDA tensors, got {query.device}; "
+                         "on CPU set TRITON_INTERPRET=1 before importing them (tests only) or use attention_backend 'torch'")
     out = torch.empty_like(query)
     if query.stride(-1) != 1:
         query = query.contiguous()

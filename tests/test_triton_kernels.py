@@ -155,6 +155,9 @@ def test_backend_switch_dispatches_and_validates(monkeypatch):
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert DecoderServiceConfig(attention_backend="triton").attention_backend == "triton"
     assert DecoderServiceConfig().attention_backend == "torch"
+    if DEVICE == "cuda":  # compiled kernels: a CPU KV cache is refused up front
+        with pytest.raises(ValueError, match="KV cache is on cpu"):
+            attention_backend.check_attention_backend("triton", "cpu")
 
 
 def test_whisper_engine_triton_backend_same_greedy_tokens(whisper_model_dir, whisper_features, monkeypatch):
