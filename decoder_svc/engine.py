@@ -112,6 +112,7 @@ class DecoderEngine:
         sampling_params: SamplingParams | None = None,
         prompt_token_ids: list[int] | None = None,
         priority: int = 0,
+        encoder_cache_key: str | None = None,
     ) -> None:
         """Queues a request; its cross blocks are reserved at a later ``step()``.
 
@@ -121,6 +122,10 @@ class DecoderEngine:
             prompt_token_ids: decoder prompt; default ``model.generation.decoder_prompt_ids``.
             priority: lower value = scheduled earlier; ties first come first served
                 (``decoder_svc.scheduler``).
+            encoder_cache_key: content key of the encoder input
+                (``decoder_svc.encoder_cache``): while another unfinished request
+                with this key holds cross KV, this one shares it and is never
+                listed in ``to_encode``. None: always encoded.
 
         Raises:
             CapacityError: it can never fit the KV pools / batch token limit.
@@ -144,7 +149,7 @@ class DecoderEngine:
             raise ValueError(f"duplicate request id {request_id!r}")
         seq = Sequence(request_id, prompt, encoder_len, params, self.eos_token_id, self.max_total_len, priority)
         seq.output_text = OutputText(self.tokenizer, params.stop, params.include_stop_str_in_output)
-        self.scheduler.add(seq)
+        self.scheduler.add(seq, encoder_cache_key)
 
     def step(self) -> StepOutput:
         """One engine iteration: schedule, run the decoder, append tokens and stream them."""

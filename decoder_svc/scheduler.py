@@ -22,6 +22,11 @@ Each ``schedule()``:
    sequence that does not fit may preempt running sequences of strictly lower
    priority (never of equal priority, so FCFS never thrashes).
 
+Encoder cache (``decoder_svc.encoder_cache``): a request added with an
+``encoder_cache_key`` that an unfinished request already holds cross KV for
+shares those blocks in step 1 (no Encode, no new cross blocks); if that KV is
+still being encoded it becomes runnable with the leader's ``mark_encoded``.
+
 Preemption mode: **recompute**. The victim's self-attention blocks are freed;
 its cross-attention blocks are KEPT (its cross KV stays valid, so it is never
 re-encoded), its prompt and generated tokens are kept, and it goes back to the
@@ -39,6 +44,7 @@ from bisect import insort
 from dataclasses import dataclass, field
 
 from decoder_svc.block_manager import BlockManager
+from decoder_svc.encoder_cache import CrossKVEntry
 from decoder_svc.sequence import Sequence, SequenceStatus
 
 
@@ -104,6 +110,9 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by queue_key
         self.running: list[Sequence] = []
         self.num_preemptions = 0  # since start, for metrics
+        self.cross_cache: dict[str, CrossKVEntry] = {}  # encoder cache key -> shared cross KV
+        self.cache_keys: dict[str, str] = {}  # request_id -> its encoder cache key
+        self.num_encoder_cache_hits = 0  # requests that reused another's cross KV, since start
 
     # --- admission ------------------------------------------------------
     def check_capacity(self, seq: Sequence) -> None:
@@ -129,8 +138,15 @@ class Scheduler:
                 f"{self.max_num_batched_tokens} (a recompute prefill must fit one step)"
             )
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, encoder_cache_key: str | None = None) -> None:
         """Queues ``seq`` for cross blocks (in ``(priority, arrival_order)`` order).
+
+        Args:
+            seq: a new sequence.
+            encoder_cache_key: content key of its encoder input
+                (``decoder_svc.encoder_cache.encoder_cache_key``); while another
+                unfinished request with the same key holds cross KV, ``seq``
+                shares it instead of being encoded. None: never shared.
 
         Raises:
             CapacityError: it can never fit (message names the numbers).
@@ -141,15 +157,25 @@ class Scheduler:
         self.check_capacity(seq)
         seq.status = SequenceStatus.WAITING_CROSS_BLOCKS
         self.requests[seq.request_id] = seq
+        if encoder_cache_key is not None:
+            self.cache_keys[seq.request_id] = encoder_cache_key
         insort(self.waiting_cross, seq, key=queue_key)
 
     def mark_encoded(self, request_id: str) -> None:
-        """The encoder has filled ``request_id``'s cross blocks: it may now run."""
+        """The encoder has filled ``request_id``'s cross blocks: it may now run, and so may the
+        requests that attached to the same encoder input meanwhile (encoder cache)."""
         seq = self.encoding.pop(request_id, None)
         if seq is None:
             raise KeyError(f"request {request_id!r} is not encoding")
         seq.status = SequenceStatus.WAITING
         insort(self.waiting, seq, key=queue_key)
+        entry = self._cache_entry(seq)
+        if entry is not None and not entry.ready:
+            entry.ready = True  # requests that attached while it was encoding may run too
+            for rid in sorted(entry.holders - {request_id}):
+                follower = self.encoding.pop(rid)
+                follower.status = SequenceStatus.WAITING
+                insort(self.waiting, follower, key=queue_key)
 
     def fork(self, parent_id: str, child: Sequence) -> list[tuple[int, int]]:
         """Adds ``child`` (n > 1 samples, beams) sharing ``parent_id``'s cross KV and computed self KV.
@@ -189,10 +215,12 @@ class Scheduler:
         )
         if runs:
             copies = bm.fork(parent, child)
+            self._hold_cache_entry(parent, child)
             child.status = SequenceStatus.RUNNING
             self.running.append(child)
         else:
             bm.share_cross(parent, child)
+            self._hold_cache_entry(parent, child)
             child.status = SequenceStatus.WAITING
             insort(self.waiting, child, key=queue_key)
         self.requests[child.request_id] = child
@@ -209,16 +237,35 @@ class Scheduler:
         bm = self.block_manager
         out = SchedulerOutput()
 
-        # (1) cross blocks + first self blocks must fit; head of line blocks the rest.
+        # (1) cross blocks (or a cached cross KV) + first self blocks must fit; head of line blocks the rest.
         promised = self._promised_self_blocks()
         while self.waiting_cross:
             seq = self.waiting_cross[0]
             first_self = bm.num_blocks_for(seq.num_tokens)
-            if not bm.can_allocate_cross(seq) or promised + first_self > bm.num_free_self_blocks:
+            key = self.cache_keys.get(seq.request_id)
+            entry = self.cross_cache.get(key) if key is not None else None
+            if entry is not None and entry.encoder_len != seq.encoder_len:
+                entry = None  # a key collision in all but name: never share
+            if (entry is None and not bm.can_allocate_cross(seq)) or promised + first_self > bm.num_free_self_blocks:
                 break
             self.waiting_cross.pop(0)
-            bm.allocate_cross(seq)
             promised += first_self
+            if entry is not None:  # encoder cache hit: read the holder's blocks, no Encode
+                bm.cross_pool.incref(entry.block_ids)
+                seq.cross_block_ids = list(entry.block_ids)
+                entry.holders.add(seq.request_id)
+                self.num_encoder_cache_hits += 1
+                if entry.ready:
+                    seq.status = SequenceStatus.WAITING
+                    insort(self.waiting, seq, key=queue_key)
+                else:  # runnable when the leader's Encode lands (mark_encoded)
+                    seq.status = SequenceStatus.ENCODING
+                    self.encoding[seq.request_id] = seq
+                continue
+            bm.allocate_cross(seq)
+            if key is not None and key not in self.cross_cache:
+                self.cross_cache[key] = CrossKVEntry(list(seq.cross_block_ids), seq.encoder_len, seq.request_id,
+                                                     holders={seq.request_id})
             seq.status = SequenceStatus.ENCODING
             self.encoding[seq.request_id] = seq
             out.to_encode.append(seq)
@@ -317,6 +364,40 @@ class Scheduler:
                 finished.append(seq)
         return finished
 
+    def _cache_entry(self, seq: Sequence) -> CrossKVEntry | None:
+        """The encoder-cache entry ``seq`` holds, if any."""
+        entry = self.cross_cache.get(self.cache_keys.get(seq.request_id, ""))
+        return entry if entry is not None and seq.request_id in entry.holders else None
+
+    def _hold_cache_entry(self, parent: Sequence, child: Sequence) -> None:
+        """A forked child holds its parent's encoder-cache entry too (it references the same blocks)."""
+        entry = self._cache_entry(parent)
+        if entry is not None:
+            self.cache_keys[child.request_id] = self.cache_keys[parent.request_id]
+            entry.holders.add(child.request_id)
+
+    def _release_cache_entry(self, seq: Sequence) -> None:
+        """Drops ``seq`` from its encoder-cache entry; evicts the entry with its last holder.
+
+        A leader leaving before its Encode landed leaves nothing to share: the
+        requests that attached to it give their references back and queue for
+        cross blocks again (one of them becomes the new leader).
+        """
+        entry = self._cache_entry(seq)
+        key = self.cache_keys.pop(seq.request_id, None)
+        if entry is None:
+            return
+        entry.holders.discard(seq.request_id)
+        if not entry.ready and entry.leader == seq.request_id:
+            for rid in sorted(entry.holders):
+                follower = self.encoding.pop(rid)
+                self.block_manager.free_cross(follower)
+                follower.status = SequenceStatus.WAITING_CROSS_BLOCKS
+                insort(self.waiting_cross, follower, key=queue_key)
+            entry.holders.clear()
+        if not entry.holders:
+            del self.cross_cache[key]
+
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
@@ -326,6 +407,7 @@ class Scheduler:
             del self.encoding[seq.request_id]
         elif seq.status is SequenceStatus.WAITING_CROSS_BLOCKS:
             self.waiting_cross.remove(seq)
+        self._release_cache_entry(seq)
         self.block_manager.free(seq)
         seq.status = status
         del self.requests[seq.request_id]

@@ -21,6 +21,7 @@ import grpc
 import torch
 
 from decoder_svc.engine import CapacityError, DecoderEngine, RequestOutput
+from decoder_svc.encoder_cache import encoder_cache_key
 from decoder_svc.engine_loop import EngineLoop
 from decoder_svc.inputs import RequestInput, parse_input
 from decoder_svc.kv_budget import block_bytes, resolve_budget, size_kv_cache
@@ -88,7 +89,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         self.channel = grpc.aio.insecure_channel(config.encoder_address, options=GRPC_OPTIONS)
         self.encoder = encoder_pb2_grpc.EncoderServiceStub(self.channel)
         self.metrics = DecoderMetrics()
-        self.metrics.watch_engine(engine.stats, lambda: engine.scheduler.num_preemptions)
+        self.metrics.watch_engine(engine.stats, engine.scheduler)
 
     def start(self) -> None:
         self.loop = EngineLoop(self.engine, asyncio.get_running_loop(), self._on_encode, self._on_output, self._on_step_error)
@@ -210,8 +211,10 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         state, fields = RequestState.FAILED, {}
         try:
             encoder_len = inp.encoder_len
+            cache_key = await asyncio.to_thread(self._encoder_cache_key, inp) if self.config.encoder_cache else None
             try:
-                await self.loop.call(self.engine.add_request, request_id, encoder_len, params, inp.prompt_token_ids, request.priority)
+                await self.loop.call(self.engine.add_request, request_id, encoder_len, params, inp.prompt_token_ids,
+                                     request.priority, cache_key)
             except CapacityError as exc:
                 raise ResourceExhaustedError(str(exc)) from exc
             while True:
@@ -247,6 +250,12 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             await abort_with(context, exc)
         finally:
             await self._release(request_id, active, state, fields)
+
+    def _encoder_cache_key(self, inp: RequestInput) -> str:
+        """Content key of the request's encoder input: the PCM bytes Encode would get, or the source ids."""
+        if inp.input_ids is not None:
+            return encoder_cache_key(self.config.model, input_ids=list(inp.input_ids))
+        return encoder_cache_key(self.config.model, pcm=inp.pcm.astype("<f4").tobytes())
 
     def _observe_tokens(self, active: _Active, num_tokens: int) -> None:
         """Time to first token on a request's first tokens, then one time-per-output-token sample per token."""

@@ -130,6 +130,9 @@ class DecoderServiceConfig:
             group. Empty: size for ``max_num_seqs`` max-length requests.
         metrics_port: Prometheus ``/metrics`` HTTP port (``shared.metrics``);
             0 = off. A port already taken is logged and metrics stay off.
+        encoder_cache: 1 = a request whose encoder input (audio samples /
+            source ids) equals that of an unfinished request shares its
+            cross-attention KV instead of being encoded (``decoder_svc.encoder_cache``); 0 = off.
         attention_backend: ``torch`` (default) or ``triton``: what runs the
             decoder's paged self- and cross-attention (``kernels.attention_backend``);
             ``triton`` needs the triton package and a CUDA device (or
@@ -158,12 +161,15 @@ class DecoderServiceConfig:
     quantize: str = "none"
     kv_cache_memory: str = ""
     metrics_port: int = 9400
+    encoder_cache: int = 1
     attention_backend: str = "torch"
 
     def __post_init__(self) -> None:
         _check_port(self.port)
         _check_port(self.metrics_port)
         parse_memory_size(self.kv_cache_memory)  # ValueError names the accepted forms
+        if self.encoder_cache not in (0, 1):
+            raise ValueError(f"encoder_cache must be 0 (off) or 1 (on), got {self.encoder_cache}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -43,9 +43,9 @@ def new_registry() -> CollectorRegistry:
 class _EngineCollector(Collector):
     """Reads the decoder engine's counts at scrape time."""
 
-    def __init__(self, stats: Callable[[], dict], num_preemptions: Callable[[], int]) -> None:
+    def __init__(self, stats: Callable[[], dict], scheduler) -> None:
         self._stats = stats
-        self._num_preemptions = num_preemptions
+        self._scheduler = scheduler
 
     def collect(self) -> Iterable[Metric]:
         s = self._stats()
@@ -62,8 +62,16 @@ class _EngineCollector(Collector):
             total.add_metric([group], s[f"num_{group}_blocks"])
         yield free
         yield total
+        sched = self._scheduler
+        yield CounterMetricFamily("encdec_decoder_num_preemptions", "Recompute preemptions since start", sched.num_preemptions)
         yield CounterMetricFamily(
-            "encdec_decoder_num_preemptions", "Recompute preemptions since start", self._num_preemptions()
+            "encdec_decoder_encoder_cache_hits",
+            "Requests that shared another unfinished request's cross KV instead of being encoded",
+            sched.num_encoder_cache_hits,
+        )
+        yield GaugeMetricFamily(
+            "encdec_decoder_encoder_cache_entries", "Distinct encoder inputs whose cross KV is shareable now",
+            len(sched.cross_cache),
         )
 
 
@@ -101,16 +109,17 @@ class DecoderMetrics:
         self.kv_transfer = Histogram("encdec_decoder_kv_transfer_seconds", "Wall time of one request's cross-KV transfer",
                                      buckets=TRANSFER_BUCKETS, registry=r)
 
-    def watch_engine(self, stats: Callable[[], dict], num_preemptions: Callable[[], int]) -> None:
-        """Exposes the engine's running / waiting sequences, free and total blocks per group and
-        preemptions, read at scrape time.
+    def watch_engine(self, stats: Callable[[], dict], scheduler) -> None:
+        """Exposes the engine's running / waiting sequences, free and total blocks per group,
+        preemptions and encoder-cache hits / entries, read at scrape time.
 
         Args:
             stats: ``DecoderEngine.stats`` (keys ``num_running``, ``num_waiting``,
                 ``num_{self,cross}_blocks``, ``num_free_{self,cross}_blocks``).
-            num_preemptions: the scheduler's cumulative preemption count.
+            scheduler: the ``decoder_svc.scheduler.Scheduler`` (``num_preemptions``,
+                ``num_encoder_cache_hits``, ``cross_cache``).
         """
-        self.registry.register(_EngineCollector(stats, num_preemptions))
+        self.registry.register(_EngineCollector(stats, scheduler))
 
     def observe_transfer(self, nbytes: int, ms: float) -> None:
         """Records one cross-KV transfer (``EncodeResponse.transfer_bytes`` / ``transfer_ms``)."""

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -96,3 +98,30 @@ def test_services_expose_request_latency_kv_and_encoder_metrics(services):
     assert e[("encdec_encoder_requests_total", (("outcome", "ok"),))] == 2
     assert e[("encdec_encoder_batch_size_count", ())] == 2
     assert e[("encdec_encoder_kv_transfer_bytes_total", ())] == d[("encdec_decoder_kv_transfer_bytes_total", ())]
+
+
+def test_identical_concurrent_inputs_are_encoded_once(services):
+    """Encoder cache: two requests with the same audio in flight together share one Encode's cross KV."""
+    svc, ports = services
+    audio = (DATA / "sample.wav").read_bytes()
+    before_d, before_e = scrape(ports["decoder"]), scrape(ports["encoder"])
+    barrier = threading.Barrier(2)
+
+    def run(stub):
+        barrier.wait()
+        return list(stub.Generate(decoder_pb2.GenerateRequest(audio=audio), timeout=120))
+
+    with grpc.insecure_channel(svc.decoder_address) as channel:
+        stub = decoder_pb2_grpc.DecoderServiceStub(channel)
+        with ThreadPoolExecutor(2) as pool:
+            first, second = pool.map(run, [stub, stub])
+        stats = stub.GetStats(decoder_pb2.GetStatsRequest())
+    tokens = [[t for m in r for t in m.token_ids] for r in (first, second)]
+    assert tokens[0] == tokens[1] and len(tokens[0]) > 5
+    d, e = scrape(ports["decoder"]), scrape(ports["encoder"])
+    hits = ("encdec_decoder_encoder_cache_hits_total", ())
+    ok = ("encdec_encoder_requests_total", (("outcome", "ok"),))
+    assert d[hits] - before_d.get(hits, 0) == 1
+    assert e[ok] - before_e[ok] == 1  # one Encode for both
+    assert d[("encdec_decoder_encoder_cache_entries", ())] == 0  # evicted with the last holder
+    assert stats.num_free_cross_blocks == stats.num_cross_blocks

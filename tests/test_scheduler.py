@@ -180,12 +180,20 @@ def check_invariants(sched):
         else:
             assert len(seq.cross_block_ids) == bm.num_blocks_for(seq.encoder_len)
     assert len(sched.running) <= sched.max_num_seqs
+    for key, entry in sched.cross_cache.items():  # encoder cache: holders share exactly the entry's blocks
+        assert entry.holders and (entry.ready or entry.leader in entry.holders)
+        for rid in entry.holders:
+            seq = sched.requests[rid]
+            assert seq.cross_block_ids == entry.block_ids and sched.cache_keys[rid] == key
+            assert entry.ready or seq.status is SequenceStatus.ENCODING
+    assert set(sched.cache_keys) <= set(sched.requests)
 
 
 ops = st.lists(
     st.one_of(
         st.tuples(st.just("add"), st.integers(1, 24), st.integers(1, 12), st.integers(-1, 2)),  # encoder_len, max_tokens, priority
         st.tuples(st.just("add"), st.integers(1, 8), st.integers(6, 12), st.integers(-1, 2)),
+        st.tuples(st.just("add_cached"), st.integers(1, 3), st.integers(1, 12), st.integers(-1, 2)),  # same input x
         st.tuples(st.just("step"), st.integers(0, 3), st.integers(0, 100), st.just(0)),  # how many to mark encoded, eos odds
         st.tuples(st.just("step"), st.integers(1, 3), st.integers(0, 30), st.just(0)),
         st.tuples(st.just("abort"), st.integers(0, 30), st.just(0), st.just(0)),
@@ -214,11 +222,12 @@ def test_property_no_leaks(ops, num_self, num_cross, block_size):
     sched = Scheduler(bm, max_num_seqs=3, max_num_batched_tokens=16)
     ids = []
     for op, x, y, z in ops:
-        if op == "add":
+        if op in ("add", "add_cached"):
             rid = f"r{len(ids)}"
             ids.append(rid)
+            key = f"input-{x}" if op == "add_cached" else None  # same key, same encoder_len
             try:
-                sched.add(make_seq(rid, encoder_len=x, max_tokens=y, max_total_len=14, priority=z))
+                sched.add(make_seq(rid, encoder_len=4 * x if key else x, max_tokens=y, max_total_len=14, priority=z), key)
             except CapacityError:
                 pass
         elif op == "step":
@@ -252,7 +261,9 @@ def test_property_no_leaks(ops, num_self, num_cross, block_size):
     assert not sched.has_unfinished()
     assert bm.num_free_self_blocks == num_self and bm.num_free_cross_blocks == num_cross
     assert sum(bm.self_pool.ref_counts) == 0 and sum(bm.cross_pool.ref_counts) == 0
+    assert sched.cross_cache == {} and sched.cache_keys == {}  # evicted with their last holder
     event(f"preemptions: {min(sched.num_preemptions, 3)}")
+    event(f"encoder cache hits: {min(sched.num_encoder_cache_hits, 3)}")
 
 
 def drain_encoding(sched):
@@ -346,3 +357,50 @@ def test_scheduler_and_block_manager_never_import_torch():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_encoder_cache_shares_cross_kv_of_identical_inputs():
+    bm = BlockManager(32, 6, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    for rid, key in (("a", "clip-1"), ("b", "clip-1"), ("c", "clip-1"), ("d", "clip-2")):
+        sched.add(make_seq(rid, encoder_len=8, max_tokens=4), key)
+    so = sched.schedule()
+    a, b, c, d = (sched.requests[r] for r in "abcd")
+    assert [s.request_id for s in so.to_encode] == ["a", "d"]  # b and c wait for a's encoding instead
+    assert b.cross_block_ids == a.cross_block_ids == c.cross_block_ids and b.status is SequenceStatus.ENCODING
+    assert all(bm.cross_pool.ref_counts[i] == 3 for i in a.cross_block_ids) and bm.num_free_cross_blocks == 2
+    assert sched.num_encoder_cache_hits == 2
+    check_invariants(sched)
+    sched.mark_encoded("a")
+    assert {s.request_id for s in sched.waiting} == {"a", "b", "c"}
+    so, _ = step(sched)
+    assert {s.request_id for s in so.scheduled_seqs} == {"a", "b", "c"}
+    sched.add(make_seq("e", encoder_len=8, max_tokens=4), "clip-1")  # while a, b, c hold it: runs at once
+    so, _ = step(sched)
+    assert "e" in [s.request_id for s in so.scheduled_seqs] and so.to_encode == []
+    assert sched.requests["e"].cross_block_ids == a.cross_block_ids and sched.num_encoder_cache_hits == 3
+    while sched.has_unfinished():
+        for rid in list(sched.encoding):
+            sched.mark_encoded(rid)
+        step(sched)
+        check_invariants(sched)
+    assert sched.cross_cache == {} and bm.num_free_cross_blocks == 6  # evicted with the last holder
+    sched.add(make_seq("f", encoder_len=8), "clip-1")
+    assert [s.request_id for s in sched.schedule().to_encode] == ["f"]  # nothing cached any more: encoded
+
+
+def test_encoder_cache_leader_aborted_while_encoding_hands_over():
+    bm = BlockManager(32, 4, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    for rid in ("lead", "f1", "f2"):
+        sched.add(make_seq(rid, encoder_len=8), "same")
+    assert [s.request_id for s in sched.schedule().to_encode] == ["lead"]
+    sched.abort("lead")  # its Encode never landed: the followers must not read those blocks
+    assert [s.status for s in sched.requests.values()] == [SequenceStatus.WAITING_CROSS_BLOCKS] * 2
+    assert bm.num_free_cross_blocks == 4 and sched.cross_cache == {}
+    so = sched.schedule()
+    assert [s.request_id for s in so.to_encode] == ["f1"]  # the next in line encodes; f2 attaches to it
+    assert sched.requests["f2"].cross_block_ids == sched.requests["f1"].cross_block_ids
+    check_invariants(sched)
+    sched.mark_encoded("f1")
+    assert {s.request_id for s in sched.waiting} == {"f1", "f2"}
