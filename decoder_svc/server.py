@@ -24,7 +24,7 @@ from decoder_svc.engine import CapacityError, DecoderEngine, RequestOutput
 from decoder_svc.encoder_cache import encoder_cache_key
 from decoder_svc.engine_loop import EngineLoop
 from decoder_svc.inputs import RequestInput, parse_input
-from decoder_svc.kv_budget import block_bytes, resolve_budget, size_kv_cache
+from decoder_svc.kv_budget import block_bytes, max_concurrent_requests, resolve_budget, size_kv_cache
 from shared.config import DecoderServiceConfig
 from shared.errors import AlreadyExistsError, InvalidRequestError, NotFoundError, ResourceExhaustedError, UnavailableError
 from shared.grpc_server import GRPC_OPTIONS, abort_with, serve
@@ -90,6 +90,10 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         self.encoder = encoder_pb2_grpc.EncoderServiceStub(self.channel)
         self.metrics = DecoderMetrics()
         self.metrics.watch_engine(engine.stats, engine.scheduler)
+        bm = engine.block_manager
+        self.max_concurrent_requests = max_concurrent_requests(  # as decoder_svc.kv_budget sized the pools
+            bm.num_self_blocks, bm.num_cross_blocks, bm.num_blocks_for(max(engine.max_total_len - 1, 1)),
+            bm.num_blocks_for(model.config.max_source_positions))
 
     def start(self) -> None:
         self.loop = EngineLoop(self.engine, asyncio.get_running_loop(), self._on_encode, self._on_output, self._on_step_error)
@@ -310,6 +314,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
 
     async def GetStats(self, request, context):
         stats = await self.loop.call(self.engine.stats)
+        stats["max_concurrent_requests"] = self.max_concurrent_requests
         return decoder_pb2.DecoderStats(**{k: int(v) for k, v in stats.items() if k in decoder_pb2.DecoderStats.DESCRIPTOR.fields_by_name})
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import subprocess
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -191,6 +192,10 @@ def test_generate_through_the_published_decoder_port(deployment, hf_whisper, whi
         assert text == load_tokenizer(resolve_model("whisper-tiny.en")[1]).decode(tokens, skip_special_tokens=True)
         record = stub.GetRequest(decoder_pb2.GetRequestRequest(request_id=messages[0].request_id))  # from Redis
         assert record.state == decoder_pb2.REQUEST_STATE_FINISHED and record.finish_reason == "stop"
+    for name, metric in (("decoder", "encdec_decoder_requests_total"), ("encoder", "encdec_encoder_requests_total")):
+        host, port = deployment.endpoints[(name, int(deployment.project.services[name]["environment"]["ENCDEC_METRICS_PORT"]))]
+        with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as resp:  # ENCDEC_METRICS_PORT honoured
+            assert metric in resp.read().decode(), name
 
 
 def test_embed_through_the_published_embed_port(deployment):
