@@ -93,6 +93,7 @@ def test_services_expose_request_latency_kv_and_encoder_metrics(services):
         assert d[("encdec_decoder_kv_blocks", (("group", group),))] == total
         assert d[("encdec_decoder_kv_free_blocks", (("group", group),))] == total  # everything freed
     assert d[("encdec_decoder_num_preemptions_total", ())] == 0
+    assert stats.max_concurrent_requests == 16  # default pools: max_num_seqs (16) max-length requests
 
     e = scrape(ports["encoder"])
     assert e[("encdec_encoder_requests_total", (("outcome", "ok"),))] == 2
