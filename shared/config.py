@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 DEFAULT_MODEL = "whisper-tiny.en"
 DEFAULT_ENCODER_ADDRESS = "127.0.0.1:50061"
 DEFAULT_DECODER_ADDRESS = "127.0.0.1:50051"
-KV_TRANSPORTS = ("shm", "torch_dist")  # cross-KV transports (``shared.kv_transport``)
+KV_TRANSPORTS = ("shm", "torch_dist", "cuda_ipc")  # cross-KV transports (``shared.kv_transport``)
 KV_DIST_BACKENDS = ("gloo", "nccl")  # torch_dist backends
 KV_DTYPES = ("float32", "float16", "bfloat16")  # cross-KV pool / transfer dtypes
 
@@ -102,13 +102,14 @@ class DecoderServiceConfig:
             encoder writes into); 0 sizes it for ``max_num_seqs`` requests of
             the model's max encoder length.
         kv_transport: how cross-attention KV arrives: ``shm`` (same host,
-            shared memory) or ``torch_dist`` (Gloo / NCCL point-to-point, any
-            host); see docs/kv_transport.md.
+            shared memory), ``torch_dist`` (Gloo / NCCL point-to-point, any
+            host) or ``cuda_ipc`` (same host, pool on the GPU ``kv_device``
+            names); see docs/kv_transport.md.
         kv_dist_address: torch_dist: ``host:port`` of the rendezvous store this
             decoder hosts (port 0 picks a free one); encoders must reach it,
             and Gloo binds to ``host``.
         kv_dist_backend: torch_dist: ``gloo`` or ``nccl`` (needs ``kv_device`` cuda).
-        kv_device: device of the cross-KV pool (``cpu``; ``cuda`` for nccl).
+        kv_device: device of the cross-KV pool (``cpu``; ``cuda`` for nccl and cuda_ipc).
         kv_transfer_timeout_s: torch_dist: how long a request waits for its
             cross KV to land once Encode answered, and the bound on pairing
             (seconds); past it the request fails with UNAVAILABLE.
