@@ -370,6 +370,8 @@ def _pool_options(config: DecoderServiceConfig) -> dict:
     if config.kv_transport == "torch_dist":
         return dict(address=config.kv_dist_address, backend=config.kv_dist_backend, device=config.kv_device,
                     timeout_s=config.kv_transfer_timeout_s)
+    if config.kv_transport == "cuda_ipc":
+        return dict(device=config.kv_device)  # must be a CUDA device; CudaIpcCrossKVPool says so otherwise
     return {}
 
 
