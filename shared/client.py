@@ -17,7 +17,8 @@ from shared.proto import decoder_pb2, decoder_pb2_grpc
 
 @dataclass
 class Transcript:
-    """The outcome of one file: text, token ids, finish reason, usage, wall seconds."""
+    """The outcome of one file: text, token ids, finish reason, usage, wall seconds, and on a
+    "stop" the matched stop string or stop token id (as text; "" for other finish reasons)."""
 
     path: str
     request_id: str
@@ -26,6 +27,7 @@ class Transcript:
     finish_reason: str
     completion_tokens: int
     seconds: float
+    stop_reason: str = ""
 
 
 async def transcribe_one(
@@ -56,11 +58,16 @@ async def transcribe_one(
         out.write(f"{prefix}{''.join(text).strip()}\n" if prefix else "\n")
         out.flush()
     reason = decoder_pb2.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower()
-    return Transcript(path, last.request_id, "".join(text), ids, reason, last.usage.completion_tokens, time.perf_counter() - start)
+    which = last.WhichOneof("stop_reason")
+    stop_reason = "" if which is None else str(getattr(last, which))
+    return Transcript(path, last.request_id, "".join(text), ids, reason, last.usage.completion_tokens, time.perf_counter() - start, stop_reason)
 
 
 async def transcribe_files(address: str, paths: list[str], out: TextIO = sys.stdout, **sampling) -> list[Transcript | BaseException]:
-    """Transcribes ``paths`` concurrently; one file streams to ``out``, several print one ``[name] text`` line each."""
+    """Transcribes ``paths`` concurrently; one file streams to ``out``, several print one ``[name] text`` line each.
+
+    ``sampling``: ``decoder_pb2.SamplingParams`` fields (None = unset; lists for ``stop`` / ``stop_token_ids``).
+    """
     params = decoder_pb2.SamplingParams(**{k: v for k, v in sampling.items() if v is not None})
     async with grpc.aio.insecure_channel(address, options=GRPC_OPTIONS) as channel:
         stub = decoder_pb2_grpc.DecoderServiceStub(channel)
