@@ -146,6 +146,7 @@ def encoder():
 def pool():
     p = create_pool("cuda_ipc", SHAPE)
     p.tensor.fill_(-7.0)
+    torch.cuda.synchronize()  # the fill is the test's own write: done before the encoder's
     yield p
     p.close()
 
@@ -191,6 +192,7 @@ def test_restarted_decoder_is_reopened_and_the_stale_mapping_dropped(encoder):
     second = create_pool("cuda_ipc", SHAPE)  # the decoder restarted: a new instance on the same GPU
     try:
         second.tensor.fill_(-7.0)
+        torch.cuda.synchronize()
         assert encoder.write(second.spec, [3, 1], 9, 4)[::2] == ("ok", [second.spec.instance_id])
         assert torch.equal(read_back(second.tensor, [3, 1], 9).cpu(), reference(9, 4))
         # A target that keeps the instance id but swaps in another pool's handle is refused.
@@ -252,6 +254,7 @@ def test_nccl_two_processes_on_one_gpu_deliver_bit_exact_blocks():
     proc = ctx.Process(target=nccl_writer_main, args=(pool.spec, [9, 2, 5], 13, 3, 11, results), daemon=True)
     try:
         pool.tensor.fill_(-7.0)
+        torch.cuda.synchronize()
         waiter = pool.expect(11, [9, 2, 5])
         proc.start()
         kind, detail = results.get(timeout=NCCL_WAIT_S)

@@ -268,6 +268,7 @@ def _run_payload(transport, device, options, payload: Payload, args, conn, proc,
     pool = create_pool(transport, shape, payload.dtype, **options)
     try:
         pool.tensor.fill_(-1.0)
+        _sync(device)  # this process's own write, done before the encoder's
         conn.send(("payload", pool.spec, block_ids, payload, seed))
         _recv(conn, proc)
         times = []
