@@ -258,3 +258,16 @@ def test_logprobs_are_of_the_scores_the_token_was_picked_from():
     assert len(sampled.top) == 3  # top_k=3 leaves three finite tokens; the -inf ones are omitted
     assert abs(sum(torch.tensor([v for _, v in sampled.top]).exp().tolist()) - 1) < 1e-5
     assert sampled.rank == 1 + sum(v > sampled.logprob for _, v in sampled.top)
+
+
+def test_every_proto_sampling_field_is_implemented_or_refused():
+    """A SamplingParams proto field the server does not read would be silently ignored: each one must map
+    onto a ``shared.sampling_params.SamplingParams`` attribute, and a set field outside that list is refused."""
+    import dataclasses
+
+    from decoder_svc.server import _REPEATED_SAMPLING_FIELDS, _SCALAR_SAMPLING_FIELDS
+    from shared.proto import decoder_pb2
+
+    proto_fields = {f.name for f in decoder_pb2.SamplingParams.DESCRIPTOR.fields}
+    assert proto_fields == _SCALAR_SAMPLING_FIELDS | _REPEATED_SAMPLING_FIELDS
+    assert proto_fields <= {f.name for f in dataclasses.fields(SamplingParams)}
