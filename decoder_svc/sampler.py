@@ -54,7 +54,7 @@ class SamplingRow:
     token_ids: Seq[int] = ()  # decoder tokens (prompt + output); only filled when a penalty needs them
 
     @classmethod
-    def from_sequence(cls, seq) -> "SamplingRow":
+    def from_sequence(cls, seq) -> SamplingRow:
         """The row of a ``decoder_svc.sequence.Sequence`` about to sample its next token."""
         p = seq.sampling_params
         history = seq.all_token_ids if (p.repetition_penalty != 1.0 or p.no_repeat_ngram_size) else ()

@@ -72,10 +72,9 @@ MULTIBYTE = ["日本語のテキスト", "中文字符", "한국어 문장", "em
 def byte_level_tokenizer(out_dir, vocab_size: int = 600):
     """A BART tokenizer (byte-level BPE, as ``text_checkpoints.build_bart``) trained on English plus multi-byte
     text, so merges cut UTF-8 characters at many byte offsets. Loaded through ``AutoTokenizer`` as the server does."""
+    from text_checkpoints import corpus
     from tokenizers import ByteLevelBPETokenizer
     from transformers import AutoTokenizer, BartTokenizer
-
-    from text_checkpoints import corpus
 
     bpe = ByteLevelBPETokenizer()
     texts = corpus(1500) + [f"{a} {b}" for a in MULTIBYTE for b in MULTIBYTE] * 3

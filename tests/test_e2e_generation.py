@@ -10,18 +10,17 @@ from __future__ import annotations
 import json
 import math
 import random
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 import torch
+from test_detokenizer import byte_level_tokenizer
+from text_checkpoints import build_bart, sentence
 
 from decoder_svc.detokenizer import REPLACEMENT_CHAR
 from shared.launcher import Services
 from shared.proto import decoder_pb2, decoder_pb2_grpc
-from test_detokenizer import byte_level_tokenizer
-from text_checkpoints import build_bart, sentence
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +34,9 @@ def served(redis_url, tmp_path_factory):
         (path / f).unlink(missing_ok=True)
     tok.save_pretrained(path)
     with Services(model=str(path), redis_url=redis_url, log_dir=str(root), log_level="WARNING",
-                  extra_decoder_args=["--block-size", "8", "--max-num-seqs", "8"]) as svc:
-        with grpc.insecure_channel(svc.decoder_address) as channel:
-            yield path, tok, decoder_pb2_grpc.DecoderServiceStub(channel)
+                  extra_decoder_args=["--block-size", "8", "--max-num-seqs", "8"]) as svc, \
+            grpc.insecure_channel(svc.decoder_address) as channel:
+        yield path, tok, decoder_pb2_grpc.DecoderServiceStub(channel)
 
 
 def src(tok, seed: int, words: int = 8) -> decoder_pb2.TokenIds:
@@ -56,9 +55,9 @@ def text_of(messages) -> str:
 
 def test_seeded_request_reproducible_beside_unseeded_companions(served):
     _, tok, stub = served
-    seeded = dict(temperature=1.0, top_k=50, top_p=0.95, min_p=0.01, seed=1234, max_tokens=24, ignore_eos=True)
+    seeded = {"temperature": 1.0, "top_k": 50, "top_p": 0.95, "min_p": 0.01, "seed": 1234, "max_tokens": 24, "ignore_eos": True}
     alone, _ = generate(stub, src(tok, 0), **seeded)
-    jobs = [(src(tok, 0), seeded)] + [(src(tok, i), dict(temperature=1.0, max_tokens=24)) for i in range(1, 6)]
+    jobs = [(src(tok, 0), seeded)] + [(src(tok, i), {"temperature": 1.0, "max_tokens": 24}) for i in range(1, 6)]
     with ThreadPoolExecutor(len(jobs)) as pool:
         together = [f.result()[0] for f in [pool.submit(generate, stub, s, **p) for s, p in jobs]]
     assert together[0] == alone and len(alone) == 24
@@ -116,13 +115,13 @@ def test_penalties_and_min_tokens_match_hf_generate(served):
     hf = AutoModelForSeq2SeqLM.from_pretrained(path).eval()
     source = src(tok, 3, 10)
     cases = [
-        (dict(repetition_penalty=1.8), dict(repetition_penalty=1.8)),
-        (dict(no_repeat_ngram_size=1), dict(no_repeat_ngram_size=1)),
-        (dict(repetition_penalty=0.8, no_repeat_ngram_size=3, min_tokens=12), dict(repetition_penalty=0.8, no_repeat_ngram_size=3, min_new_tokens=12)),
+        ({"repetition_penalty": 1.8}, {"repetition_penalty": 1.8}),
+        ({"no_repeat_ngram_size": 1}, {"no_repeat_ngram_size": 1}),
+        ({"repetition_penalty": 0.8, "no_repeat_ngram_size": 3, "min_tokens": 12}, {"repetition_penalty": 0.8, "no_repeat_ngram_size": 3, "min_new_tokens": 12}),
     ]
     plain, _ = generate(stub, source, max_tokens=20)
     for ours, theirs in cases:
-        got, msgs = generate(stub, source, max_tokens=20, **ours)
+        got, _msgs = generate(stub, source, max_tokens=20, **ours)
         assert got != plain, f"{ours} changed nothing on this source; pick another"
         with torch.inference_mode():
             expected = hf.generate(torch.tensor([list(source.ids)]), max_new_tokens=20, do_sample=False, **theirs)[0].tolist()[1:]
@@ -150,7 +149,7 @@ def test_logprobs_consistent_with_tokens(served):
     ref = [float(torch.log_softmax(s[0], -1)[t]) for s, t in zip(out.scores, ids)]
     assert [lp.logprob for lp in lps] == pytest.approx(ref, abs=1e-3)
     # Sampled: finite logprobs of the drawn tokens, reproducible with the seed; no top list unless asked.
-    sampled = dict(temperature=1.2, top_k=40, seed=3, max_tokens=12, logprobs=True)
+    sampled = {"temperature": 1.2, "top_k": 40, "seed": 3, "max_tokens": 12, "logprobs": True}
     ids1, m1 = generate(stub, source, **sampled)
     ids2, m2 = generate(stub, source, **sampled)
     l1 = [lp for m in m1 for lp in m.logprobs]
@@ -161,19 +160,19 @@ def test_logprobs_consistent_with_tokens(served):
 
 
 @pytest.mark.parametrize("sampling, field", [
-    (dict(top_logprobs=21, logprobs=True), "top_logprobs"),
-    (dict(top_logprobs=2), "top_logprobs"),
-    (dict(min_p=1.5), "min_p"),
-    (dict(repetition_penalty=0.0), "repetition_penalty"),
-    (dict(repetition_penalty=float("nan")), "repetition_penalty"),
-    (dict(no_repeat_ngram_size=-1), "no_repeat_ngram_size"),
-    (dict(min_tokens=5, max_tokens=4), "min_tokens"),
-    (dict(min_tokens=-1), "min_tokens"),
-    (dict(stop=[""]), "stop"),
-    (dict(stop=["x"] * 17), "stop"),
-    (dict(stop=["y" * 257]), "stop"),
-    (dict(stop_token_ids=[10**6]), "stop_token_ids"),
-    (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"repetition_penalty": float("nan")}, "repetition_penalty"),
+    ({"no_repeat_ngram_size": -1}, "no_repeat_ngram_size"),
+    ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"stop": [""]}, "stop"),
+    ({"stop": ["x"] * 17}, "stop"),
+    ({"stop": ["y" * 257]}, "stop"),
+    ({"stop_token_ids": [10**6]}, "stop_token_ids"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
 ])
 def test_bad_generation_controls_are_invalid_argument(served, sampling, field):
     _, tok, stub = served

@@ -1,7 +1,11 @@
 """Stop conditions of a sequence: end token, min_tokens, ignore_eos, max_tokens / model max length."""
 
-import pytest
+import random
 
+import pytest
+from test_detokenizer import MULTIBYTE, byte_level_tokenizer
+
+from decoder_svc.detokenizer import REPLACEMENT_CHAR, OutputText
 from decoder_svc.sequence import Sequence, SequenceStatus
 from shared.sampling_params import SamplingParams
 
@@ -48,11 +52,6 @@ def test_validation_names_field(kwargs, field):
 
 
 # -- stop strings, stop token ids and streamed text (byte-level BPE tokenizer) ---------------------------------
-
-import random  # noqa: E402
-
-from decoder_svc.detokenizer import REPLACEMENT_CHAR, OutputText  # noqa: E402
-from test_detokenizer import MULTIBYTE, byte_level_tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +104,7 @@ def test_stop_string_spanning_tokens_is_never_streamed(tok):
 
 def test_earliest_of_several_stop_strings(tok):
     ids = tok.encode(" blue green red white", add_special_tokens=False) + [EOS]
-    status, reason, deltas, _ = stream(tok, SamplingParams(stop=("white", "green", "zzz")), ids)
+    _status, reason, deltas, _ = stream(tok, SamplingParams(stop=("white", "green", "zzz")), ids)
     assert (reason, "".join(deltas)) == ("green", " blue ")
 
 
@@ -144,7 +143,7 @@ def test_stop_string_property(tok, seed):
         a = rng.randrange(len(full))
         stop = full[a : a + rng.randrange(1, 8)]
         include = rng.random() < 0.5
-        status, reason, deltas, _ = stream(tok, SamplingParams(stop=(stop,), include_stop_str_in_output=include), ids + [EOS])
+        _status, reason, deltas, _ = stream(tok, SamplingParams(stop=(stop,), include_stop_str_in_output=include), ids + [EOS])
         cut = full.find(stop)
         assert (reason, "".join(deltas)) == (stop, full[: cut + len(stop) if include else cut]), (text, stop)
         assert all(REPLACEMENT_CHAR not in d for d in deltas)
