@@ -58,12 +58,12 @@ def _paged_attention_kernel(
     t = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.load(seq_idx_ptr + t).to(tl.int64)
-    kv_len = tl.load(kv_len_ptr + t)
+    kv_len = tl.load(kv_len_ptr + t).to(tl.int32)  # key positions fit int32; block ids are scaled in int64
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < head_dim
     q = tl.load(q_ptr + t * stride_qt + h * stride_qh + offs_d, mask=d_mask, other=0.0).to(tl.float32)  # [BLOCK_D]
     if HAS_BIAS:
-        q_pos = tl.load(q_pos_ptr + t)
+        q_pos = tl.load(q_pos_ptr + t).to(tl.int32)
     if CONTIGUOUS:
         first_slot = tl.load(first_slot_ptr + b)
 
