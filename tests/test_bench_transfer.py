@@ -34,7 +34,7 @@ def test_shm_bench_prints_the_table_and_writes_json(tmp_path, capsys):
     result = json.loads(out.read_text())
     assert result["bench"] == "transfer" and result["block_size"] == 5 and result["iters"] == 2
     assert [r["payload"] for r in result["rows"]] == ["2x3x8x13", "1x1x4x16"]
-    for row, nbytes in zip(result["rows"], (2 * 2 * 13 * 3 * 8 * 4, 1 * 2 * 16 * 1 * 4 * 4)):
+    for row, nbytes in zip(result["rows"], (2 * 2 * 13 * 3 * 8 * 4, 1 * 2 * 16 * 1 * 4 * 4), strict=True):
         assert row["MB"] == nbytes / 1e6
         assert row["GB/s"] > 0 and row["memcpy GB/s"] > 0 and row["p50 ms"] > 0
         assert row["x memcpy"] == pytest.approx(row["GB/s"] / row["memcpy GB/s"])
