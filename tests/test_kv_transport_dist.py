@@ -241,3 +241,19 @@ def test_nccl_needs_cuda():
         create_writer("torch_dist", backend="nccl", device="cpu")
     with pytest.raises(ValueError, match="kv_dist_backend"):
         create_pool("torch_dist", SHAPE, backend="mpi")
+
+
+def test_config_names_the_transport_fields():
+    from shared.config import DecoderServiceConfig, EncoderServiceConfig, config_from
+
+    cfg = config_from(DecoderServiceConfig, env={"ENCDEC_KV_TRANSPORT": "torch_dist", "ENCDEC_KV_DIST_ADDRESS": "10.0.0.5:29600",
+                                                 "ENCDEC_KV_TRANSFER_DTYPE": "float16"})
+    assert (cfg.kv_transport, cfg.kv_dist_address, cfg.kv_transfer_dtype) == ("torch_dist", "10.0.0.5:29600", "float16")
+    assert config_from(EncoderServiceConfig, env={"ENCDEC_KV_TRANSPORT": "torch_dist"}).kv_transport == "torch_dist"
+    for bad, message in [(dict(kv_transport="carrier-pigeon"), "kv_transport"), (dict(kv_dist_address="10.0.0.5"), "host:port"),
+                         (dict(kv_transfer_dtype="int8"), "kv_transfer_dtype"), (dict(kv_dist_backend="nccl"), "cuda"),
+                         (dict(kv_transfer_timeout_s=0), "kv_transfer_timeout_s")]:
+        with pytest.raises(ValueError, match=message):
+            DecoderServiceConfig(**bad)
+    with pytest.raises(ValueError, match="kv_transport"):
+        EncoderServiceConfig(kv_transport="shm,bogus")
