@@ -119,6 +119,21 @@ def test_environment_names_real_config_fields_and_validates(project, monkeypatch
         assert config.port == int(env["ENCDEC_PORT"]) and config.host == "0.0.0.0"
 
 
+def test_each_decoder_and_its_encoder_agree_on_the_kv_transport(project, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # as above: lets attention_backend=triton validate here
+    for name, svc in encdec_services(project).items():
+        if svc["command"][1] != "serve-decoder":
+            continue
+        decoder = config_from(DecoderServiceConfig, env={k: str(v) for k, v in svc["environment"].items()})
+        encoder_name, _, encoder_port = decoder.encoder_address.rpartition(":")
+        encoder_svc = project.services[encoder_name]
+        assert encoder_port in encoder_svc["expose"] and not set(encoder_svc.get("profiles", [])).isdisjoint(svc["profiles"])
+        encoder = config_from(EncoderServiceConfig, env={k: str(v) for k, v in encoder_svc["environment"].items()})
+        assert decoder.kv_transport in encoder.kv_transport.split(","), (name, encoder_name)
+        if decoder.kv_transport == "cuda_ipc":
+            assert decoder.kv_device.startswith("cuda"), name
+
+
 def test_models_volume_and_gpu_profile(project):
     assert "models" in project.volumes
     for name, svc in encdec_services(project).items():
@@ -132,6 +147,7 @@ def test_models_volume_and_gpu_profile(project):
         assert "deploy" not in cpu_twin
     env = gpu["decoder-gpu"]["environment"]
     assert env["ENCDEC_KV_TRANSPORT"] == "cuda_ipc" and env["ENCDEC_ATTENTION_BACKEND"] == "triton"
+    assert env["ENCDEC_KV_DEVICE"] == "cuda"
     assert gpu["decoder-gpu"]["ipc"] == gpu["decoder-gpu"]["pid"] == "service:encoder-gpu"
 
 
