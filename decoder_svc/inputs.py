@@ -1,7 +1,10 @@
 """Turns a ``GenerateRequest``'s input into what the engine and the encoder need.
 
 Audio models (Whisper): decoded / resampled PCM, a fixed ``encoder_len``, the
-model's default decoder prompt. Text models (T5, BART, mBART, Marian): source
+model's default decoder prompt. Audio longer than Whisper's 30 s input is
+split into consecutive 30 s windows (``RequestInput.windows``), each decoded
+as its own sequence one after another within the request
+(``decoder_svc.server``); up to ``max_audio_s`` is accepted, never cut. Text models (T5, BART, mBART, Marian): source
 token ids (from ``text`` through the checkpoint's tokenizer, or ``input_ids``
 as given), ``encoder_len`` = their count, decoder prompt =
 ``decoder_start_token_id`` + the optional prefix.
@@ -18,6 +21,10 @@ from shared.audio import decode_audio, pcm_to_array
 from shared.errors import InvalidRequestError
 
 SAMPLE_RATE = 16000
+# Whisper's input window: 30 s of 16 kHz samples (WhisperFeatureExtractor's n_samples = chunk_length 30 x
+# sampling_rate), encoded as 1500 positions. Longer audio is decoded window by window.
+WINDOW_S = 30
+WINDOW_SAMPLES = WINDOW_S * SAMPLE_RATE
 # An HF fast tokenizer sets truncation on its shared Rust backend for every call, so concurrent calls
 # (requests are parsed on a thread pool) with and without truncation would see each other's setting.
 _TOKENIZER_LOCK = threading.Lock()
@@ -29,8 +36,10 @@ class RequestInput:
     """One request's encoder input and decoder prompt.
 
     Attributes:
-        encoder_len: cross-attention KV length (source tokens, or Whisper's 1500 frames).
-        pcm: ``[N]`` float32 at 16 kHz (audio models), else None.
+        encoder_len: cross-attention KV length of one window (source tokens, or
+            Whisper's 1500 positions per 30 s window).
+        pcm: ``[N]`` float32 at 16 kHz (audio models), else None; the whole
+            clip, or one window's samples for an input from ``windows()``.
         input_ids: source token ids (text models), else None.
         prompt_token_ids: decoder prompt; None = the model's default.
         applied: generation defaults in effect, reported on the last response.
@@ -42,14 +51,39 @@ class RequestInput:
     prompt_token_ids: list[int] | None = None
     applied: list[str] = field(default_factory=list)
 
+    def windows(self) -> list[RequestInput]:
+        """The consecutive inputs the decoder runs one after another for this request.
+
+        Audio: ``ceil(N / WINDOW_SAMPLES)`` windows of ``WINDOW_SAMPLES``
+        (30 s) samples each, the last one shorter (the encoder's feature
+        extractor pads it to 30 s, as for any short clip); each with the same
+        ``encoder_len`` and prompt, its ``pcm`` a ``[<= 480000]`` float32 view.
+        No overlap and no search for silence: a word cut by a window edge is
+        heard in pieces, as with HF's pipeline at ``chunk_length_s=30`` and no
+        stride. Text: ``[self]``.
+        """
+        if self.pcm is None or len(self.pcm) <= WINDOW_SAMPLES:
+            return [self]
+        return [RequestInput(self.encoder_len, pcm=self.pcm[start:start + WINDOW_SAMPLES],
+                             prompt_token_ids=self.prompt_token_ids, applied=self.applied)
+                for start in range(0, len(self.pcm), WINDOW_SAMPLES)]
+
 
 def parse_input(request, model, tokenizer, max_audio_s: float) -> RequestInput:
     """Validates and converts ``request.input`` (and the decoder prompt) for ``model``.
 
+    Args:
+        max_audio_s: longest accepted audio in seconds (``--max-audio-s``);
+            audio longer than 30 s is accepted up to it and decoded in windows.
+
     Raises:
         InvalidRequestError: missing input, input of the wrong kind for the
-            model, undecodable audio, too long audio, a source longer than the
+            model, undecodable audio, audio longer than ``max_audio_s`` (the
+            message names its length and the limit), a source longer than the
             model's max source positions without ``truncate``, ids out of range.
+        shared.audio.AudioError: (a ``ValueError``, also INVALID_ARGUMENT)
+            undecodable audio, or audio longer than ``max_audio_s`` judged
+            from the header / sample count before decoding.
     """
     kind = request.WhichOneof("input")
     text_model = getattr(model, "input_modality", "audio") == "text"

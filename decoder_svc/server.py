@@ -6,11 +6,32 @@ add to the engine (which reserves cross blocks), call the encoder's Encode
 into those blocks (ENCODING), mark the request runnable (DECODING), stream
 text deltas, record FINISHED / ABORTED / FAILED. Redis sees a handful of
 writes per request, never one per token.
+
+Long audio (over Whisper's 30 s window, up to ``max_audio_s``): the request
+runs its windows (``RequestInput.windows``) one after another, each added to
+the engine as a fresh sequence under the request's id with the same prompt
+and suppressions, so scheduling, batching, preemption and the encoder cache
+treat it like any 30 s request; it queues behind requests already waiting, so
+a long transcript does not hold back short ones. A window ends on its end
+token (or the model max length) and the next one is added only then: its
+cross blocks are reserved after the previous window's self and cross blocks
+were freed (never one ahead, so a long request holds at most one window's KV;
+the price is that window i+1's Encode does not overlap window i's decode).
+One Redis record, one stream: each window's tokens end with its end token
+(so ``token_ids`` split per window), its text continues the previous window's
+(a space inserted only when neither side has one), ``usage`` sums prompt,
+completion and encoder tokens over the windows. ``max_tokens`` / ``min_tokens``
+count over the whole request (a window gets what is left; ``max_tokens`` used
+up with windows left ends the request with "length"); a stop string or stop
+token id ends the request (stop strings are matched within a window); a seed
+restarts each window's generator. Abort / disconnect mid-window frees that
+window's blocks and records ABORTED with the tokens streamed so far.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
@@ -57,7 +78,13 @@ KV_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 @dataclass
 class _Active:
-    """A request this replica is serving."""
+    """A request this replica is serving.
+
+    Long audio: ``input`` is the window being decoded (``_encode`` and the
+    encoder-cache key read it), ``window`` its index, ``base_*`` the tokens of
+    the windows before it; ``prompt_tokens`` / ``completion_tokens`` /
+    ``encoder_tokens`` are the request's totals.
+    """
 
     input: RequestInput
     stream: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -67,10 +94,32 @@ class _Active:
     completion_tokens: int = 0
     arrival: float = field(default_factory=time.monotonic)  # Generate call received (TTFT's start)
     last_token_at: float | None = None
+    window: int = 0
+    base_prompt_tokens: int = 0
+    base_completion_tokens: int = 0
+    encoder_tokens: int = 0
+    text_tail: str = ""  # last streamed character
+    window_text_started: bool = False
 
     def usage(self) -> dict[str, int]:
         """Token counts as of the last output (recorded on abort and failure too)."""
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens}
+
+    def count(self, item: RequestOutput) -> None:
+        """Request totals from a window's output (the Abort RPC's output already carries the totals)."""
+        if item.finish_reason != "abort":
+            self.prompt_tokens = self.base_prompt_tokens + item.prompt_tokens
+            self.completion_tokens = self.base_completion_tokens + item.completion_tokens
+
+    def stream_text(self, text: str) -> str:
+        """``text`` as streamed: a later window's first text gets a leading space when
+        neither it nor the text before it has one, so words of two windows never run together."""
+        if text:
+            if self.window and not self.window_text_started and self.text_tail and not self.text_tail.isspace() and not text[0].isspace():
+                text = " " + text
+            self.window_text_started = True
+            self.text_tail = text[-1]
+        return text
 
 
 class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
@@ -134,7 +183,8 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
     # -- engine callbacks (event loop) --------------------------------------
     def _on_encode(self, request_id: str, block_ids: list[int]) -> None:
         active = self.active.get(request_id)
-        if active is not None:
+        # An aborting request's engine.abort is queued behind the step that reserved these blocks: no Encode into them.
+        if active is not None and not active.abort_requested:
             active.encoding = asyncio.create_task(self._encode(request_id, active, block_ids))
 
     def _on_output(self, output) -> None:
@@ -159,7 +209,8 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         transfer_id = next(self.transfer_ids)
         arrival = self.pool.expect(transfer_id, block_ids)
         try:
-            await asyncio.to_thread(self.store.set_state, request_id, RequestState.ENCODING)
+            if not active.window:  # a later window is encoded while the record stays DECODING
+                await asyncio.to_thread(self.store.set_state, request_id, RequestState.ENCODING)
             inp = active.input
             source = {"input_ids": inp.input_ids} if inp.input_ids is not None else {"pcm": inp.pcm.astype("<f4").tobytes()}
             encode_start = time.monotonic()
@@ -189,7 +240,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
                 await asyncio.to_thread(self.pool.cancel, transfer_id)
         if active.abort_requested:
             return
-        await asyncio.to_thread(self.store.set_state, request_id, RequestState.DECODING)
+        await asyncio.to_thread(self.store.set_state, request_id, RequestState.DECODING, **(active.usage() if active.window else {}))
         await self.loop.call(self.engine.mark_encoded, request_id)
 
     # -- RPCs ---------------------------------------------------------------
@@ -214,38 +265,36 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         active = self.active[request_id] = _Active(inp, arrival=arrival)
         state, fields = RequestState.FAILED, {}
         try:
-            encoder_len = inp.encoder_len
-            cache_key = await asyncio.to_thread(self._encoder_cache_key, inp) if self.config.encoder_cache else None
-            try:
-                await self.loop.call(self.engine.add_request, request_id, encoder_len, params, inp.prompt_token_ids,
-                                     request.priority, cache_key)
-            except CapacityError as exc:
-                raise ResourceExhaustedError(str(exc)) from exc
+            windows = inp.windows()
+            await self._start_window(request_id, active, windows[0], params, request.priority)
             while True:
                 item = await active.stream.get()
                 if isinstance(item, BaseException):
                     raise item
-                final = item.finished
-                active.prompt_tokens, active.completion_tokens = item.prompt_tokens, item.completion_tokens
+                active.count(item)
                 self._observe_tokens(active, len(item.new_token_ids))
-                message = decoder_pb2.GenerateResponse(request_id=request_id, text=item.text, token_ids=item.new_token_ids)
+                text = active.stream_text(item.text)
+                reason = self._request_finish_reason(active, item, params, len(windows)) if item.finished else None
+                final = item.finished and reason is not None
+                message = decoder_pb2.GenerateResponse(request_id=request_id, text=text, token_ids=item.new_token_ids)
                 if item.logprobs:
                     message.logprobs.extend(_logprobs_pb(lp) for lp in item.logprobs)
                 if final:
-                    reason = item.finish_reason
                     message.finish_reason = FINISH_REASONS[reason]
-                    message.usage.CopyFrom(decoder_pb2.Usage(prompt_tokens=item.prompt_tokens, completion_tokens=item.completion_tokens, encoder_tokens=encoder_len))
+                    message.usage.CopyFrom(decoder_pb2.Usage(encoder_tokens=active.encoder_tokens, **active.usage()))
                     message.applied_generation_defaults.extend(inp.applied)
                     if isinstance(item.stop_reason, str):
                         message.stop_str = item.stop_reason
                     elif item.stop_reason is not None:
                         message.stop_token_id = item.stop_reason
                     state = RequestState.ABORTED if reason == "abort" else RequestState.FINISHED
-                    fields = {"finish_reason": reason, "prompt_tokens": item.prompt_tokens, "completion_tokens": item.completion_tokens}
-                if item.text or item.new_token_ids or final:
+                    fields = {"finish_reason": reason, **active.usage()}
+                if text or item.new_token_ids or final:
                     yield message
                 if final:
                     return
+                if item.finished and not active.abort_requested:  # else the Abort RPC's output is queued next
+                    await self._start_window(request_id, active, windows[active.window + 1], params, request.priority)
         except (asyncio.CancelledError, GeneratorExit):  # client went away (GeneratorExit: cancelled while paused at a yield)
             state, fields = RequestState.ABORTED, {"finish_reason": "abort", **active.usage()}
             raise
@@ -254,6 +303,47 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             await abort_with(context, exc)
         finally:
             await self._release(request_id, active, state, fields)
+
+    async def _start_window(self, request_id: str, active: _Active, window: RequestInput, params: SamplingParams, priority: int) -> None:
+        """Adds the request's first or next window to the engine as a new sequence (its cross blocks are
+        reserved at a later step; the previous window's sequence has finished and freed its blocks).
+
+        A later window gets what is left of ``max_tokens`` / ``min_tokens``.
+
+        Raises:
+            ResourceExhaustedError: the window can never fit this decoder's KV pools.
+        """
+        if active.encoder_tokens:  # not the first window
+            active.window += 1
+            active.base_prompt_tokens, active.base_completion_tokens = active.prompt_tokens, active.completion_tokens
+            active.window_text_started = False
+            done = active.completion_tokens
+            params = dataclasses.replace(params, max_tokens=None if params.max_tokens is None else params.max_tokens - done,
+                                         min_tokens=max(params.min_tokens - done, 0))
+        active.input = window
+        active.encoder_tokens += window.encoder_len
+        cache_key = await asyncio.to_thread(self._encoder_cache_key, window) if self.config.encoder_cache else None
+        try:
+            await self.loop.call(self.engine.add_request, request_id, window.encoder_len, params, window.prompt_token_ids,
+                                 priority, cache_key)
+        except CapacityError as exc:
+            raise ResourceExhaustedError(str(exc)) from exc
+
+    def _request_finish_reason(self, active: _Active, item: RequestOutput, params: SamplingParams, num_windows: int) -> str | None:
+        """The request's finish reason once a window's sequence finished, or None when the next window follows.
+
+        The next window follows a window that ended on the end token (or the
+        model max length) while windows and ``max_tokens`` are left; a stop
+        string / stop token id / abort ends the request, and so does
+        ``max_tokens`` used up ("length").
+        """
+        reason = item.finish_reason
+        window_end = reason == "length" or (item.stop_reason == self.engine.eos_token_id and not params.ignore_eos)
+        if reason == "abort" or not window_end or active.window + 1 >= num_windows:
+            return reason
+        if params.max_tokens is not None and active.completion_tokens >= params.max_tokens:
+            return "length"
+        return None
 
     def _encoder_cache_key(self, inp: RequestInput) -> str:
         """Content key of the request's encoder input: the PCM bytes Encode would get, or the source ids."""

@@ -118,7 +118,11 @@ class DecoderServiceConfig:
             ``bfloat16`` (half the bytes; accuracy in docs/kv_transport.md).
         encode_timeout_s: an Encode call slower than this fails the request
             with UNAVAILABLE and frees its blocks (seconds).
-        max_audio_s: longest accepted audio (seconds).
+        max_audio_s: longest accepted audio (seconds); longer audio gets
+            INVALID_ARGUMENT naming both lengths. Audio over Whisper's 30 s
+            window is decoded as consecutive 30 s windows in one request
+            (``decoder_svc.inputs.RequestInput.windows``). Default 600 s (10 min,
+            20 windows; 38 MB of float32 PCM, within the 64 MiB gRPC message limit).
         num_threads: torch intra-op threads; 0 keeps torch's default.
         quantize: ``none`` or ``int8`` (opt-in dynamic int8 decoder weights and
             output projection, see ``shared.models.quantize``).
@@ -157,7 +161,7 @@ class DecoderServiceConfig:
     kv_transfer_timeout_s: float = 30.0
     kv_transfer_dtype: str = "float32"
     encode_timeout_s: float = 120.0
-    max_audio_s: float = 30.0
+    max_audio_s: float = 600.0
     num_threads: int = 0
     quantize: str = "none"
     kv_cache_memory: str = ""

@@ -111,7 +111,7 @@ BAD_INPUTS = {
     "undecodable audio": (dict(audio=b"this is not audio at all" * 10), grpc.StatusCode.INVALID_ARGUMENT, "audio"),
     "empty audio": (dict(audio=_wav(np.zeros(0, dtype=np.float32))), grpc.StatusCode.INVALID_ARGUMENT, "no samples"),
     "no input": (dict(), grpc.StatusCode.INVALID_ARGUMENT, "no input"),
-    "too long": (dict(pcm=decoder_pb2.PcmAudio(samples=np.zeros(16000 * 31, "<f4").tobytes(), sample_rate=16000)), grpc.StatusCode.INVALID_ARGUMENT, "the maximum is 30.00s"),
+    "too long": (dict(pcm=decoder_pb2.PcmAudio(samples=np.zeros(1000 * 601, "<f4").tobytes(), sample_rate=1000)), grpc.StatusCode.INVALID_ARGUMENT, "the maximum is 600.00s"),
     "odd pcm bytes": (dict(pcm=decoder_pb2.PcmAudio(samples=b"\0" * 7, sample_rate=16000)), grpc.StatusCode.INVALID_ARGUMENT, ""),
     "unknown model": (dict(model="whisper-huge-v9"), grpc.StatusCode.NOT_FOUND, "whisper-huge-v9"),
     "negative temperature": (dict(sampling=decoder_pb2.SamplingParams(temperature=-1)), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
