@@ -83,8 +83,8 @@ def _transcribe(args: argparse.Namespace) -> int:
     from shared.client import transcribe_files
 
     start = time.perf_counter()
-    keys = ("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", "min_tokens", "repetition_penalty", "no_repeat_ngram_size", "stop")
-    results = asyncio.run(transcribe_files(args.address, args.files, **{k: getattr(args, k) for k in keys}))
+    results = asyncio.run(transcribe_files(args.address, args.files, temperature=args.temperature, top_k=args.top_k,
+                                           top_p=args.top_p, seed=args.seed, max_tokens=args.max_tokens))
     return _print_results(results, start)
 
 
@@ -113,10 +113,44 @@ def _bench_embed(args: argparse.Namespace) -> int:
     return bench_main(args)
 
 
+def _bench_module(name: str):
+    """``func`` for ``encdec bench <name>``: the module's ``main(args)``, imported when run."""
+
+    def run(args: argparse.Namespace) -> int:
+        import importlib
+
+        return importlib.import_module(f"shared.bench.{name}").main(args)
+
+    return run
+
+
+def _bench_default(args: argparse.Namespace) -> int:
+    """``encdec bench`` with no sub-command = ``encdec bench all`` with its defaults."""
+    all_args = build_parser().parse_args(["--log-level", args.log_level, "bench", "all"])
+    return all_args.func(all_args)
+
+
 def _add_bench(sub) -> None:
-    """``encdec bench <name>``: one sub-command per benchmark; each prints a Markdown table."""
-    bench = sub.add_parser("bench", help="benchmarks against HF transformers / CTranslate2 / sentence-transformers")
-    benches = bench.add_subparsers(dest="bench", required=True)
+    """``encdec bench <name>``: one sub-command per benchmark; each prints a Markdown table.
+    No sub-command (or ``all``) runs them all (``shared.bench.suite``)."""
+    from shared.bench import online, seq2seq, suite
+
+    bench = sub.add_parser("bench", help="benchmarks against HF transformers / CTranslate2 / sentence-transformers; "
+                                         "no sub-command runs them all")
+    bench.set_defaults(func=_bench_default)
+    benches = bench.add_subparsers(dest="bench")
+
+    p = benches.add_parser("all", help="every bench in one invocation: Markdown tables, --json, --plot PNG")
+    suite.add_arguments(p)
+    p.set_defaults(func=_bench_module("suite"))
+
+    p = benches.add_parser("seq2seq", help="decode-bound T5 / BART shapes: our services vs HF generate vs CTranslate2")
+    seq2seq.add_arguments(p)
+    p.set_defaults(func=_bench_module("seq2seq"))
+
+    p = benches.add_parser("online", help="Poisson arrivals against our services: TTFT / TPOT p50, p99, throughput")
+    online.add_arguments(p)
+    p.set_defaults(func=_bench_module("online"))
 
     p = benches.add_parser("whisper", help="Whisper tiny.en: our services vs HF vs CTranslate2")
     p.add_argument("--clips", default=str(BUNDLED_CLIP.parent), help="folder of .wav/.flac clips (default: the bundled ones)")
@@ -185,11 +219,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     return parser
 
-    p.add_argument("--min-tokens", type=int, default=None)
-    p.add_argument("--min-p", type=float, default=None)
-    p.add_argument("--repetition-penalty", type=float, default=None, help="1 (default) = off")
-    p.add_argument("--no-repeat-ngram-size", type=int, default=None)
-    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)

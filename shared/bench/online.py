@@ -1,0 +1,179 @@
+"""``encdec bench online``: Poisson arrivals against our services, latency percentiles.
+
+Requests arrive as a Poisson process at ``--rate`` requests/s (exponential
+inter-arrival gaps, seeded) for ``--duration`` seconds; each is one
+``Generate`` stream, sent at its arrival time whatever is still running. The
+workload is Whisper on the bundled clips (cycled; default model) or a
+random-weight text model shape from ``seq2seq_checkpoints`` (``--workload
+t5-small`` etc.; ``--source-len`` ids in, ``--new-tokens`` out).
+
+Per request: TTFT (call start -> first message carrying tokens; includes
+queueing and encoding) and TPOT (time per output token after the first:
+``(end - first) / (tokens - 1)``). Reported: p50 / p99 of both, mean
+end-to-end latency, completed requests/s and output tokens/s over the span
+from the first arrival to the last completion.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from shared.bench.table import markdown_table, write_json
+
+COLUMNS = ["workload", "rate req/s", "duration s", "requests", "failed", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms",
+           "TPOT p99 ms", "e2e mean s", "req/s", "tokens/s"]
+BUNDLED_CLIPS = Path(__file__).resolve().parent.parent.parent / "tests" / "data"
+
+
+def add_arguments(p) -> None:
+    """The ``encdec bench online`` flags (also used by ``encdec bench all``)."""
+    p.add_argument("--workload", default="whisper",
+                   help="whisper (bundled clips, or --clips) or a text model shape: t5-small, bart-base, t5-tiny, bart-tiny")
+    p.add_argument("--rate", type=float, default=1.0, help="mean arrival rate, requests/s (Poisson)")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds during which requests arrive")
+    p.add_argument("--seed", type=int, default=0, help="seed of the arrival times")
+    p.add_argument("--clips", default=str(BUNDLED_CLIPS), help="whisper: folder of .wav/.flac clips")
+    p.add_argument("--source-len", type=int, default=24, help="text workloads: source tokens per request")
+    p.add_argument("--new-tokens", type=int, default=64, help="text workloads: generated tokens per request")
+    p.add_argument("--threads", type=int, default=2, help="torch threads per service")
+    p.add_argument("--max-num-seqs", type=int, default=32, help="decoder --max-num-seqs")
+    p.add_argument("--cache-dir", default=None, help="text workloads: checkpoint cache (default: the seq2seq bench's)")
+    p.add_argument("--address", default=None, help="use running services at this decoder address instead of starting them")
+    p.add_argument("--json", default=None, help="also write the results here")
+
+
+def arrival_times(rate: float, duration: float, seed: int) -> list[float]:
+    """Poisson process: offsets (s) of the arrivals in ``[0, duration)``; exponential gaps of mean ``1/rate``."""
+    if rate <= 0 or duration <= 0:
+        raise ValueError(f"--rate and --duration must be > 0, got {rate} and {duration}")
+    rng = random.Random(seed)
+    out, t = [], rng.expovariate(rate)
+    while t < duration:
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (``q`` in [0, 100]) of ``values``; None when empty."""
+    if not values:
+        return None
+    v = sorted(values)
+    return v[min(len(v) - 1, max(0, int(round(q / 100 * (len(v) - 1)))))]
+
+
+def _workload(args):
+    """``(model_or_None, make_request(i) -> GenerateRequest)``."""
+    from shared.proto import decoder_pb2
+
+    if args.workload == "whisper":
+        clip_dir = Path(args.clips)
+        clips = sorted(clip_dir.glob("*.wav")) + sorted(clip_dir.glob("*.flac"))
+        if not clips:
+            raise ValueError(f"no .wav/.flac clips in {clip_dir}")
+        payloads = [p.read_bytes() for p in clips]
+        return None, lambda i: decoder_pb2.GenerateRequest(audio=payloads[i % len(payloads)])
+    from shared.bench.seq2seq import DEFAULT_CACHE, sampling_for
+    from shared.bench.seq2seq_checkpoints import SHAPES, build_checkpoint, source_ids
+
+    if args.workload not in SHAPES:
+        raise ValueError(f"unknown workload {args.workload!r}; use whisper or one of {', '.join(SHAPES)}")
+    model_dir = build_checkpoint(args.workload, args.cache_dir or DEFAULT_CACHE)
+    sources = source_ids(args.workload, 256, args.source_len, seed=args.seed)
+    sampling = sampling_for(args.new_tokens)
+    return str(model_dir), lambda i: decoder_pb2.GenerateRequest(
+        input_ids=decoder_pb2.TokenIds(ids=sources[i % len(sources)]), sampling=sampling)
+
+
+async def _drive(address: str, make_request, offsets: list[float], progress: bool) -> tuple[list[dict], float]:
+    import grpc
+    from tqdm import tqdm
+
+    from shared.grpc_server import GRPC_OPTIONS
+    from shared.proto import decoder_pb2_grpc
+
+    bar = tqdm(total=len(offsets), desc="online requests", disable=not progress, leave=False)
+    async with grpc.aio.insecure_channel(address, options=GRPC_OPTIONS) as channel:
+        stub = decoder_pb2_grpc.DecoderServiceStub(channel)
+
+        async def one(i: int, at: float, t0: float) -> dict:
+            await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+            start = time.perf_counter()
+            first, n, error = None, 0, None
+            try:
+                async for m in stub.Generate(make_request(i)):
+                    if m.token_ids and first is None:
+                        first = time.perf_counter()
+                    n += len(m.token_ids)
+            except grpc.aio.AioRpcError as exc:
+                error = f"{exc.code().name}: {exc.details()}"
+            end = time.perf_counter()
+            bar.update(1)
+            return {"arrival_s": at, "start": start - t0, "end": end - t0, "tokens": n, "error": error,
+                    "ttft_s": None if first is None else first - start,
+                    "tpot_s": (end - first) / (n - 1) if first is not None and n > 1 else None}
+
+        async for _ in stub.Generate(make_request(0)):  # warm-up, not counted
+            pass
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(one(i, at, t0) for i, at in enumerate(offsets)))
+        span = time.perf_counter() - t0
+    bar.close()
+    return list(results), span
+
+
+def summarize(workload: str, rate: float, duration: float, results: list[dict]) -> dict:
+    """One table row from per-request results (times in ms / s as the column names say)."""
+    ok = [r for r in results if r["error"] is None]
+    ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
+    tpot = [r["tpot_s"] for r in ok if r["tpot_s"] is not None]
+    span = max((r["end"] for r in ok), default=0.0) - min((r["arrival_s"] for r in results), default=0.0)
+
+    def ms(v: float | None) -> float | None:
+        return None if v is None else v * 1000
+
+    return {"workload": workload, "rate req/s": rate, "duration s": duration, "requests": len(results),
+            "failed": len(results) - len(ok), "TTFT p50 ms": ms(percentile(ttft, 50)), "TTFT p99 ms": ms(percentile(ttft, 99)),
+            "TPOT p50 ms": ms(percentile(tpot, 50)), "TPOT p99 ms": ms(percentile(tpot, 99)),
+            "e2e mean s": statistics.fmean(r["end"] - r["start"] for r in ok) if ok else None,
+            "req/s": len(ok) / span if span > 0 else None,
+            "tokens/s": sum(r["tokens"] for r in ok) / span if span > 0 else None}
+
+
+def run(args, progress: bool = True) -> dict:
+    """Runs the online bench; returns the JSON payload (``rows`` with one row, ``requests`` per request).
+
+    Raises:
+        ValueError: bad rate / duration / workload.
+    """
+    offsets = arrival_times(args.rate, args.duration, args.seed)
+    model, make_request = _workload(args)
+    if progress:
+        print(f"[online {args.workload}] {len(offsets)} Poisson arrivals at {args.rate} req/s over {args.duration} s",
+              file=sys.stderr, flush=True)
+    if args.address:
+        results, _ = asyncio.run(_drive(args.address, make_request, offsets, progress))
+    else:
+        from shared.launcher import Services
+
+        flags = ["--num-threads", str(args.threads)]
+        with Services(model=model, log_level="WARNING", extra_encoder_args=flags,
+                      extra_decoder_args=[*flags, "--max-num-seqs", str(args.max_num_seqs)]) as svc:
+            results, _ = asyncio.run(_drive(svc.decoder_address, make_request, offsets, progress))
+    row = summarize(args.workload, args.rate, args.duration, results)
+    return {"bench": "online", "workload": args.workload, "rate": args.rate, "duration": args.duration, "seed": args.seed,
+            "threads": args.threads, "cpu_count": os.cpu_count(), "columns": COLUMNS, "rows": [row], "requests": results}
+
+
+def main(args) -> int:
+    payload = run(args)
+    print(markdown_table(payload["rows"], COLUMNS))
+    if args.json:
+        write_json(args.json, payload)
+    return 0 if payload["rows"][0]["failed"] == 0 else 1

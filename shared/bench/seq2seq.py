@@ -1,0 +1,226 @@
+"""``encdec bench seq2seq``: decode-bound text generation, ours vs HF ``generate`` vs CTranslate2.
+
+Per model shape (``t5-small`` and ``bart-base`` by default; random weights,
+``seq2seq_checkpoints``): ``--requests`` sources of ``--source-len`` token ids,
+each decoded greedily to exactly ``--new-tokens`` tokens:
+
+- ours: redis + encoder + decoder started by ``shared.launcher.Services`` on
+  the checkpoint directory, every request sent at once over gRPC (one
+  ``Generate`` stream each, ``input_ids``); ``min_tokens`` / ``ignore_eos``
+  are set when the proto has them, else only ``max_tokens`` (a sampled end
+  token then ends a request early: the ``tokens`` column shows it);
+- HF transformers ``generate`` (in this process, after our services stopped):
+  one request at a time, and all of them as one static batch
+  (``min_new_tokens = max_new_tokens``);
+- CTranslate2 ``Translator`` converted from the same directory by its own
+  converter, sequential and batched (``min_decoding_length =
+  max_decoding_length``), fp32 (and int8 with ``--int8``), in a subprocess
+  (``ct2_translator_worker``).
+
+Columns: generated tokens, wall seconds, tokens/s, ``x best batched`` (tokens/s
+over the better of HF batched and CTranslate2 fp32 batched, the issue-7 target)
+and ``same as HF`` (outputs token-for-token equal to HF sequential greedy).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from shared.bench.seq2seq_checkpoints import SHAPES, build_checkpoint, source_ids
+from shared.bench.table import markdown_table, write_json
+
+COLUMNS = ["model", "system", "mode", "requests", "tokens", "wall s", "tokens/s", "x best batched", "same as HF"]
+DEFAULT_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "encdec-serve", "bench")
+
+
+def add_arguments(p) -> None:
+    """The ``encdec bench seq2seq`` flags (also used by ``encdec bench all``)."""
+    p.add_argument("--models", default="t5-small,bart-base", help=f"comma-separated shapes from {', '.join(SHAPES)}")
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--source-len", type=int, default=24, help="source tokens per request (special tokens included)")
+    p.add_argument("--new-tokens", type=int, default=64, help="generated tokens per request (exactly, where the system allows)")
+    p.add_argument("--threads", type=int, default=2, help="torch / CTranslate2 threads per system (per service for ours)")
+    p.add_argument("--cache-dir", default=DEFAULT_CACHE, help="where the random checkpoints and their CT2 conversions are kept")
+    p.add_argument("--skip-ct2", action="store_true", help="skip CTranslate2 (needs the [bench] extra)")
+    p.add_argument("--skip-hf-sequential", action="store_true", help="skip the (slow) one-at-a-time HF and CT2 runs")
+    p.add_argument("--int8", action="store_true", help="also run CTranslate2 int8 and our --quantize int8")
+    p.add_argument("--json", default=None, help="also write the results here")
+
+
+def _gen_kwargs(n: int) -> dict:
+    return dict(min_new_tokens=n, max_new_tokens=n, do_sample=False, num_beams=1,
+                forced_bos_token_id=None, forced_eos_token_id=None)
+
+
+def run_hf(model_dir: Path, sources: list[list[int]], new_tokens: int, threads: int, sequential: bool = True,
+           progress: bool = True) -> dict[str, tuple[float, list[list[int]]]]:
+    """HF ``generate`` (fp32, greedy): ``{"sequential" | "batched": (wall_s, tokens)}``; tokens exclude the start token."""
+    import torch
+    from tqdm import tqdm
+    from transformers import AutoModelForSeq2SeqLM
+
+    torch.set_num_threads(threads)
+    model = AutoModelForSeq2SeqLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    kw = _gen_kwargs(new_tokens)
+    out: dict[str, tuple[float, list[list[int]]]] = {}
+    with torch.inference_mode():
+        model.generate(torch.tensor(sources[:1]), **kw)  # warm-up
+        if sequential:
+            start = time.perf_counter()
+            tokens = [model.generate(torch.tensor([s]), **kw)[0, 1:].tolist()
+                      for s in tqdm(sources, desc="HF sequential", disable=not progress, leave=False)]
+            out["sequential"] = (time.perf_counter() - start, tokens)
+        start = time.perf_counter()
+        ids = torch.tensor(sources)  # every source has the same length: no padding
+        tokens = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)[:, 1:].tolist()
+        out["batched"] = (time.perf_counter() - start, tokens)
+    return out
+
+
+def run_ct2(model_dir: Path, ct2_dir: Path, sources: list[list[int]], new_tokens: int, threads: int, compute_type: str,
+            modes: list[str]) -> dict[str, tuple[float, list[list[int]]]]:
+    """CTranslate2 in a subprocess (converts on first use): ``{mode: (wall_s, tokens)}``."""
+    job = {"model_dir": str(model_dir), "ct2_dir": str(ct2_dir), "compute_type": compute_type, "threads": threads,
+           "sources": sources, "new_tokens": new_tokens, "modes": modes}
+    proc = subprocess.run([sys.executable, "-m", "shared.bench.ct2_translator_worker"], input=json.dumps(job),
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"CTranslate2 worker failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {m: (res[m]["wall_s"], res[m]["tokens"]) for m in modes}
+
+
+def sampling_for(new_tokens: int, fixed_length: bool = True):
+    """``SamplingParams`` for exactly ``new_tokens`` tokens: greedy, ``max_tokens``, and
+    ``min_tokens`` + ``ignore_eos`` when the proto has them and ``fixed_length``."""
+    from shared.proto import decoder_pb2
+
+    fields = decoder_pb2.SamplingParams.DESCRIPTOR.fields_by_name
+    kw: dict = {"temperature": 0.0, "max_tokens": new_tokens}
+    if fixed_length and "min_tokens" in fields:
+        kw["min_tokens"] = new_tokens
+    if fixed_length and "ignore_eos" in fields:
+        kw["ignore_eos"] = True
+    return decoder_pb2.SamplingParams(**kw)
+
+
+async def generate_ids(stub, ids: list[int], sampling) -> tuple[list[int], float, float]:
+    """One ``Generate`` stream from token ids: ``(tokens, ttft_s, total_s)`` (times from the call)."""
+    from shared.proto import decoder_pb2
+
+    start = time.perf_counter()
+    first = None
+    tokens: list[int] = []
+    async for m in stub.Generate(decoder_pb2.GenerateRequest(input_ids=decoder_pb2.TokenIds(ids=ids), sampling=sampling)):
+        if m.token_ids and first is None:
+            first = time.perf_counter() - start
+        tokens.extend(m.token_ids)
+    return tokens, first if first is not None else 0.0, time.perf_counter() - start
+
+
+async def _ours_once(address: str, sources: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
+    import grpc
+
+    from shared.grpc_server import GRPC_OPTIONS
+    from shared.proto import decoder_pb2_grpc
+
+    sampling = sampling_for(new_tokens)
+    async with grpc.aio.insecure_channel(address, options=GRPC_OPTIONS) as channel:
+        stub = decoder_pb2_grpc.DecoderServiceStub(channel)
+        await generate_ids(stub, sources[0], sampling)  # warm-up
+        start = time.perf_counter()
+        results = await asyncio.gather(*(generate_ids(stub, s, sampling) for s in sources))
+        return time.perf_counter() - start, [r[0] for r in results]
+
+
+def service_args(threads: int, max_num_seqs: int, quantize: str = "none") -> tuple[list[str], list[str]]:
+    """(encoder, decoder) extra CLI flags for a text-model bench run."""
+    common = ["--num-threads", str(threads), "--quantize", quantize]
+    return common, [*common, "--max-num-seqs", str(max_num_seqs)]
+
+
+def run_ours(model_dir: Path, sources: list[list[int]], new_tokens: int, threads: int,
+             quantize: str = "none") -> tuple[float, list[list[int]]]:
+    """Our services (started and stopped here) on ``model_dir``: all requests at once over gRPC."""
+    from shared.launcher import Services
+
+    enc, dec = service_args(threads, max(len(sources), 1), quantize)
+    with Services(model=str(model_dir), log_level="WARNING", extra_encoder_args=enc, extra_decoder_args=dec) as svc:
+        return asyncio.run(_ours_once(svc.decoder_address, sources, new_tokens))
+
+
+def _row(model: str, system: str, mode: str, wall: float, tokens: list[list[int]], truth: list[list[int]] | None) -> dict:
+    n = sum(len(t) for t in tokens)
+    same = None if truth is None else f"{sum(a == b for a, b in zip(tokens, truth))}/{len(tokens)}"
+    return {"model": model, "system": system, "mode": mode, "requests": len(tokens), "tokens": n, "wall s": wall,
+            "tokens/s": n / wall if wall > 0 else 0.0, "same as HF": same}
+
+
+def bench_model(name: str, args, progress: bool = True) -> list[dict]:
+    """All systems on one shape; returns the table rows (``x best batched`` filled in)."""
+    model_dir = build_checkpoint(name, args.cache_dir)
+    sources = source_ids(name, args.requests, args.source_len)
+    n = args.new_tokens
+    say = (lambda msg: print(f"[seq2seq {name}] {msg}", file=sys.stderr, flush=True)) if progress else (lambda msg: None)
+    rows: list[dict] = []
+    say("our services (gRPC, all requests at once) ...")
+    ours = {"fp32": run_ours(model_dir, sources, n, args.threads)}
+    if args.int8:
+        ours["int8"] = run_ours(model_dir, sources, n, args.threads, "int8")
+    say("HF generate ...")
+    hf = run_hf(model_dir, sources, n, args.threads, sequential=not args.skip_hf_sequential, progress=progress)
+    truth = hf.get("sequential", hf["batched"])[1]
+    for mode, (wall, tokens) in hf.items():
+        rows.append(_row(name, "HF transformers fp32", mode, wall, tokens, truth))
+    ct2_batched = None
+    if not args.skip_ct2:
+        modes = ["batched"] if args.skip_hf_sequential else ["sequential", "batched"]
+        for compute_type in ("float32", "int8") if args.int8 else ("float32",):
+            say(f"CTranslate2 {compute_type} ...")
+            res = run_ct2(model_dir, Path(args.cache_dir) / f"{model_dir.name}-ct2", sources, n, args.threads, compute_type, modes)
+            for mode, (wall, tokens) in res.items():
+                rows.append(_row(name, f"CTranslate2 {compute_type}", mode, wall, tokens, truth))
+                if compute_type == "float32" and mode == "batched":
+                    ct2_batched = rows[-1]
+    for q, (wall, tokens) in ours.items():
+        rows.append(_row(name, f"encdec-serve {q} (2 services, gRPC)", f"concurrent {len(sources)}", wall, tokens, truth))
+    hf_batched = next(r for r in rows if r["system"].startswith("HF") and r["mode"] == "batched")
+    best = max(hf_batched["tokens/s"], ct2_batched["tokens/s"] if ct2_batched else 0.0)
+    for r in rows:
+        r["x best batched"] = r["tokens/s"] / best if best else None
+    return rows
+
+
+def run(args, progress: bool = True) -> dict:
+    """Runs every shape in ``args.models``; returns the JSON payload (``rows``, settings)."""
+    names = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in names if m not in SHAPES]
+    if unknown:
+        raise ValueError(f"unknown model shape(s) {unknown}; choose from {', '.join(SHAPES)}")
+    rows: list[dict] = []
+    for name in names:
+        rows += bench_model(name, args, progress)
+    fixed = {"min_tokens", "ignore_eos"} <= set(_sampling_fields())
+    return {"bench": "seq2seq", "models": names, "requests": args.requests, "source_len": args.source_len,
+            "new_tokens": args.new_tokens, "threads": args.threads, "cpu_count": os.cpu_count(),
+            "ours_fixed_length": fixed, "columns": COLUMNS, "rows": rows}
+
+
+def _sampling_fields() -> list[str]:
+    from shared.proto import decoder_pb2
+
+    return list(decoder_pb2.SamplingParams.DESCRIPTOR.fields_by_name)
+
+
+def main(args) -> int:
+    payload = run(args)
+    print(markdown_table(payload["rows"], COLUMNS))
+    if args.json:
+        write_json(args.json, payload)
+    return 0

@@ -1,0 +1,128 @@
+"""``encdec bench`` / ``encdec bench all``: every bench in one invocation.
+
+Runs whisper, seq2seq, embed, transfer (when ``shared/bench/transfer.py``
+exists) and online one after another, each exactly as its own sub-command
+would with its defaults (the CLI parser builds each one's arguments, plus
+``--threads`` / ``--skip-ct2`` and any ``--<bench>-args``), collects each
+bench's JSON, then prints every Markdown table (with its ratio column), and
+writes the combined JSON (``--json``) and a PNG (``--plot``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import json
+import os
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from shared.bench.table import markdown_table, write_json
+
+ORDER = ["whisper", "seq2seq", "embed", "transfer", "online"]
+# Benches that take --threads / --skip-ct2.
+THREADED = {"whisper", "seq2seq", "embed", "transfer", "online"}
+CT2 = {"whisper", "seq2seq"}
+
+
+def add_arguments(p) -> None:
+    """The ``encdec bench all`` flags."""
+    p.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(ORDER)}")
+    p.add_argument("--skip", default="", help="comma-separated benches to leave out")
+    p.add_argument("--threads", type=int, default=2, help="threads per system (per service for ours), passed to every bench")
+    p.add_argument("--skip-ct2", action="store_true", help="no CTranslate2 rows")
+    for name in ORDER:
+        p.add_argument(f"--{name}-args", default="", help=f"extra flags for the {name} bench, e.g. --{name}-args='--json x'")
+    p.add_argument("--json", default=None, help="write every bench's results here (one JSON object)")
+    p.add_argument("--plot", default=None, help="write a PNG plot here (matplotlib)")
+
+
+def available() -> list[str]:
+    """The benches this checkout has (transfer only when its module exists)."""
+    has_transfer = importlib.util.find_spec("shared.bench.transfer") is not None
+    return [b for b in ORDER if b != "transfer" or has_transfer]
+
+
+def _columns(name: str, payload: dict) -> list[str]:
+    if payload.get("columns"):
+        return list(payload["columns"])
+    try:
+        return list(importlib.import_module(f"shared.bench.{name}").COLUMNS)
+    except (ImportError, AttributeError):
+        return list(payload["rows"][0]) if payload.get("rows") else []
+
+
+
+def _bench_args(name: str, args, json_path: str) -> "object":
+    from shared.cli import build_parser
+
+    argv = ["bench", name, "--json", json_path]
+    if name in THREADED:
+        argv += ["--threads", str(args.threads)]
+    if name in CT2 and args.skip_ct2:
+        argv.append("--skip-ct2")
+    argv += shlex.split(getattr(args, f"{name}_args") or "")
+    return build_parser().parse_args(argv)
+
+
+def run(args) -> dict:
+    """Runs the selected benches; returns ``{"benches": {name: payload}, "failed": {name: error}, ...}``."""
+    from tqdm import tqdm
+
+    names = [n.strip() for n in (args.only.split(",") if args.only else available()) if n.strip()]
+    skip = {n.strip() for n in args.skip.split(",") if n.strip()}
+    unknown = [n for n in names + sorted(skip) if n not in ORDER]
+    if unknown:
+        raise ValueError(f"unknown bench(es) {unknown}; choose from {', '.join(ORDER)}")
+    if "transfer" in names and "transfer" not in available():
+        raise ValueError("the transfer bench is not in this checkout (shared/bench/transfer.py)")
+    names = [n for n in ORDER if n in names and n not in skip]
+    benches: dict[str, dict] = {}
+    failed: dict[str, str] = {}
+    with tempfile.TemporaryDirectory(prefix="encdec-bench-") as tmp:
+        bar = tqdm(names, desc="encdec bench", unit="bench")
+        for name in bar:
+            bar.set_postfix_str(name)
+            path = os.path.join(tmp, f"{name}.json")
+            start = time.perf_counter()
+            try:
+                sub = _bench_args(name, args, path)
+                with contextlib.redirect_stdout(sys.stderr):  # stdout gets only the combined tables at the end
+                    code = sub.func(sub)
+                payload = json.loads(Path(path).read_text()) if Path(path).is_file() else None
+                if payload is None:
+                    raise RuntimeError(f"exit code {code}, no JSON written")
+            except Exception as exc:  # noqa: BLE001 - one failing bench must not lose the others' results
+                failed[name] = f"{type(exc).__name__}: {exc}"
+                print(f"[bench {name}] failed: {failed[name]}", file=sys.stderr, flush=True)
+                continue
+            payload["wall_s"] = time.perf_counter() - start
+            payload.setdefault("columns", _columns(name, payload))
+            benches[name] = payload
+    return {"suite": names, "threads": args.threads, "cpu_count": os.cpu_count(), "benches": benches, "failed": failed}
+
+
+def render(result: dict) -> str:
+    """Every bench's Markdown table under a heading."""
+    parts = []
+    for name, payload in result["benches"].items():
+        parts.append(f"### {name}\n\n{markdown_table(payload.get('rows', []), payload['columns'])}\n")
+    for name, error in result["failed"].items():
+        parts.append(f"### {name}\n\nfailed: {error}\n")
+    return "\n".join(parts)
+
+
+def main(args) -> int:
+    result = run(args)
+    print(render(result))
+    if args.json:
+        write_json(args.json, result)
+    if args.plot and result["benches"]:
+        from shared.bench.plot import plot_results
+
+        print(f"plot: {plot_results(result['benches'], args.plot)}", file=sys.stderr)
+    return 1 if result["failed"] else 0
