@@ -83,8 +83,8 @@ def _transcribe(args: argparse.Namespace) -> int:
     from shared.client import transcribe_files
 
     start = time.perf_counter()
-    results = asyncio.run(transcribe_files(args.address, args.files, temperature=args.temperature, top_k=args.top_k,
-                                           top_p=args.top_p, seed=args.seed, max_tokens=args.max_tokens))
+    keys = ("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", "min_tokens", "repetition_penalty", "no_repeat_ngram_size", "stop")
+    results = asyncio.run(transcribe_files(args.address, args.files, **{k: getattr(args, k) for k in keys}))
     return _print_results(results, start)
 
 
@@ -179,6 +179,11 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--min-tokens", type=int, default=None)
+    p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=None, help="1 (default) = off")
+    p.add_argument("--no-repeat-ngram-size", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
 def _add_services(p: argparse.ArgumentParser, encoder_port: int, decoder_port: int) -> None:
