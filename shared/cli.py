@@ -172,6 +172,12 @@ def _add_bench(sub) -> None:
     p.add_argument("--json", default=None, help="also write the results here")
     p.set_defaults(func=_bench_embed)
 
+    from shared.bench import transfer  # imports torch only when the bench runs
+
+    p = benches.add_parser("transfer", help="cross-KV transports (shm, torch_dist, cuda_ipc) in GB/s next to a plain memcpy")
+    transfer.add_arguments(p)
+    p.set_defaults(func=transfer.run)
+
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=None, help="0 (default) = greedy")
