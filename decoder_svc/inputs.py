@@ -4,10 +4,12 @@ Audio models (Whisper): decoded / resampled PCM, a fixed ``encoder_len``, the
 model's default decoder prompt. Audio longer than Whisper's 30 s input is
 split into consecutive 30 s windows (``RequestInput.windows``), each decoded
 as its own sequence one after another within the request
-(``decoder_svc.server``); up to ``max_audio_s`` is accepted, never cut. Text models (T5, BART, mBART, Marian): source
-token ids (from ``text`` through the checkpoint's tokenizer, or ``input_ids``
-as given), ``encoder_len`` = their count, decoder prompt =
-``decoder_start_token_id`` + the optional prefix.
+(``decoder_svc.server``); up to ``max_audio_s`` is accepted, never cut.
+
+Text models (T5, BART, mBART, Marian): source token ids (from ``text``
+through the checkpoint's tokenizer, or ``input_ids`` as given),
+``encoder_len`` = their count, decoder prompt = ``decoder_start_token_id`` +
+the optional prefix.
 """
 
 from __future__ import annotations
