@@ -19,7 +19,9 @@ each decoded greedily to exactly ``--new-tokens`` tokens:
 
 Columns: generated tokens, wall seconds, tokens/s, ``x best batched`` (tokens/s
 over the better of HF batched and CTranslate2 fp32 batched, the issue-7 target)
-and ``same as HF`` (outputs token-for-token equal to HF sequential greedy).
+and ``same as HF`` (outputs token-for-token equal to HF sequential greedy). The
+JSON rows also carry ``load``, the 1-minute load average when the row finished
+(on a shared machine, how noisy that measurement was).
 """
 
 from __future__ import annotations
@@ -159,7 +161,7 @@ def _row(model: str, system: str, mode: str, wall: float, tokens: list[list[int]
     n = sum(len(t) for t in tokens)
     same = None if truth is None else f"{sum(a == b for a, b in zip(tokens, truth))}/{len(tokens)}"
     return {"model": model, "system": system, "mode": mode, "requests": len(tokens), "tokens": n, "wall s": wall,
-            "tokens/s": n / wall if wall > 0 else 0.0, "same as HF": same}
+            "tokens/s": n / wall if wall > 0 else 0.0, "same as HF": same, "load": os.getloadavg()[0]}
 
 
 def bench_model(name: str, args, progress: bool = True) -> list[dict]:

@@ -36,7 +36,7 @@ def add_arguments(p) -> None:
     p.add_argument("--threads", type=int, default=2, help="threads per system (per service for ours), passed to every bench")
     p.add_argument("--skip-ct2", action="store_true", help="no CTranslate2 rows")
     for name in ORDER:
-        p.add_argument(f"--{name}-args", default="", help=f"extra flags for the {name} bench, e.g. --{name}-args='--json x'")
+        p.add_argument(f"--{name}-args", default="", help=f"extra flags for the {name} bench (see encdec bench {name} -h)")
     p.add_argument("--json", default=None, help="write every bench's results here (one JSON object)")
     p.add_argument("--plot", default=None, help="write a PNG plot here (matplotlib)")
 
@@ -101,6 +101,7 @@ def run(args) -> dict:
                 print(f"[bench {name}] failed: {failed[name]}", file=sys.stderr, flush=True)
                 continue
             payload["wall_s"] = time.perf_counter() - start
+            payload["loadavg_after"] = os.getloadavg()  # the machine's 1/5/15-min load: how noisy the run was
             payload.setdefault("columns", _columns(name, payload))
             benches[name] = payload
     return {"suite": names, "threads": args.threads, "cpu_count": os.cpu_count(), "benches": benches, "failed": failed}
