@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -155,6 +156,18 @@ def test_45s_clip_is_two_windows_matching_hf(stub, clip, hf_windows):
     record = wait_state(stub, request_id, decoder_pb2.REQUEST_STATE_FINISHED)
     assert record.finish_reason == "stop"
     assert record.prompt_tokens == 4 and record.completion_tokens == len(tokens)
+    assert_all_blocks_free(stub)
+
+
+def test_windows_batch_with_other_requests(stub, clip, hf_windows):
+    """The long request's windows run in the same batches as 30 s requests (each window alone, sent beside it)."""
+    requests = {"long": clip, "first": clip[:WINDOW_SAMPLES], "second": clip[WINDOW_SAMPLES:]}
+    with ThreadPoolExecutor(len(requests)) as pool:
+        futures = {name: pool.submit(lambda pcm: list(stub.Generate(decoder_pb2.GenerateRequest(pcm=_pcm(pcm)), timeout=300)), pcm)
+                   for name, pcm in requests.items()}
+        tokens = {name: [t for m in f.result() for t in m.token_ids] for name, f in futures.items()}
+    assert split_windows(tokens["long"]) == hf_windows
+    assert split_windows(tokens["first"]) == hf_windows[:1] and split_windows(tokens["second"]) == hf_windows[1:]
     assert_all_blocks_free(stub)
 
 
