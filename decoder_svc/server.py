@@ -293,7 +293,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
                     yield message
                 if final:
                     return
-                if item.finished and not active.abort_requested:  # else the Abort RPC's output is queued next
+                if item.finished and reason is None and not active.abort_requested:  # the next window follows (unless the Abort RPC's output is queued next)
                     await self._start_window(request_id, active, windows[active.window + 1], params, request.priority)
         except (asyncio.CancelledError, GeneratorExit):  # client went away (GeneratorExit: cancelled while paused at a yield)
             state, fields = RequestState.ABORTED, {"finish_reason": "abort", **active.usage()}
