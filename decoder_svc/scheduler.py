@@ -44,7 +44,7 @@ from bisect import insort
 from dataclasses import dataclass, field
 
 from decoder_svc.block_manager import BlockManager
-from decoder_svc.encoder_cache import CrossKVEntry
+from decoder_svc.encoder_cache import EncoderCache
 from decoder_svc.sequence import Sequence, SequenceStatus
 
 
@@ -110,9 +110,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by queue_key
         self.running: list[Sequence] = []
         self.num_preemptions = 0  # since start, for metrics
-        self.cross_cache: dict[str, CrossKVEntry] = {}  # encoder cache key -> shared cross KV
-        self.cache_keys: dict[str, str] = {}  # request_id -> its encoder cache key
-        self.num_encoder_cache_hits = 0  # requests that reused another's cross KV, since start
+        self.encoder_cache = EncoderCache()
 
     # --- admission ------------------------------------------------------
     def check_capacity(self, seq: Sequence) -> None:
@@ -158,24 +156,25 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING_CROSS_BLOCKS
         self.requests[seq.request_id] = seq
         if encoder_cache_key is not None:
-            self.cache_keys[seq.request_id] = encoder_cache_key
+            self.encoder_cache.keys[seq.request_id] = encoder_cache_key
         insort(self.waiting_cross, seq, key=queue_key)
 
     def mark_encoded(self, request_id: str) -> None:
         """The encoder has filled ``request_id``'s cross blocks: it may now run, and so may the
         requests that attached to the same encoder input meanwhile (encoder cache)."""
-        seq = self.encoding.pop(request_id, None)
+        seq = self.encoding.get(request_id)
         if seq is None:
             raise KeyError(f"request {request_id!r} is not encoding")
+        entry = self.encoder_cache.held_by(request_id)
+        if entry is not None and entry.leader != request_id and not entry.ready:
+            raise KeyError(f"request {request_id!r} shares {entry.leader!r}'s encoding; mark that one")
+        del self.encoding[request_id]
         seq.status = SequenceStatus.WAITING
         insort(self.waiting, seq, key=queue_key)
-        entry = self._cache_entry(seq)
-        if entry is not None and not entry.ready:
-            entry.ready = True  # requests that attached while it was encoding may run too
-            for rid in sorted(entry.holders - {request_id}):
-                follower = self.encoding.pop(rid)
-                follower.status = SequenceStatus.WAITING
-                insort(self.waiting, follower, key=queue_key)
+        for rid in self.encoder_cache.mark_ready(request_id):  # attached while it was encoding
+            follower = self.encoding.pop(rid)
+            follower.status = SequenceStatus.WAITING
+            insort(self.waiting, follower, key=queue_key)
 
     def fork(self, parent_id: str, child: Sequence) -> list[tuple[int, int]]:
         """Adds ``child`` (n > 1 samples, beams) sharing ``parent_id``'s cross KV and computed self KV.
@@ -215,15 +214,14 @@ class Scheduler:
         )
         if runs:
             copies = bm.fork(parent, child)
-            self._hold_cache_entry(parent, child)
             child.status = SequenceStatus.RUNNING
             self.running.append(child)
         else:
             bm.share_cross(parent, child)
-            self._hold_cache_entry(parent, child)
             child.status = SequenceStatus.WAITING
             insort(self.waiting, child, key=queue_key)
         self.requests[child.request_id] = child
+        self.encoder_cache.hold(parent_id, child.request_id)
         return copies
 
     def _promised_self_blocks(self) -> int:
@@ -242,10 +240,7 @@ class Scheduler:
         while self.waiting_cross:
             seq = self.waiting_cross[0]
             first_self = bm.num_blocks_for(seq.num_tokens)
-            key = self.cache_keys.get(seq.request_id)
-            entry = self.cross_cache.get(key) if key is not None else None
-            if entry is not None and entry.encoder_len != seq.encoder_len:
-                entry = None  # a key collision in all but name: never share
+            entry = self.encoder_cache.lookup(seq.request_id, seq.encoder_len)
             if (entry is None and not bm.can_allocate_cross(seq)) or promised + first_self > bm.num_free_self_blocks:
                 break
             self.waiting_cross.pop(0)
@@ -253,8 +248,7 @@ class Scheduler:
             if entry is not None:  # encoder cache hit: read the holder's blocks, no Encode
                 bm.cross_pool.incref(entry.block_ids)
                 seq.cross_block_ids = list(entry.block_ids)
-                entry.holders.add(seq.request_id)
-                self.num_encoder_cache_hits += 1
+                self.encoder_cache.attach(seq.request_id, entry)
                 if entry.ready:
                     seq.status = SequenceStatus.WAITING
                     insort(self.waiting, seq, key=queue_key)
@@ -263,9 +257,7 @@ class Scheduler:
                     self.encoding[seq.request_id] = seq
                 continue
             bm.allocate_cross(seq)
-            if key is not None and key not in self.cross_cache:
-                self.cross_cache[key] = CrossKVEntry(list(seq.cross_block_ids), seq.encoder_len, seq.request_id,
-                                                     holders={seq.request_id})
+            self.encoder_cache.lead(seq.request_id, seq.cross_block_ids, seq.encoder_len)
             seq.status = SequenceStatus.ENCODING
             self.encoding[seq.request_id] = seq
             out.to_encode.append(seq)
@@ -364,40 +356,6 @@ class Scheduler:
                 finished.append(seq)
         return finished
 
-    def _cache_entry(self, seq: Sequence) -> CrossKVEntry | None:
-        """The encoder-cache entry ``seq`` holds, if any."""
-        entry = self.cross_cache.get(self.cache_keys.get(seq.request_id, ""))
-        return entry if entry is not None and seq.request_id in entry.holders else None
-
-    def _hold_cache_entry(self, parent: Sequence, child: Sequence) -> None:
-        """A forked child holds its parent's encoder-cache entry too (it references the same blocks)."""
-        entry = self._cache_entry(parent)
-        if entry is not None:
-            self.cache_keys[child.request_id] = self.cache_keys[parent.request_id]
-            entry.holders.add(child.request_id)
-
-    def _release_cache_entry(self, seq: Sequence) -> None:
-        """Drops ``seq`` from its encoder-cache entry; evicts the entry with its last holder.
-
-        A leader leaving before its Encode landed leaves nothing to share: the
-        requests that attached to it give their references back and queue for
-        cross blocks again (one of them becomes the new leader).
-        """
-        entry = self._cache_entry(seq)
-        key = self.cache_keys.pop(seq.request_id, None)
-        if entry is None:
-            return
-        entry.holders.discard(seq.request_id)
-        if not entry.ready and entry.leader == seq.request_id:
-            for rid in sorted(entry.holders):
-                follower = self.encoding.pop(rid)
-                self.block_manager.free_cross(follower)
-                follower.status = SequenceStatus.WAITING_CROSS_BLOCKS
-                insort(self.waiting_cross, follower, key=queue_key)
-            entry.holders.clear()
-        if not entry.holders:
-            del self.cross_cache[key]
-
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
@@ -407,7 +365,11 @@ class Scheduler:
             del self.encoding[seq.request_id]
         elif seq.status is SequenceStatus.WAITING_CROSS_BLOCKS:
             self.waiting_cross.remove(seq)
-        self._release_cache_entry(seq)
+        for rid in self.encoder_cache.release(seq.request_id):  # its Encode never landed: encode afresh
+            orphan = self.encoding.pop(rid)
+            self.block_manager.free_cross(orphan)
+            orphan.status = SequenceStatus.WAITING_CROSS_BLOCKS
+            insort(self.waiting_cross, orphan, key=queue_key)
         self.block_manager.free(seq)
         seq.status = status
         del self.requests[seq.request_id]

@@ -67,11 +67,11 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily(
             "encdec_decoder_encoder_cache_hits",
             "Requests that shared another unfinished request's cross KV instead of being encoded",
-            sched.num_encoder_cache_hits,
+            sched.encoder_cache.num_hits,
         )
         yield GaugeMetricFamily(
             "encdec_decoder_encoder_cache_entries", "Distinct encoder inputs whose cross KV is shareable now",
-            len(sched.cross_cache),
+            len(sched.encoder_cache.entries),
         )
 
 
@@ -117,7 +117,7 @@ class DecoderMetrics:
             stats: ``DecoderEngine.stats`` (keys ``num_running``, ``num_waiting``,
                 ``num_{self,cross}_blocks``, ``num_free_{self,cross}_blocks``).
             scheduler: the ``decoder_svc.scheduler.Scheduler`` (``num_preemptions``,
-                ``num_encoder_cache_hits``, ``cross_cache``).
+                ``encoder_cache``).
         """
         self.registry.register(_EngineCollector(stats, scheduler))
 

@@ -180,13 +180,13 @@ def check_invariants(sched):
         else:
             assert len(seq.cross_block_ids) == bm.num_blocks_for(seq.encoder_len)
     assert len(sched.running) <= sched.max_num_seqs
-    for key, entry in sched.cross_cache.items():  # encoder cache: holders share exactly the entry's blocks
+    for key, entry in sched.encoder_cache.entries.items():  # encoder cache: holders share exactly the entry's blocks
         assert entry.holders and (entry.ready or entry.leader in entry.holders)
         for rid in entry.holders:
             seq = sched.requests[rid]
-            assert seq.cross_block_ids == entry.block_ids and sched.cache_keys[rid] == key
+            assert seq.cross_block_ids == entry.block_ids and sched.encoder_cache.keys[rid] == key
             assert entry.ready or seq.status is SequenceStatus.ENCODING
-    assert set(sched.cache_keys) <= set(sched.requests)
+    assert set(sched.encoder_cache.keys) <= set(sched.requests)
 
 
 ops = st.lists(
@@ -220,7 +220,7 @@ def test_property_no_leaks(ops, num_self, num_cross, block_size):
     """Random add / step (decode, preempt, finish) / abort / fork: blocks and refcounts always add up."""
     bm = BlockManager(num_self, num_cross, block_size)
     sched = Scheduler(bm, max_num_seqs=3, max_num_batched_tokens=16)
-    ids = []
+    ids, to_mark = [], []
     for op, x, y, z in ops:
         if op in ("add", "add_cached"):
             rid = f"r{len(ids)}"
@@ -232,8 +232,10 @@ def test_property_no_leaks(ops, num_self, num_cross, block_size):
                 pass
         elif op == "step":
             so = sched.schedule()
-            for seq in list(sched.encoding.values())[:x]:
-                sched.mark_encoded(seq.request_id)
+            to_mark += [s.request_id for s in so.to_encode]  # the owner encodes what to_encode lists
+            for rid in [r for r in to_mark if r in sched.encoding][:x]:
+                to_mark.remove(rid)
+                sched.mark_encoded(rid)
             toks = [EOS if (y and fake_token(s) % 100 < y // 10) else fake_token(s) for s in so.scheduled_seqs]
             sched.update_from_output([s.request_id for s in so.scheduled_seqs], toks)
         elif op == "fork":
@@ -254,16 +256,16 @@ def test_property_no_leaks(ops, num_self, num_cross, block_size):
     for _ in range(500):
         if not sched.has_unfinished():
             break
-        for rid in list(sched.encoding):
+        for rid in [r for r in to_mark if r in sched.encoding]:
             sched.mark_encoded(rid)
-        step(sched)
+        to_mark = [s.request_id for s in step(sched)[0].to_encode]  # step() marks these itself
         check_invariants(sched)
     assert not sched.has_unfinished()
     assert bm.num_free_self_blocks == num_self and bm.num_free_cross_blocks == num_cross
     assert sum(bm.self_pool.ref_counts) == 0 and sum(bm.cross_pool.ref_counts) == 0
-    assert sched.cross_cache == {} and sched.cache_keys == {}  # evicted with their last holder
+    assert sched.encoder_cache.entries == {} and sched.encoder_cache.keys == {}  # evicted with their last holder
     event(f"preemptions: {min(sched.num_preemptions, 3)}")
-    event(f"encoder cache hits: {min(sched.num_encoder_cache_hits, 3)}")
+    event(f"encoder cache hits: {min(sched.encoder_cache.num_hits, 3)}")
 
 
 def drain_encoding(sched):
@@ -369,22 +371,21 @@ def test_encoder_cache_shares_cross_kv_of_identical_inputs():
     assert [s.request_id for s in so.to_encode] == ["a", "d"]  # b and c wait for a's encoding instead
     assert b.cross_block_ids == a.cross_block_ids == c.cross_block_ids and b.status is SequenceStatus.ENCODING
     assert all(bm.cross_pool.ref_counts[i] == 3 for i in a.cross_block_ids) and bm.num_free_cross_blocks == 2
-    assert sched.num_encoder_cache_hits == 2
+    assert sched.encoder_cache.num_hits == 2
     check_invariants(sched)
     sched.mark_encoded("a")
     assert {s.request_id for s in sched.waiting} == {"a", "b", "c"}
     so, _ = step(sched)
     assert {s.request_id for s in so.scheduled_seqs} == {"a", "b", "c"}
+    sched.mark_encoded("d")
     sched.add(make_seq("e", encoder_len=8, max_tokens=4), "clip-1")  # while a, b, c hold it: runs at once
     so, _ = step(sched)
     assert "e" in [s.request_id for s in so.scheduled_seqs] and so.to_encode == []
-    assert sched.requests["e"].cross_block_ids == a.cross_block_ids and sched.num_encoder_cache_hits == 3
+    assert sched.requests["e"].cross_block_ids == a.cross_block_ids and sched.encoder_cache.num_hits == 3
     while sched.has_unfinished():
-        for rid in list(sched.encoding):
-            sched.mark_encoded(rid)
         step(sched)
         check_invariants(sched)
-    assert sched.cross_cache == {} and bm.num_free_cross_blocks == 6  # evicted with the last holder
+    assert sched.encoder_cache.entries == {} and bm.num_free_cross_blocks == 6  # evicted with the last holder
     sched.add(make_seq("f", encoder_len=8), "clip-1")
     assert [s.request_id for s in sched.schedule().to_encode] == ["f"]  # nothing cached any more: encoded
 
@@ -397,10 +398,12 @@ def test_encoder_cache_leader_aborted_while_encoding_hands_over():
     assert [s.request_id for s in sched.schedule().to_encode] == ["lead"]
     sched.abort("lead")  # its Encode never landed: the followers must not read those blocks
     assert [s.status for s in sched.requests.values()] == [SequenceStatus.WAITING_CROSS_BLOCKS] * 2
-    assert bm.num_free_cross_blocks == 4 and sched.cross_cache == {}
+    assert bm.num_free_cross_blocks == 4 and sched.encoder_cache.entries == {}
     so = sched.schedule()
     assert [s.request_id for s in so.to_encode] == ["f1"]  # the next in line encodes; f2 attaches to it
     assert sched.requests["f2"].cross_block_ids == sched.requests["f1"].cross_block_ids
     check_invariants(sched)
+    with pytest.raises(KeyError, match="shares 'f1'"):
+        sched.mark_encoded("f2")  # only the leader's Encode writes the blocks
     sched.mark_encoded("f1")
     assert {s.request_id for s in sched.waiting} == {"f1", "f2"}
