@@ -26,6 +26,16 @@ up with windows left ends the request with "length"); a stop string or stop
 token id ends the request (stop strings are matched within a window); a seed
 restarts each window's generator. Abort / disconnect mid-window frees that
 window's blocks and records ABORTED with the tokens streamed so far.
+
+Several outputs per request (``SamplingParams.n`` > 1, ``num_beams`` > 1;
+``decoder_svc.engine``): every message carries its ``index``; n samples stream
+interleaved as their tokens come, each index ends with its own finish_reason /
+stop_reason, and the request's last message also carries ``usage`` (prompt
+tokens once, completion tokens summed over the samples); Redis records the
+finish reason of the index that finished last. Beam search streams nothing
+while the beams run, then one message per returned beam (index 0 = best) with
+all its tokens, text, finish_reason and ``score``. Abort frees every sequence
+of the request. Audio over 30 s (windows) takes n = 1 and num_beams = 1 only.
 """
 
 from __future__ import annotations
@@ -62,6 +72,7 @@ log = logging.getLogger(__name__)
 _SCALAR_SAMPLING_FIELDS = frozenset({
     "temperature", "top_k", "top_p", "seed", "max_tokens", "min_tokens", "ignore_eos", "min_p",
     "repetition_penalty", "no_repeat_ngram_size", "include_stop_str_in_output", "logprobs", "top_logprobs",
+    "n", "num_beams", "length_penalty", "early_stopping",
 })
 _REPEATED_SAMPLING_FIELDS = frozenset({"stop", "stop_token_ids"})
 
@@ -100,6 +111,7 @@ class _Active:
     encoder_tokens: int = 0
     text_tail: str = ""  # last streamed character
     window_text_started: bool = False
+    sample_completion: dict[int, int] = field(default_factory=dict)  # n > 1 / beams: completion tokens per index
 
     def usage(self) -> dict[str, int]:
         """Token counts as of the last output (recorded on abort and failure too)."""
@@ -108,8 +120,9 @@ class _Active:
     def count(self, item: RequestOutput) -> None:
         """Request totals from a window's output (the Abort RPC's output already carries the totals)."""
         if item.finish_reason != "abort":
+            self.sample_completion[item.index] = item.completion_tokens  # n > 1: summed over the samples
             self.prompt_tokens = self.base_prompt_tokens + item.prompt_tokens
-            self.completion_tokens = self.base_completion_tokens + item.completion_tokens
+            self.completion_tokens = self.base_completion_tokens + sum(self.sample_completion.values())
 
     def stream_text(self, text: str) -> str:
         """``text`` as streamed: a later window's first text gets a leading space when
@@ -254,6 +267,9 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
                 raise InvalidRequestError(f"request_id is {len(request_id)} characters; the limit is {MAX_REQUEST_ID_LEN}")
             # Decoding and resampling audio takes a while: keep it off the event loop that serves every stream.
             inp = await asyncio.to_thread(parse_input, request, self.model, self.engine.tokenizer, self.config.max_audio_s)
+            if max(params.n, params.num_beams) > 1 and len(inp.windows()) > 1:
+                raise InvalidRequestError("sampling.n > 1 / num_beams > 1 are not supported for audio over 30 s "
+                                          "(decoded window by window); send n=1 and num_beams=1, or a shorter clip")
             if request_id in self.active:
                 raise AlreadyExistsError(f"request id {request_id!r} is already running")
             try:
@@ -267,6 +283,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         try:
             windows = inp.windows()
             await self._start_window(request_id, active, windows[0], params, request.priority)
+            finished_indices: set[int] = set()  # n > 1 / beams: the request ends with its last index (or an abort)
             while True:
                 item = await active.stream.get()
                 if isinstance(item, BaseException):
@@ -275,23 +292,28 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
                 self._observe_tokens(active, len(item.new_token_ids))
                 text = active.stream_text(item.text)
                 reason = self._request_finish_reason(active, item, params, len(windows)) if item.finished else None
-                final = item.finished and reason is not None
-                message = decoder_pb2.GenerateResponse(request_id=request_id, text=text, token_ids=item.new_token_ids)
+                final = item.finished and reason is not None  # this index's last message
+                if final:
+                    finished_indices.add(item.index)
+                request_done = final and (reason == "abort" or len(finished_indices) >= params.n)
+                message = decoder_pb2.GenerateResponse(request_id=request_id, text=text, token_ids=item.new_token_ids,
+                                                       index=item.index, score=item.score)
                 if item.logprobs:
                     message.logprobs.extend(_logprobs_pb(lp) for lp in item.logprobs)
                 if final:
                     message.finish_reason = FINISH_REASONS[reason]
-                    message.usage.CopyFrom(decoder_pb2.Usage(encoder_tokens=active.encoder_tokens, **active.usage()))
-                    message.applied_generation_defaults.extend(inp.applied)
                     if isinstance(item.stop_reason, str):
                         message.stop_str = item.stop_reason
                     elif item.stop_reason is not None:
                         message.stop_token_id = item.stop_reason
+                if request_done:
+                    message.usage.CopyFrom(decoder_pb2.Usage(encoder_tokens=active.encoder_tokens, **active.usage()))
+                    message.applied_generation_defaults.extend(inp.applied)
                     state = RequestState.ABORTED if reason == "abort" else RequestState.FINISHED
                     fields = {"finish_reason": reason, **active.usage()}
                 if text or item.new_token_ids or final:
                     yield message
-                if final:
+                if request_done:
                     return
                 if item.finished and reason is None and not active.abort_requested:  # the next window follows (unless the Abort RPC's output is queued next)
                     await self._start_window(request_id, active, windows[active.window + 1], params, request.priority)

@@ -164,7 +164,8 @@ def run(args, progress: bool = True) -> dict:
 
         flags = ["--num-threads", str(args.threads)]
         with Services(model=model, log_level="WARNING", extra_encoder_args=flags,
-                      extra_decoder_args=[*flags, "--max-num-seqs", str(args.max_num_seqs)]) as svc:
+                      extra_decoder_args=[*flags, "--max-num-seqs", str(args.max_num_seqs),
+                                          "--encoder-cache", "0"]) as svc:  # repeated clips are encoded each time
             results, _ = asyncio.run(_drive(svc.decoder_address, make_request, offsets, progress))
     row = summarize(args.workload, args.rate, args.duration, results)
     return {"bench": "online", "workload": args.workload, "rate": args.rate, "duration": args.duration, "seed": args.seed,

@@ -100,7 +100,9 @@ def run_ours(files: list[str], concurrencies: list[int], threads: int, address: 
             results[c] = asyncio.run(_ours_once(address, files, c))
         return results
     flags = ["--num-threads", str(threads), "--quantize", quantize]
-    with Services(log_level="WARNING", extra_encoder_args=flags, extra_decoder_args=flags) as svc:
+    # Clips repeat across requests: turn the encoder-output cache off so every request is encoded, as
+    # HF and CTranslate2 encode every one.
+    with Services(log_level="WARNING", extra_encoder_args=flags, extra_decoder_args=[*flags, "--encoder-cache", "0"]) as svc:
         for c in concurrencies:
             results[c] = asyncio.run(_ours_once(svc.decoder_address, files, c))
     return results
