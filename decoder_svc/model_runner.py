@@ -8,6 +8,7 @@ from decoder_svc.sampler import Sampler, SamplingRow
 from kernels.attention_backend import check_attention_backend
 from decoder_svc.scheduler import SchedulerOutput
 from shared.attention_metadata import AttentionMetadata
+from shared.device import model_device
 
 
 class ModelRunner:
@@ -18,8 +19,10 @@ class ModelRunner:
             self_kv_cache, cross_kv_cache) -> [T, d]`` and ``compute_logits``,
             and ``config`` (``decoder_layers``, ``num_heads``, ``head_dim``).
         cross_kv_cache: ``[num_layers, 2, num_cross_blocks, block_size, H, Dh]``,
-            filled by the encoder service (in production a view of shared memory;
-            never allocated here).
+            filled by the encoder service (in production a view of shared memory
+            or of a CUDA IPC pool; never allocated here). It must be on the
+            model's device: the self cache and every step's tensors are put
+            there too, and the logits are sampled there.
         num_self_blocks: blocks of the self-attention KV cache allocated here.
         block_size: tokens per block (both caches).
         sampler: picks tokens from logits.
@@ -45,7 +48,10 @@ class ModelRunner:
         self.attention_backend = attention_backend
         self.block_size = block_size
         self.sampler = sampler
-        self.device = cross_kv_cache.device
+        self.device = model_device(model)
+        if cross_kv_cache.device != self.device:
+            raise ValueError(f"cross_kv_cache is on {cross_kv_cache.device} but the model's weights are on {self.device}: "
+                             "attention reads the cache in place, so put both on one device (device / kv_device settings)")
         self.cross_kv_cache = cross_kv_cache
         self.self_kv_cache = torch.zeros(  # [L, 2, num_self_blocks, block_size, H, Dh]
             c.decoder_layers, 2, num_self_blocks, block_size, c.num_heads, c.head_dim,
@@ -116,4 +122,4 @@ class ModelRunner:
         hidden = self.model.forward(input_ids, positions, md, self.self_kv_cache, self.cross_kv_cache)  # [T, d]
         logits = self.model.compute_logits(hidden[md.logits_indices])  # [B, V] float32
         rows = [SamplingRow.from_sequence(s) for s in so.scheduled_seqs]
-        return self.sampler(logits.cpu(), rows)
+        return self.sampler(logits, rows)  # sampled on the model's device (per-request generators live there)

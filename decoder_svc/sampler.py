@@ -123,7 +123,7 @@ def apply_repetition_penalty(logits: torch.Tensor, token_ids: Seq[int], penalty:
     if penalty == 1.0 or not token_ids:
         return logits
     v = logits.shape[-1]
-    ids = torch.tensor(sorted({t for t in token_ids if 0 <= t < v}), dtype=torch.long)
+    ids = torch.tensor(sorted({t for t in token_ids if 0 <= t < v}), dtype=torch.long, device=logits.device)
     scores = logits[ids]
     logits[ids] = torch.where(scores < 0, scores * penalty, scores / penalty)
     return logits
@@ -165,11 +165,15 @@ class Sampler:
         self._generators: dict[str, torch.Generator] = {}
         self._logprobs: dict[str, TokenLogprobs] = {}
 
-    def generator(self, request_id: str, seed: int | None) -> torch.Generator:
-        """The request's own generator, created (seeded) on first use."""
+    def generator(self, request_id: str, seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+        """The request's own generator, created (seeded) on first use on ``device`` (the logits').
+
+        A CUDA generator (Philox) draws other numbers than a CPU one (Mersenne
+        Twister) from the same seed: seeded sampling reproduces per device type.
+        """
         gen = self._generators.get(request_id)
         if gen is None:
-            gen = torch.Generator()
+            gen = torch.Generator(device=device)
             gen.manual_seed(seed if seed is not None else random.SystemRandom().randrange(2**63))
             self._generators[request_id] = gen
         return gen
@@ -206,11 +210,11 @@ class Sampler:
                 logits[i] = NEG_INF
                 logits[i, forced] = 0.0
         if self.suppress_tokens.numel():
-            logits[:, self.suppress_tokens] = NEG_INF
+            logits[:, self.suppress_tokens.to(logits.device)] = NEG_INF
         first = [i for i, r in enumerate(rows) if r.is_first_token]
         if first and self.begin_suppress_tokens.numel():
-            idx = torch.tensor(first, dtype=torch.long)
-            logits[idx[:, None], self.begin_suppress_tokens[None, :]] = NEG_INF
+            idx = torch.tensor(first, dtype=torch.long, device=logits.device)
+            logits[idx[:, None], self.begin_suppress_tokens.to(logits.device)[None, :]] = NEG_INF
         return logits
 
     @staticmethod
@@ -235,7 +239,7 @@ class Sampler:
             if not row.params.greedy:
                 warped = self.warp(scores, row.params)
                 probs = warped.softmax(dim=-1)  # [V]
-                gen = self.generator(row.request_id, row.params.seed)
+                gen = self.generator(row.request_id, row.params.seed, probs.device)
                 if bool(torch.isfinite(probs).all()):  # never let one row's overflow fail the whole batch
                     out[i] = int(torch.multinomial(probs, 1, generator=gen).item())
                     scores = warped

@@ -57,6 +57,7 @@ from decoder_svc.engine_loop import EngineLoop
 from decoder_svc.inputs import RequestInput, parse_input
 from decoder_svc.kv_budget import block_bytes, max_concurrent_requests, resolve_budget, size_kv_cache
 from shared.config import DecoderServiceConfig
+from shared.device import resolve_device, torch_dtype
 from shared.errors import AlreadyExistsError, InvalidRequestError, NotFoundError, ResourceExhaustedError, UnavailableError
 from shared.grpc_server import GRPC_OPTIONS, abort_with, serve
 from shared.kv_transport import create_pool
@@ -439,7 +440,9 @@ def _logprobs_pb(lp) -> decoder_pb2.Logprobs:
 def build_engine(config: DecoderServiceConfig, model):
     """Creates the cross-KV pool (shared with the encoder) and the engine over it.
 
-    Pool sizes come from ``decoder_svc.kv_budget.size_kv_cache`` (explicit
+    ``model`` is already on ``config.device``; the pool goes on ``kv_device``
+    (the same device, as the config enforces) and the engine's self cache
+    beside it. Pool sizes come from ``decoder_svc.kv_budget.size_kv_cache`` (explicit
     block counts, else ``kv_cache_memory``, else ``max_num_seqs``) and are
     logged with the max number of concurrent max-length requests.
 
@@ -488,11 +491,18 @@ def _pool_options(config: DecoderServiceConfig) -> dict:
 
 
 def run(config: DecoderServiceConfig) -> None:
-    """Loads the model, creates the KV pools and serves until SIGINT/SIGTERM."""
+    """Loads the model onto ``config.device``, creates the KV pools there and serves until SIGINT/SIGTERM.
+
+    Raises:
+        ValueError: ``device`` names a GPU this machine does not have (``shared.device.resolve_device``).
+    """
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    model = load_model(config.model)
-    apply_quantization(model, config.quantize, "decoder")
+    device = resolve_device(config.device)  # before anything is loaded: a missing GPU fails fast
+    model = load_model(config.model, torch_dtype(config.dtype))
+    apply_quantization(model, config.quantize, "decoder")  # CPU only (the config refuses int8 on CUDA)
+    model.to(device)  # before the KV pools are sized: a fractional kv_cache_memory sees the weights' memory taken
+    log.info("decoder model %s on %s (%s), attention %s", config.model, device, config.dtype, config.attention_backend)
     store = RequestStateStore(config.redis_url)
     store.ping()
     engine, pool = build_engine(config, model)

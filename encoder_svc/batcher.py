@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from shared.device import model_device
 from shared.kv_transport import CrossKVWriter, KVTargetSpec
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,11 @@ class EncodeBatcher:
     then ``writer.write`` into the decoder's blocks. A failure in one request's
     write fails only that request.
 
+    Features and source ids are built on the CPU and moved to the model's
+    device (``shared.device.model_device``); the cross KV stays there and each
+    writer copies it where its transport needs it (host memory for shm and
+    gloo, a device copy for cuda_ipc).
+
     Args:
         model: exposes ``encode``, ``compute_cross_kv`` (see
             ``shared.models.whisper``) and ``features(pcm)``.
@@ -59,6 +65,7 @@ class EncodeBatcher:
 
     def __init__(self, model, featurize, writer: CrossKVWriter, max_batch_size: int, batch_wait_ms: float) -> None:
         self.model = model
+        self.device = model_device(model)
         self.featurize = featurize
         self.writer = writer
         self.max_batch_size = max_batch_size
@@ -112,9 +119,9 @@ class EncodeBatcher:
                 for i, item in enumerate(batch):
                     ids[i, : lens[i]] = torch.tensor(item.input_ids, dtype=torch.long)
                 mask = (torch.arange(max(lens))[None, :] < torch.tensor(lens)[:, None]).long()  # [B, S]
-                encoder_out = self.model.encode(ids, mask)  # [B, S, d_model]
+                encoder_out = self.model.encode(ids.to(self.device), mask.to(self.device))  # [B, S, d_model]
             else:
-                features = torch.stack([self.featurize(item.pcm) for item in batch])  # [B, n_mels, frames]
+                features = torch.stack([self.featurize(item.pcm) for item in batch]).to(self.device)  # [B, n_mels, frames]
                 encoder_out = self.model.encode(features)  # [B, S, d_model]
                 lens = [encoder_out.shape[1]] * len(batch)
             return self.model.compute_cross_kv(encoder_out), lens  # [L, 2, B, S, H, D]

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from shared.device import model_device
 from shared.errors import InvalidRequestError
 from shared.models.bert import BertEncoderModel, PackedBatch
 from shared.models.embedding_config import EmbeddingSpec, read_embedding_spec
@@ -50,13 +51,15 @@ class EmbedEngine:
     """A loaded encoder-only model with its tokenizer and embedding defaults.
 
     Args:
-        model: a ``BertEncoderModel`` (or subclass) in eval mode.
+        model: a ``BertEncoderModel`` (or subclass) in eval mode, on the device
+            it runs on; each batch's tensors are built there.
         tokenizer: the checkpoint's HF tokenizer.
         spec: pooling / normalise / max length defaults.
     """
 
     def __init__(self, model: BertEncoderModel, tokenizer, spec: EmbeddingSpec) -> None:
         self.model = model
+        self.device = model_device(model)
         self.tokenizer = tokenizer
         self.spec = spec
         limits = [model.max_seq_len]
@@ -76,8 +79,9 @@ class EmbedEngine:
         self._tokenizer_lock = threading.Lock()
 
     @classmethod
-    def load(cls, path: str | Path, model_class: type[BertEncoderModel], dtype: torch.dtype = torch.float32) -> EmbedEngine:
-        """Loads a sentence-transformers or HF-format directory.
+    def load(cls, path: str | Path, model_class: type[BertEncoderModel], dtype: torch.dtype = torch.float32,
+             device: torch.device | str = "cpu") -> EmbedEngine:
+        """Loads a sentence-transformers or HF-format directory; the model runs on ``device``.
 
         Raises:
             ValueError: unsupported pooling config; as ``model_class.from_pretrained``.
@@ -85,7 +89,7 @@ class EmbedEngine:
         from transformers import AutoTokenizer
 
         spec = read_embedding_spec(path)
-        model = model_class.from_pretrained(spec.transformer_dir, dtype=dtype)
+        model = model_class.from_pretrained(spec.transformer_dir, dtype=dtype).to(device)
         tokenizer = AutoTokenizer.from_pretrained(str(spec.transformer_dir), local_files_only=True)
         return cls(model, tokenizer, spec)
 
@@ -149,12 +153,12 @@ class EmbedEngine:
             poolings: per sequence, ``cls`` / ``mean`` / ``last`` (a ``[hidden]``
                 vector) or ``logits`` (``[num_labels]``).
         Returns:
-            float32 tensors, unnormalised.
+            float32 CPU tensors, unnormalised.
         """
-        batch = PackedBatch.from_lists([s.ids for s in seqs], [s.type_ids for s in seqs])
+        batch = PackedBatch.from_lists([s.ids for s in seqs], [s.type_ids for s in seqs]).to(self.device)
         hidden = self.model(batch)  # [T, hidden]
         starts = batch.starts  # [B]
-        lens = torch.tensor(batch.seq_lens, dtype=torch.long)  # [B]
+        lens = torch.tensor(batch.seq_lens, dtype=torch.long, device=self.device)  # [B]
         wanted = set(poolings)
         pooled: dict[str, torch.Tensor] = {}
         if "cls" in wanted:
@@ -162,12 +166,13 @@ class EmbedEngine:
         if "last" in wanted:
             pooled["last"] = hidden[starts + lens - 1]
         if "mean" in wanted:
-            seq_idx = torch.repeat_interleave(torch.arange(len(seqs)), lens)  # [T]
+            seq_idx = torch.repeat_interleave(torch.arange(len(seqs), device=self.device), lens)  # [T]
             sums = hidden.new_zeros(len(seqs), hidden.shape[1]).index_add_(0, seq_idx, hidden)
             pooled["mean"] = sums / lens[:, None].to(hidden.dtype)
         if "logits" in wanted:
             pooled["logits"] = self.model.classify(hidden, starts)  # [B, num_labels]
-        return [pooled[p][i].float() for i, p in enumerate(poolings)]
+        pooled = {k: v.float().cpu() for k, v in pooled.items()}  # one device-to-host copy per pooling (no-op on CPU)
+        return [pooled[p][i] for i, p in enumerate(poolings)]
 
 
 def finish_embedding(vector: torch.Tensor, normalize: bool, dimensions: int) -> torch.Tensor:
@@ -190,8 +195,9 @@ def label_scores(logits: torch.Tensor, multi_label: bool, raw: bool) -> torch.Te
     return torch.sigmoid(logits) if multi_label else torch.softmax(logits, dim=-1)
 
 
-def load_embed_engine(name_or_path: str | Path, dtype: torch.dtype = torch.float32) -> EmbedEngine:
-    """Resolves a model name or directory through the registry and loads it for Embed.
+def load_embed_engine(name_or_path: str | Path, dtype: torch.dtype = torch.float32,
+                      device: torch.device | str = "cpu") -> EmbedEngine:
+    """Resolves a model name or directory through the registry and loads it for Embed on ``device``.
 
     Raises:
         ModelNotFoundError: as ``resolve_model``. ValueError: not an encoder-only model.
@@ -201,4 +207,4 @@ def load_embed_engine(name_or_path: str | Path, dtype: torch.dtype = torch.float
     arch, path = resolve_model(name_or_path)
     if not is_encoder_only(name_or_path):
         raise ValueError(f"{name_or_path!r} is a {arch} model, not an encoder-only one")
-    return EmbedEngine.load(path, model_class(arch), dtype)
+    return EmbedEngine.load(path, model_class(arch), dtype, device)

@@ -169,9 +169,11 @@ def run_embed(config: EncoderServiceConfig) -> None:
     from shared.grpc_server import serve
     from shared.models.registry import model_names
 
-    engine = load_embed_engine(config.model)
-    log.info("encoder-only model %s: pooling %s, normalize %s, max input %d tokens, %d labels", config.model,
-             engine.spec.pooling, engine.spec.normalize, engine.max_input_length, engine.num_labels)
+    from shared.device import resolve_device, torch_dtype
+
+    engine = load_embed_engine(config.model, torch_dtype(config.dtype), resolve_device(config.device))
+    log.info("encoder-only model %s on %s (%s): pooling %s, normalize %s, max input %d tokens, %d labels", config.model,
+             engine.device, config.dtype, engine.spec.pooling, engine.spec.normalize, engine.max_input_length, engine.num_labels)
     batcher = EmbedBatcher(engine, max(config.max_batch_tokens, engine.max_input_length))
     servicer = EmbedServicer(engine, batcher, config.model, model_names(config.model), config.max_inputs_per_request)
 

@@ -11,6 +11,7 @@ import torch
 
 from encoder_svc.batcher import EncodeBatcher, EncodeItem
 from shared.config import EncoderServiceConfig
+from shared.device import resolve_device, torch_dtype
 from shared.errors import InvalidRequestError, NotFoundError
 from shared.grpc_server import abort_with, serve
 from shared.kv_transport import KVTargetSpec, WriterSet
@@ -85,12 +86,13 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         )
 
 
-def _warm_up(model) -> None:
-    """One encoder forward before reporting healthy, so the first request does not pay for it."""
+def _warm_up(model, device: torch.device) -> None:
+    """One encoder forward before reporting healthy, so the first request does not pay for it
+    (nor, on a GPU, for CUDA context and kernel setup)."""
     if getattr(model, "input_modality", "audio") != "audio":
         return
     with torch.inference_mode():
-        model.compute_cross_kv(model.encode(log_mel_spectrogram(np.zeros(16000, dtype=np.float32))[None]))
+        model.compute_cross_kv(model.encode(log_mel_spectrogram(np.zeros(16000, dtype=np.float32))[None].to(device)))
 
 
 def run(config: EncoderServiceConfig) -> None:
@@ -98,19 +100,22 @@ def run(config: EncoderServiceConfig) -> None:
     encoder-decoder model, ``EmbedService`` for an encoder-only one."""
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
+    device = resolve_device(config.device)  # ValueError (a clear one) when the GPU is missing
     if is_encoder_only(config.model):  # BERT family: EmbedService instead of Encode
         from encoder_svc.embed_servicer import run_embed
 
         return run_embed(config)
-    model = load_model(config.model)
-    apply_quantization(model, config.quantize, "encoder")
+    model = load_model(config.model, torch_dtype(config.dtype))
+    apply_quantization(model, config.quantize, "encoder")  # CPU only (the config refuses int8 on CUDA)
+    model.to(device)
+    log.info("encoder model %s on %s (%s)", config.model, device, config.dtype)
     max_batch_size = config.max_batch_size
     if config.quantize == "int8" and max_batch_size > 1:
         # Dynamic int8 scales activations per tensor: a batch companion would change this
         # request's encoder output. One request per forward keeps results per request.
         log.info("int8 encoder: encoding one request per forward (was max_batch_size=%d)", max_batch_size)
         max_batch_size = 1
-    _warm_up(model)
+    _warm_up(model, device)
     writer = WriterSet(
         [t.strip() for t in config.kv_transport.split(",") if t.strip()],
         {"torch_dist": dict(backend=config.kv_dist_backend, device=config.kv_device, timeout_s=config.kv_transfer_timeout_s)},

@@ -6,7 +6,9 @@
 #   2. the same file's NCCL test (torch_dist, two processes on the one device), run apart so that
 #      an NCCL failure which takes its process down cannot cost the cuda_ipc results;
 #   3. the transfer bench (`encdec bench transfer`): GB/s of every transport next to memcpy;
-#   then one summary table of all three.
+#   then one summary table of all three;
+#   4. scripts/gpu_model_check.py: Whisper and T5 engines on the GPU (torch and triton attention)
+#      against the CPU engine / HF, with its own table; it gets what is left of the 5 minutes.
 # Prints "skipped: no CUDA GPU" and exits 0 where torch sees no CUDA device.
 # Exit status: 0 when every test passed (or skipped with a reason) and every bench row ran
 # bit-exact (or is marked unsupported), else 1. Under 5 minutes: each step has a timeout
@@ -56,7 +58,16 @@ timeout -k 10 140 "$PY" -m shared.bench.transfer --iters 10 --warmup 2 --json "$
   2>&1 | tee "$OUT/bench.log"
 bench_rc=${PIPESTATUS[0]}
 
-echo "== summary ($((SECONDS - start)) s; exit codes: cuda_ipc tests $ipc_rc, NCCL test $nccl_rc, bench $bench_rc)"
+echo "== 4/4 models on the GPU: scripts/gpu_model_check.py"
+models_s=$(( 285 - (SECONDS - start) )); (( models_s > 180 )) && models_s=180
+if (( models_s >= 30 )); then
+  timeout -k 5 "$models_s" "$PY" scripts/gpu_model_check.py 2>&1 | tee "$OUT/models.log"
+  models_rc=${PIPESTATUS[0]}
+else
+  echo "not run: only ${models_s} s of the 5 minutes left"; models_rc=1
+fi
+
+echo "== summary ($((SECONDS - start)) s; exit codes: cuda_ipc tests $ipc_rc, NCCL test $nccl_rc, bench $bench_rc, models $models_rc)"
 "$PY" - "$OUT" <<'PYTHON'
 import json, os, re, sys
 import xml.etree.ElementTree as ET
@@ -100,7 +111,7 @@ for row in rows:
     print("| " + " | ".join(row) + " |")
 PYTHON
 
-if [[ $ipc_rc -eq 0 && $nccl_rc -eq 0 && $bench_rc -eq 0 ]]; then
+if [[ $ipc_rc -eq 0 && $nccl_rc -eq 0 && $bench_rc -eq 0 && $models_rc -eq 0 ]]; then
   echo "gpu_check: OK"
   exit 0
 fi

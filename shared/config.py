@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from shared.device import MODEL_DTYPES, check_device_name, is_cuda, same_device
+
 DEFAULT_MODEL = "whisper-tiny.en"
 DEFAULT_ENCODER_ADDRESS = "127.0.0.1:50061"
 DEFAULT_DECODER_ADDRESS = "127.0.0.1:50051"
@@ -44,12 +46,20 @@ class EncoderServiceConfig:
         kv_dist_backend: torch_dist: ``gloo`` (CPU tensors over TCP) or
             ``nccl`` (CUDA tensors); must match the decoder's.
         kv_device: torch_dist: where payloads are staged for sending
-            (``cpu``; ``cuda`` for nccl).
+            (``cpu`` for gloo, which sends CPU tensors only; ``cuda`` for nccl).
+            Empty: ``device`` with nccl, ``cpu`` with gloo.
         kv_transfer_timeout_s: torch_dist: bound on pairing with a decoder and
             on every send/receive of a transfer (seconds); a hung decoder holds
             the encoder's batcher at most this long.
         metrics_port: Prometheus ``/metrics`` HTTP port (``shared.metrics``);
             0 = off. A port already taken is logged and metrics stay off.
+        device: where the model runs: ``cpu``, ``cuda`` or ``cuda:N``
+            (``shared.device``); features and source ids are moved there and
+            cross KV is handed to the writer from there (copied to the CPU for
+            shm / gloo, device to device for cuda_ipc). A missing GPU fails at
+            startup.
+        dtype: weight dtype: ``float32`` (default), or ``float16`` / ``bfloat16``
+            on a CUDA ``device`` only (docs/devices.md).
     """
 
     model: str = DEFAULT_MODEL
@@ -63,9 +73,11 @@ class EncoderServiceConfig:
     quantize: str = "none"
     kv_transport: str = "shm,torch_dist"
     kv_dist_backend: str = "gloo"
-    kv_device: str = "cpu"
+    kv_device: str = ""
     kv_transfer_timeout_s: float = 30.0
     metrics_port: int = 9401
+    device: str = "cpu"
+    dtype: str = "float32"
 
     def __post_init__(self) -> None:
         _check_port(self.port)
@@ -73,7 +85,11 @@ class EncoderServiceConfig:
         names = [t.strip() for t in self.kv_transport.split(",") if t.strip()]
         if not names or any(t not in KV_TRANSPORTS for t in names):
             raise ValueError(f"kv_transport must list some of: {', '.join(KV_TRANSPORTS)}; got {self.kv_transport!r}")
-        _check_kv_dist(self.kv_dist_backend, self.kv_device, self.kv_transfer_timeout_s)
+        _check_model_device(self.device, self.dtype, self.quantize)
+        if not self.kv_device:  # staging follows the model onto the GPU only where the backend can send from there
+            object.__setattr__(self, "kv_device", self.device if self.kv_dist_backend == "nccl" else "cpu")
+        check_device_name(self.kv_device, "kv_device")
+        _check_kv_dist(self.kv_dist_backend, self.kv_device, self.kv_transfer_timeout_s, "torch_dist" in names)
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.batch_wait_ms < 0:
@@ -108,8 +124,10 @@ class DecoderServiceConfig:
         kv_dist_address: torch_dist: ``host:port`` of the rendezvous store this
             decoder hosts (port 0 picks a free one); encoders must reach it,
             and Gloo binds to ``host``.
-        kv_dist_backend: torch_dist: ``gloo`` or ``nccl`` (needs ``kv_device`` cuda).
-        kv_device: device of the cross-KV pool (``cpu``; ``cuda`` for nccl and cuda_ipc).
+        kv_dist_backend: torch_dist: ``gloo`` (CPU pool) or ``nccl`` (needs ``kv_device`` cuda).
+        kv_device: device of both KV caches; empty = ``device``. The model
+            attends over them in place, so a value naming another device is
+            refused.
         kv_transfer_timeout_s: torch_dist: how long a request waits for its
             cross KV to land once Encode answered, and the bound on pairing
             (seconds); past it the request fails with UNAVAILABLE.
@@ -142,6 +160,15 @@ class DecoderServiceConfig:
             decoder's paged self- and cross-attention (``kernels.attention_backend``);
             ``triton`` needs the triton package and a CUDA device (or
             ``TRITON_INTERPRET=1``, tests only).
+        device: where the model and both KV caches live and every step's
+            tensors are built: ``cpu``, ``cuda`` or ``cuda:N`` (``shared.device``).
+            On CUDA the cross-KV pool must be on the GPU too: kv_transport
+            ``cuda_ipc``, or ``torch_dist`` with ``nccl`` (``shm`` is host
+            memory). Seeded sampling draws from a generator on this device, so a
+            seed reproduces its tokens on the same device type only. A missing
+            GPU fails at startup.
+        dtype: weight dtype: ``float32`` (default), or ``float16`` / ``bfloat16``
+            on a CUDA ``device`` only (docs/devices.md).
     """
 
     model: str = DEFAULT_MODEL
@@ -157,7 +184,7 @@ class DecoderServiceConfig:
     kv_transport: str = "shm"
     kv_dist_address: str = "127.0.0.1:0"
     kv_dist_backend: str = "gloo"
-    kv_device: str = "cpu"
+    kv_device: str = ""
     kv_transfer_timeout_s: float = 30.0
     kv_transfer_dtype: str = "float32"
     encode_timeout_s: float = 120.0
@@ -168,6 +195,8 @@ class DecoderServiceConfig:
     metrics_port: int = 9400
     encoder_cache: int = 1
     attention_backend: str = "torch"
+    device: str = "cpu"
+    dtype: str = "float32"
 
     def __post_init__(self) -> None:
         _check_port(self.port)
@@ -183,7 +212,9 @@ class DecoderServiceConfig:
                 raise ValueError(f"{name} must be >= 0 (0 = sized automatically), got {getattr(self, name)}")
         if self.kv_transport not in KV_TRANSPORTS:
             raise ValueError(f"kv_transport must be one of: {', '.join(KV_TRANSPORTS)}; got {self.kv_transport!r}")
-        _check_kv_dist(self.kv_dist_backend, self.kv_device, self.kv_transfer_timeout_s)
+        _check_model_device(self.device, self.dtype, self.quantize)
+        self._check_kv_device()
+        _check_kv_dist(self.kv_dist_backend, self.kv_device, self.kv_transfer_timeout_s, self.kv_transport == "torch_dist")
         host, _, port = self.kv_dist_address.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"kv_dist_address must be host:port, got {self.kv_dist_address!r}")
@@ -196,7 +227,23 @@ class DecoderServiceConfig:
         if self.attention_backend != "torch":
             from kernels.attention_backend import check_attention_backend  # imports torch: only off the default
 
-            check_attention_backend(self.attention_backend)
+            check_attention_backend(self.attention_backend, self.device)
+
+    def _check_kv_device(self) -> None:
+        """Resolves an empty ``kv_device`` to ``device``; refuses KV caches the model could not attend over."""
+        if not self.kv_device:
+            object.__setattr__(self, "kv_device", self.device)
+        check_device_name(self.kv_device, "kv_device")
+        if not same_device(self.kv_device, self.device):
+            raise ValueError(f"kv_device {self.kv_device!r} differs from device {self.device!r}: the decoder attends over both "
+                             "KV caches on its model's device; leave kv_device unset (it follows device) or set both alike")
+        if is_cuda(self.device) and self.kv_transport == "shm":
+            raise ValueError(f"kv_transport shm keeps the cross-KV pool in host shared memory, which a decoder on {self.device!r} "
+                             "cannot attend over: use kv_transport cuda_ipc (encoder on the same host) or torch_dist with "
+                             "kv_dist_backend nccl, or device cpu")
+        if not is_cuda(self.device) and self.kv_transport == "cuda_ipc":
+            raise ValueError("kv_transport cuda_ipc puts the cross-KV pool on a GPU: set device cuda (kv_device follows it), "
+                             "or use kv_transport shm on the CPU")
 
 
 _MEMORY_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -236,13 +283,30 @@ def parse_memory_size(text: str) -> tuple[float, bool] | None:
     return value * _MEMORY_UNITS[unit], False
 
 
-def _check_kv_dist(backend: str, device: str, timeout_s: float) -> None:
+def _check_kv_dist(backend: str, device: str, timeout_s: float, used: bool = True) -> None:
+    """``used``: torch_dist is one of the service's transports (gloo's CPU-only rule applies only then)."""
     if backend not in KV_DIST_BACKENDS:
         raise ValueError(f"kv_dist_backend must be one of: {', '.join(KV_DIST_BACKENDS)}; got {backend!r}")
     if backend == "nccl" and not device.startswith("cuda"):
         raise ValueError(f"kv_dist_backend nccl moves CUDA tensors: set kv_device to cuda, got {device!r}")
+    if used and backend == "gloo" and is_cuda(device):
+        # torch.distributed's backend table: gloo send/recv take CPU tensors only.
+        raise ValueError(f"kv_dist_backend gloo sends CPU tensors only, but kv_device is {device!r}: "
+                         "use kv_dist_backend nccl, or keep the KV on the CPU")
     if timeout_s <= 0:
         raise ValueError(f"kv_transfer_timeout_s must be > 0, got {timeout_s}")
+
+
+def _check_model_device(device: str, dtype: str, quantize: str) -> None:
+    check_device_name(device)
+    if dtype not in MODEL_DTYPES:
+        raise ValueError(f"dtype must be one of: {', '.join(MODEL_DTYPES)}; got {dtype!r}")
+    if dtype != "float32" and not is_cuda(device):
+        raise ValueError(f"dtype {dtype} is for CUDA devices (half-precision matmuls on the CPU are slow and lose "
+                         "accuracy): set device cuda, or dtype float32 (or quantize int8 on the CPU)")
+    if quantize != "none" and is_cuda(device):
+        raise ValueError(f"quantize {quantize} is CPU dynamic quantization (fbgemm kernels): on device {device!r} "
+                         "use quantize none (dtype float16 or bfloat16 halves the weights on a GPU)")
 
 
 def _check_quantize(quantize: str) -> None:

@@ -103,17 +103,22 @@ class PackedBatch:
         flat_types = [t for seq, types in zip(ids, type_ids) for t in (types if types is not None else [0] * len(seq))]
         return cls(torch.tensor(flat_ids, dtype=torch.long), torch.tensor(flat_types, dtype=torch.long), [len(s) for s in ids])
 
+    def to(self, device: torch.device | str) -> PackedBatch:
+        """The batch with its token tensors on ``device`` (the model's); derived index tensors follow them."""
+        return PackedBatch(self.input_ids.to(device), self.token_type_ids.to(device), self.seq_lens)
+
     @property
     def starts(self) -> torch.Tensor:
-        """Offset of each sequence's first token in ``[T]``, ``[B]`` int64."""
-        lens = torch.tensor(self.seq_lens, dtype=torch.long)
+        """Offset of each sequence's first token in ``[T]``, ``[B]`` int64, on the batch's device."""
+        lens = torch.tensor(self.seq_lens, dtype=torch.long, device=self.input_ids.device)
         return torch.cumsum(lens, 0) - lens
 
     def positions(self) -> torch.Tensor:
-        """Position of each token within its own sequence, ``[T]`` int64."""
-        lens = torch.tensor(self.seq_lens, dtype=torch.long)
-        total = int(lens.sum())
-        return torch.arange(total) - torch.repeat_interleave(self.starts, lens)
+        """Position of each token within its own sequence, ``[T]`` int64, on the batch's device."""
+        device = self.input_ids.device
+        lens = torch.tensor(self.seq_lens, dtype=torch.long, device=device)
+        total = sum(self.seq_lens)
+        return torch.arange(total, device=device) - torch.repeat_interleave(self.starts, lens)
 
 
 class BertEmbeddings(nn.Module):
@@ -136,15 +141,15 @@ class BertEmbeddings(nn.Module):
 class AttentionLayout:
     """Index maps between packed ``[T]`` and padded ``[B, S_max]``, built once per forward."""
 
-    def __init__(self, seq_lens: list[int]) -> None:
+    def __init__(self, seq_lens: list[int], device: torch.device | str = "cpu") -> None:
         self.num_seqs = len(seq_lens)
         self.max_len = max(seq_lens)
         self.padded = any(n != self.max_len for n in seq_lens)
-        lens = torch.tensor(seq_lens, dtype=torch.long)
-        self.batch_idx = torch.repeat_interleave(torch.arange(self.num_seqs), lens)  # [T]
-        self.pos_idx = PackedBatch(torch.empty(0), torch.empty(0), seq_lens).positions()  # [T]
+        lens = torch.tensor(seq_lens, dtype=torch.long, device=device)
+        self.batch_idx = torch.repeat_interleave(torch.arange(self.num_seqs, device=device), lens)  # [T]
+        self.pos_idx = PackedBatch(torch.empty(0, device=device), torch.empty(0), seq_lens).positions()  # [T]
         # Key mask [B, 1, 1, S]: True where a real token sits.
-        self.key_mask = (torch.arange(self.max_len)[None, :] < lens[:, None])[:, None, None, :] if self.padded else None
+        self.key_mask = (torch.arange(self.max_len, device=device)[None, :] < lens[:, None])[:, None, None, :] if self.padded else None
 
 
 def packed_attention(qkv: torch.Tensor, layout: AttentionLayout, num_heads: int) -> torch.Tensor:
@@ -218,7 +223,7 @@ class BertEncoderModel(nn.Module):
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
         """Last hidden states ``[T, hidden]`` of the packed batch."""
-        layout = AttentionLayout(batch.seq_lens)
+        layout = AttentionLayout(batch.seq_lens, batch.input_ids.device)
         x = self.embeddings(batch)
         for layer in self.layers:
             x = layer(x, layout)

