@@ -12,7 +12,7 @@ from pathlib import Path
 # The bar each bench plots, in order of preference (the first present in the rows).
 METRICS = {"whisper": ["tokens/s"], "seq2seq": ["tokens/s"], "embed": ["sentences/s"], "transfer": ["GB/s"]}
 ONLINE_METRICS = ["TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms"]
-LABEL_KEYS = ("model", "workload", "system", "mode", "batch", "size", "transport")
+LABEL_KEYS = ("model", "workload", "payload", "system", "mode", "batch", "transport")
 
 
 def _metric(name: str, rows: list[dict]) -> str | None:

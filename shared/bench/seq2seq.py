@@ -20,7 +20,7 @@ each decoded greedily to exactly ``--new-tokens`` tokens:
 Columns: generated tokens, wall seconds, tokens/s, ``x best batched`` (tokens/s
 over the better of HF batched and CTranslate2 fp32 batched, the issue-7 target)
 and ``same as HF`` (outputs token-for-token equal to HF sequential greedy). The
-JSON rows also carry ``load``, the 1-minute load average when the row finished
+JSON rows also carry ``load``, the 1-minute load average right after that system ran
 (on a shared machine, how noisy that measurement was).
 """
 
@@ -157,11 +157,12 @@ def run_ours(model_dir: Path, sources: list[list[int]], new_tokens: int, threads
         return asyncio.run(_ours_once(svc.decoder_address, sources, new_tokens))
 
 
-def _row(model: str, system: str, mode: str, wall: float, tokens: list[list[int]], truth: list[list[int]] | None) -> dict:
+def _row(model: str, system: str, mode: str, wall: float, tokens: list[list[int]], truth: list[list[int]] | None,
+         load: float) -> dict:
     n = sum(len(t) for t in tokens)
     same = None if truth is None else f"{sum(a == b for a, b in zip(tokens, truth))}/{len(tokens)}"
     return {"model": model, "system": system, "mode": mode, "requests": len(tokens), "tokens": n, "wall s": wall,
-            "tokens/s": n / wall if wall > 0 else 0.0, "same as HF": same, "load": os.getloadavg()[0]}
+            "tokens/s": n / wall if wall > 0 else 0.0, "same as HF": same, "load": load}
 
 
 def bench_model(name: str, args, progress: bool = True) -> list[dict]:
@@ -172,26 +173,29 @@ def bench_model(name: str, args, progress: bool = True) -> list[dict]:
     say = (lambda msg: print(f"[seq2seq {name}] {msg}", file=sys.stderr, flush=True)) if progress else (lambda msg: None)
     rows: list[dict] = []
     say("our services (gRPC, all requests at once) ...")
-    ours = {"fp32": run_ours(model_dir, sources, n, args.threads)}
+    load = os.getloadavg
+    ours = {"fp32": (*run_ours(model_dir, sources, n, args.threads), load()[0])}
     if args.int8:
-        ours["int8"] = run_ours(model_dir, sources, n, args.threads, "int8")
+        ours["int8"] = (*run_ours(model_dir, sources, n, args.threads, "int8"), load()[0])
     say("HF generate ...")
     hf = run_hf(model_dir, sources, n, args.threads, sequential=not args.skip_hf_sequential, progress=progress)
+    hf_load = load()[0]
     truth = hf.get("sequential", hf["batched"])[1]
     for mode, (wall, tokens) in hf.items():
-        rows.append(_row(name, "HF transformers fp32", mode, wall, tokens, truth))
+        rows.append(_row(name, "HF transformers fp32", mode, wall, tokens, truth, hf_load))
     ct2_batched = None
     if not args.skip_ct2:
         modes = ["batched"] if args.skip_hf_sequential else ["sequential", "batched"]
         for compute_type in ("float32", "int8") if args.int8 else ("float32",):
             say(f"CTranslate2 {compute_type} ...")
             res = run_ct2(model_dir, Path(args.cache_dir) / f"{model_dir.name}-ct2", sources, n, args.threads, compute_type, modes)
+            ct2_load = load()[0]
             for mode, (wall, tokens) in res.items():
-                rows.append(_row(name, f"CTranslate2 {compute_type}", mode, wall, tokens, truth))
+                rows.append(_row(name, f"CTranslate2 {compute_type}", mode, wall, tokens, truth, ct2_load))
                 if compute_type == "float32" and mode == "batched":
                     ct2_batched = rows[-1]
-    for q, (wall, tokens) in ours.items():
-        rows.append(_row(name, f"encdec-serve {q} (2 services, gRPC)", f"concurrent {len(sources)}", wall, tokens, truth))
+    for q, (wall, tokens, ours_load) in ours.items():
+        rows.append(_row(name, f"encdec-serve {q} (2 services, gRPC)", f"concurrent {len(sources)}", wall, tokens, truth, ours_load))
     hf_batched = next(r for r in rows if r["system"].startswith("HF") and r["mode"] == "batched")
     best = max(hf_batched["tokens/s"], ct2_batched["tokens/s"] if ct2_batched else 0.0)
     for r in rows:
