@@ -20,6 +20,19 @@ min-p (``TemperatureLogitsWarper``, ``TopKLogitsWarper``, ``TopPLogitsWarper``,
 draw from each request's own ``torch.Generator`` so a seeded request gets the
 same tokens whatever else shares its batch; greedy rows take the argmax.
 
+Parallel samples (``params.n > 1``): the prompt step's row (``num_samples
+== n``) draws sample 0 from the request's generator and sample i from the
+generator of ``sample_seq_id(request_id, i)`` seeded ``sample_seed(seed, i)``,
+all from the same warped scores; the engine forks the other samples with those
+first tokens (``take_extra_samples``), and each sample's later rows use its own
+generator. So every sample is reproducible and independent of what shares the
+batch.
+
+Beam rows (``params.num_beams > 1``) are not sampled: as HF ``_beam_search``
+does, the processors run on ``log_softmax(logits)`` and the processed
+log-probabilities are handed to the engine (``take_beam_logprobs``); their
+returned token is a placeholder -1.
+
 Log-probabilities (rows with ``params.logprobs``) are ``log_softmax`` of the
 scores the token was picked from: after the processors, and for sampled rows
 after the warpers too (vLLM's ``logprobs_mode="processed_logprobs"``; vLLM
@@ -35,9 +48,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from decoder_svc.sequence import sample_seq_id
 from shared.sampling_params import SamplingParams
 
 NEG_INF = -float("inf")
+
+
+def sample_seed(seed: int | None, index: int) -> int | None:
+    """Generator seed of sample ``index`` of a request seeded ``seed``: ``(seed + index) mod 2**63``."""
+    return None if seed is None else (seed + index) % 2**63
 
 
 @dataclass
@@ -52,14 +71,22 @@ class SamplingRow:
     num_output_tokens: int = 0  # generated tokens so far (``min_tokens`` counts these)
     stop_token_ids: tuple[int, ...] = ()  # ids masked while num_output_tokens < params.min_tokens
     token_ids: Seq[int] = ()  # decoder tokens (prompt + output); only filled when a penalty needs them
+    index: int = 0  # sample index within the request (its generator is seeded sample_seed(seed, index))
+    num_samples: int = 1  # n on the prompt step of an n > 1 request (draws n first tokens), else 1
+
+    @property
+    def beam(self) -> bool:
+        return self.params.num_beams > 1
 
     @classmethod
     def from_sequence(cls, seq) -> SamplingRow:
         """The row of a ``decoder_svc.sequence.Sequence`` about to sample its next token."""
         p = seq.sampling_params
         history = seq.all_token_ids if (p.repetition_penalty != 1.0 or p.no_repeat_ngram_size) else ()
-        return cls(seq.request_id, p, seq.num_output_tokens == 0, seq.num_tokens, seq.max_len,
-                   seq.num_output_tokens, seq.stop_token_ids, history)
+        first = seq.num_output_tokens == 0
+        num_samples = p.n if (first and p.num_beams == 1 and seq.index == 0) else 1
+        return cls(seq.request_id, p, first, seq.num_tokens, seq.max_len,
+                   seq.num_output_tokens, seq.stop_token_ids, history, seq.index, num_samples)
 
 
 @dataclass
@@ -164,6 +191,8 @@ class Sampler:
         self.forced_eos_token_id = forced_eos_token_id
         self._generators: dict[str, torch.Generator] = {}
         self._logprobs: dict[str, TokenLogprobs] = {}
+        self._extra_samples: dict[str, list[int]] = {}
+        self._beam_logprobs: dict[str, torch.Tensor] = {}
 
     def generator(self, request_id: str, seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
         """The request's own generator, created (seeded) on first use on ``device`` (the logits').
@@ -183,8 +212,19 @@ class Sampler:
         self._generators.pop(request_id, None)
 
     def take_logprobs(self) -> dict[str, TokenLogprobs]:
-        """request_id -> logprobs of the token the last call picked (rows with ``params.logprobs`` only)."""
+        """request_id -> logprobs of the token the last call picked (rows with ``params.logprobs`` only);
+        an n > 1 prompt step also lists samples 1..n-1 under their ``sample_seq_id``."""
         out, self._logprobs = self._logprobs, {}
+        return out
+
+    def take_extra_samples(self) -> dict[str, list[int]]:
+        """request_id -> first tokens of samples 1..n-1 drawn by the last call (n > 1 prompt steps)."""
+        out, self._extra_samples = self._extra_samples, {}
+        return out
+
+    def take_beam_logprobs(self) -> dict[str, torch.Tensor]:
+        """Sequence id -> ``[V]`` float32 processed log-probabilities of the last call's beam rows."""
+        out, self._beam_logprobs = self._beam_logprobs, {}
         return out
 
     def process_logits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -229,24 +269,45 @@ class Sampler:
         """``logits``: ``[N, V]`` (row i for ``rows[i]``) -> N token ids."""
         if logits.shape[0] != len(rows):
             raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} sampling rows")
-        self._logprobs = {}
+        self._logprobs, self._extra_samples, self._beam_logprobs = {}, {}, {}
         if not rows:
             return []
+        beam = [i for i, r in enumerate(rows) if r.beam]
+        if beam:  # HF _beam_search: processors over log_softmax(logits)
+            idx = torch.tensor(beam, dtype=torch.long, device=logits.device)
+            lp = self.process_logits(torch.log_softmax(logits[idx].float(), dim=-1), [rows[i] for i in beam]).cpu()
+            self._beam_logprobs = {rows[i].request_id: lp[j] for j, i in enumerate(beam)}
         logits = self.process_logits(logits, rows)
         out = logits.argmax(dim=-1).tolist()  # greedy rows are done in one batched op
         for i, row in enumerate(rows):
+            if row.beam:
+                out[i] = -1
+                continue
             scores = logits[i]
             if not row.params.greedy:
                 warped = self.warp(scores, row.params)
                 probs = warped.softmax(dim=-1)  # [V]
-                gen = self.generator(row.request_id, row.params.seed, probs.device)
+                gen = self.generator(row.request_id, sample_seed(row.params.seed, row.index), probs.device)
                 if bool(torch.isfinite(probs).all()):  # never let one row's overflow fail the whole batch
                     out[i] = int(torch.multinomial(probs, 1, generator=gen).item())
                     scores = warped
+                    if row.num_samples > 1:
+                        self._draw_extra_samples(row, probs, warped)
                 # else: keeps the row's argmax (and reports the processed scores' logprobs)
             if row.params.logprobs:
                 self._logprobs[row.request_id] = token_logprobs(scores, out[i], row.params.top_logprobs)
         return out
+
+    def _draw_extra_samples(self, row: SamplingRow, probs: torch.Tensor, warped: torch.Tensor) -> None:
+        """First tokens of samples 1..n-1 of ``row``'s request, each from its own generator."""
+        extra = []
+        for k in range(1, row.num_samples):
+            sid = sample_seq_id(row.request_id, k)
+            tok = int(torch.multinomial(probs, 1, generator=self.generator(sid, sample_seed(row.params.seed, k), probs.device)).item())
+            extra.append(tok)
+            if row.params.logprobs:
+                self._logprobs[sid] = token_logprobs(warped, tok, row.params.top_logprobs)
+        self._extra_samples[row.request_id] = extra
 
 
 def token_logprobs(scores: torch.Tensor, token_id: int, top_n: int) -> TokenLogprobs:

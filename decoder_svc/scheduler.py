@@ -325,6 +325,16 @@ class Scheduler:
             budget += scheduled.get(victim.request_id, 0)
         return victims
 
+    def preempt(self, request_id: str) -> bool:
+        """Recompute-preempts ``request_id`` now if it is RUNNING (the engine does so for every running
+        beam of a beam group that could not run whole in a step, so the group waits and is admitted
+        together: its members share one queue place). Returns whether it was running."""
+        seq = self.requests.get(request_id)
+        if seq is None or seq.status is not SequenceStatus.RUNNING:
+            return False
+        self._preempt(seq)
+        return True
+
     def _preempt(self, seq: Sequence) -> None:
         """Recompute preemption: drop self KV, keep cross KV, back into WAITING at its place."""
         self.running.remove(seq)

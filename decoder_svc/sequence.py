@@ -11,6 +11,13 @@ from shared.sampling_params import SamplingParams
 _arrival_counter = itertools.count()
 
 
+def sample_seq_id(request_id: str, index: int) -> str:
+    """Scheduler id of sample / beam sequence ``index`` of ``request_id``: the request id itself
+    for index 0, else ``"{request_id}\x00{index}"`` (a client id that collides with one is
+    refused as a duplicate by ``DecoderEngine.add_request``)."""
+    return request_id if index == 0 else f"{request_id}\x00{index}"
+
+
 class SequenceStatus(enum.Enum):
     """Life cycle: WAITING_CROSS_BLOCKS -> ENCODING -> WAITING <-> RUNNING -> FINISHED_*."""
 
@@ -55,6 +62,9 @@ class Sequence:
         arrival_order: monotonically increasing tie-breaker (preemption picks the largest).
         priority: scheduling priority, lower value = earlier (vLLM's convention);
             ties are first come first served.
+        group_id: the request this sequence belongs to (``request_id`` unless it is
+            one of several samples / beams of a request, ``decoder_svc.engine``).
+        index: which sample of the request (0..n-1); beams use 0 while running.
     """
 
     def __init__(
@@ -86,6 +96,8 @@ class Sequence:
         self.output_text = None
         # What ended a "stop": the stop token id (the end token included) or the stop string.
         self.stop_reason: int | str | None = None
+        self.group_id = request_id
+        self.index = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -13,6 +13,10 @@ MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+# Most parallel samples / beams of one request (vLLM has no fixed cap; 16 keeps one request's
+# sequences well inside a decoder's max_num_seqs).
+MAX_N = 16
+MAX_BEAMS = 16
 
 
 def _finite(x: float) -> bool:
@@ -69,6 +73,24 @@ class SamplingParams:
         logprobs: return each generated token's log-probability.
         top_logprobs: also return the N most likely tokens per step, 0..20;
             needs ``logprobs``.
+        n: with ``num_beams == 1``: independent samples of the request (vLLM's
+            ``n``), 1..``MAX_N``; n > 1 needs temperature > 0 (greedy samples
+            would all be equal). Sample i draws from its own generator seeded
+            ``(seed + i) mod 2**63`` (``decoder_svc.sampler.sample_seed``). With
+            beams: how many of the best finished hypotheses are returned (HF
+            ``num_return_sequences``), <= ``num_beams``.
+        num_beams: beam search width (HF ``generate(num_beams=...)``,
+            ``decoder_svc.beam_search``), 1..``MAX_BEAMS``; 1 = off. Beam search
+            is deterministic: it refuses temperature > 0, ``stop``,
+            ``stop_token_ids``, ``ignore_eos`` and ``logprobs`` (the
+            processors -- penalties, ``no_repeat_ngram_size``, ``min_tokens``,
+            forced / suppressed tokens -- apply as in HF).
+        length_penalty: beam search: a finished hypothesis scores
+            ``sum(logprobs) / generated_len ** length_penalty`` (HF); finite.
+        early_stopping: beam search stopping (HF ``early_stopping``): True stops
+            as soon as ``num_beams`` hypotheses finished; False stops when the best
+            running beam, scored at its current length, cannot beat the worst
+            finished one. HF's third mode "never" is not offered.
 
     Raises:
         ValueError: from ``validate`` with a message naming the bad field.
@@ -89,6 +111,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    n: int = 1
+    num_beams: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -129,6 +155,22 @@ class SamplingParams:
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
+        if not 1 <= self.num_beams <= MAX_BEAMS:
+            raise ValueError(f"num_beams must be in [1, {MAX_BEAMS}], got {self.num_beams}")
+        if not _finite(self.length_penalty):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty}")
+        if self.num_beams > 1:
+            if self.n > self.num_beams:
+                raise ValueError(f"n ({self.n}) must be <= num_beams ({self.num_beams}): beam search returns the n best beams")
+            refused = [name for name, on in (("temperature > 0", not self.greedy), ("stop", self.stop),
+                                             ("stop_token_ids", self.stop_token_ids), ("ignore_eos", self.ignore_eos),
+                                             ("logprobs", self.logprobs)) if on]
+            if refused:
+                raise ValueError(f"beam search (num_beams > 1) does not support {refused[0]}; leave it unset")
+        elif self.n > 1 and self.greedy:
+            raise ValueError("n > 1 needs temperature > 0 (greedy samples would all be equal); use num_beams for n best")
 
     @property
     def greedy(self) -> bool:
