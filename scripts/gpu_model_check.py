@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
 
         os.environ.setdefault("TRITON_INTERPRET", "1")  # a CPU self-check (--backends torch advised) runs triton interpreted
     if torch.device(args.device).type == "cuda":
-        torch.cuda.set_device(torch.device(args.device))
+        torch.cuda.set_device(torch.device(args.device).index or 0)  # plain "cuda" has no index; set_device needs one
         print(f"gpu_model_check: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     torch.manual_seed(0)
     rows: list[tuple] = []

@@ -226,7 +226,7 @@ def test_writer_in_the_decoder_process_uses_the_pool_directly(pool):
     """CUDA cannot open an IPC handle in the process that exported it; the writer finds the pool itself."""
     writer = create_writer("cuda_ipc")
     try:
-        writer.write(pool.spec, [5, 3], 8, reference(8, 9).cuda())
+        writer.write(pool.spec, [5, 3], reference(8, 9).cuda())  # [L, 2, 8, H, D] into blocks 5, 3
         assert torch.equal(read_back(pool.tensor, [5, 3], 8).cpu(), reference(8, 9))
     finally:
         writer.close()
