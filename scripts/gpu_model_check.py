@@ -118,6 +118,11 @@ def compare(got: list[list[int]], want: list[list[int]]) -> str:
     return text
 
 
+def lengths(tokens: list[list[int]]) -> str:
+    """``min-max`` output lengths (a reference that ends at once would prove nothing)."""
+    return f"{min(map(len, tokens))}-{max(map(len, tokens))}"
+
+
 def read_clips() -> tuple[list[str], list[np.ndarray]]:
     names, pcms = [], []
     for path in sorted((ROOT / "tests" / "data").glob("*.wav")):
@@ -180,7 +185,8 @@ def check_whisper(device: str, name: str, backends: list[str], rows: list) -> No
     greedy = SamplingParams()
     t = time.perf_counter()
     cpu = run_engine(model, tokenizer, inputs, greedy)
-    rows.append(("whisper", what, "cpu", "torch", "float32", f"reference ({len(names)} clips)", "", f"{time.perf_counter() - t:.1f}"))
+    rows.append(("whisper", what, "cpu", "torch", "float32", f"reference ({len(names)} clips, {lengths(cpu)} tokens)", "",
+                 f"{time.perf_counter() - t:.1f}"))
     if hf is not None:
         with torch.inference_mode():
             ref = [hf.generate(log_mel_spectrogram(p)[None]).tolist()[0] + [EOT] for p in pcms]
@@ -219,7 +225,7 @@ def check_t5(device: str, backends: list[str], rows: list) -> None:
     inputs = [{"input_ids": tokenizer(sentence(rng, k))["input_ids"]} for k in (3, 9, 17, 40)]
     params = SamplingParams(max_tokens=40)
     cpu = run_engine(model, tokenizer, inputs, params)
-    rows.append(("t5 tiny", "random (build_t5)", "cpu", "torch", "float32", f"reference ({len(inputs)} sources)", "", ""))
+    rows.append(("t5 tiny", "random (build_t5)", "cpu", "torch", "float32", f"reference ({len(inputs)} sources, {lengths(cpu)} tokens)", "", ""))
     for backend in backends:
         if backend == "triton" and importlib.util.find_spec("triton") is None:
             rows.append(("t5 tiny", "random (build_t5)", device, backend, "float32", "skipped: no triton package", "", ""))
