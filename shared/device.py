@@ -41,7 +41,11 @@ def resolve_device(name: str):
     """The ``torch.device`` for a device setting, after checking it exists here (service startup).
 
     A CUDA device also becomes torch's current device, so code that uses "the
-    current CUDA device" (CUDA IPC pools, events, generators) agrees with it.
+    current CUDA device" (CUDA IPC pools, events, generators) agrees with it,
+    and TF32 is turned off for float32 convolutions and matmuls: cuDNN's
+    default TF32 convolutions (10-bit mantissa) moved Whisper's encoder output
+    enough to change greedy tokens against the CPU (seen on an H200), and
+    float32 weights promise float32 arithmetic. Half dtypes are unaffected.
 
     Raises:
         ValueError: a bad name; ``cuda`` requested but torch sees no CUDA
@@ -65,6 +69,8 @@ def resolve_device(name: str):
         raise ValueError(f"device {name!r} requested but only {count} CUDA device(s) are visible (cuda:0..cuda:{count - 1})")
     device = torch.device("cuda", index)
     torch.cuda.set_device(device)
+    torch.backends.cudnn.allow_tf32 = False  # torch's default is True for cuDNN convolutions
+    torch.backends.cuda.matmul.allow_tf32 = False  # already torch's default; kept explicit
     return device
 
 
