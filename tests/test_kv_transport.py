@@ -102,6 +102,8 @@ def test_wrong_shape_is_rejected():
     [
         (dict(dtype="float16"), "holds"),                    # same segment, another layout: sizes differ
         (dict(shape=(3, 2, 6, 5, 2, 4)), "holds"),           # fewer blocks than the pool
+        (dict(shape=(3, 2, 6, 10, 2, 4)), "holds a"),        # the pool's byte count, other block geometry
+        (dict(shape=(3, 2, 24, 5, 2, 4), dtype="float16"), "holds a"),  # the pool's byte count, half-size elements
         (dict(shape=(3, 2, 12, 0, 2, 4)), "all >= 1"),
         (dict(shape=(3, 2, -12, 5, 2, 4)), "all >= 1"),
         (dict(dtype="int8"), "dtype"),
@@ -120,6 +122,25 @@ def test_target_must_describe_the_pool_exactly(change, message):
         with pytest.raises(InvalidRequestError, match=message):
             writer.write(spec, [0], _reference(3, 0))
         assert torch.all(pool.tensor == 2.0)
+    finally:
+        writer.close()
+        pool.close()
+
+
+def test_mapped_segment_refuses_a_same_size_layout():
+    """Once mapped, a target with the pool's byte count but another layout is refused, not written (cached path)."""
+    import dataclasses
+
+    pool = create_pool("shm", SHAPE)
+    writer = create_writer("shm")
+    try:
+        pool.tensor.fill_(2.0)
+        writer.write(pool.spec, [4], _reference(3, 0))  # maps the segment
+        before = pool.tensor.clone()
+        for change in (dict(shape=(3, 2, 6, 10, 2, 4)), dict(shape=(3, 2, 24, 5, 2, 4), dtype="float16")):
+            with pytest.raises(InvalidRequestError, match="holds a"):
+                writer.write(dataclasses.replace(pool.spec, **change), [5, 1], _reference(7, 1))
+        assert torch.equal(pool.tensor, before)
     finally:
         writer.close()
         pool.close()

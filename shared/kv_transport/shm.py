@@ -4,6 +4,12 @@ The decoder creates the segment (name unguessable, mode 0600 as
 ``multiprocessing.shared_memory`` creates it) and unlinks it on close. The
 encoder maps each segment once, caches the mapping, and writes blocks in
 place: no pickling and no copy through gRPC.
+
+Segment layout: a 64-byte header (int64 ``[MAGIC, dtype code, *shape]``) and
+then the pool tensor. The encoder checks a target's shape and dtype against
+the header, so a target that merely has the pool's byte count (another dtype
+or block geometry of the same size) is refused instead of writing outside
+the blocks it names.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import mmap
 import os
 import re
 import secrets
+import struct
 import threading
 import time
 from multiprocessing import shared_memory
@@ -24,11 +31,18 @@ from shared.kv_transport.base import DTYPES, CrossKVPool, CrossKVWriter, KVTarge
 
 
 _INSTANCE_ID = re.compile(r"[0-9a-f]{16}")
+MAGIC = 0x454E43534B5631  # "ENCSKV1"
+HEADER = struct.Struct("<8q")  # [MAGIC, dtype code, 6 pool dims]: 64 bytes, so the pool starts cache-line aligned
+DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
+
+
+def _layout(spec: KVTargetSpec) -> tuple[int, ...]:
+    return (MAGIC, DTYPE_CODES[spec.dtype], *spec.shape)
 
 
 def _tensor_over(buf, spec: KVTargetSpec) -> torch.Tensor:
     count = spec.nbytes // DTYPES[spec.dtype].itemsize
-    return torch.frombuffer(buf, dtype=DTYPES[spec.dtype], count=count).view(spec.shape)
+    return torch.frombuffer(buf, dtype=DTYPES[spec.dtype], count=count, offset=HEADER.size).view(spec.shape)
 
 
 class ShmCrossKVPool(CrossKVPool):
@@ -50,7 +64,8 @@ class ShmCrossKVPool(CrossKVPool):
         self.spec = KVTargetSpec("shm", f"encdec-kv-{instance_id}", tuple(int(s) for s in shape), dtype, instance_id)
         if self.spec.nbytes <= 0:
             raise ValueError(f"pool shape {shape} is empty")
-        self._shm = shared_memory.SharedMemory(name=self.spec.segment, create=True, size=self.spec.nbytes)
+        self._shm = shared_memory.SharedMemory(name=self.spec.segment, create=True, size=HEADER.size + self.spec.nbytes)
+        HEADER.pack_into(self._shm.buf, 0, *_layout(self.spec))
         self.tensor = _tensor_over(self._shm.buf, self.spec)
 
     def close(self) -> None:
@@ -78,10 +93,17 @@ class ShmCrossKVWriter(CrossKVWriter):
         self._maps: dict[str, tuple[mmap.mmap, torch.Tensor]] = {}
         self._lock = threading.Lock()
 
+    @staticmethod
+    def _check_layout(spec: KVTargetSpec, tensor: torch.Tensor) -> None:
+        if tuple(tensor.shape) != spec.shape or tensor.dtype != DTYPES[spec.dtype]:
+            raise InvalidRequestError(f"segment {spec.segment} holds a {list(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')} "
+                                      f"pool, but the target describes {list(spec.shape)} {spec.dtype}")
+
     def _attach(self, spec: KVTargetSpec) -> torch.Tensor:
         with self._lock:
             cached = self._maps.get(spec.segment)
-            if cached is not None and tuple(cached[1].shape) == spec.shape:
+            if cached is not None:
+                self._check_layout(spec, cached[1])
                 return cached[1]
             try:
                 fd = _posixshmem.shm_open("/" + spec.segment, os.O_RDWR, mode=0o600)
@@ -89,11 +111,18 @@ class ShmCrossKVWriter(CrossKVWriter):
                 raise UnavailableError(f"cross-KV segment {spec.segment} is gone (decoder restarted?)") from exc
             try:
                 size = os.fstat(fd).st_size
-                if size != spec.nbytes:  # the pool's own layout is the only one that fits exactly
-                    raise InvalidRequestError(f"segment {spec.segment} holds {size} bytes, but the target's shape and dtype describe {spec.nbytes}")
+                if size != HEADER.size + spec.nbytes:
+                    raise InvalidRequestError(f"segment {spec.segment} holds {size - HEADER.size} bytes of pool, but the target's shape "
+                                              f"and dtype describe {spec.nbytes}")
                 mm = mmap.mmap(fd, size)
             finally:
                 os.close(fd)
+            if HEADER.unpack_from(mm, 0) != _layout(spec):  # same byte count, another dtype or block geometry
+                magic, code, *shape = HEADER.unpack_from(mm, 0)
+                mm.close()
+                dtype = {v: k for k, v in DTYPE_CODES.items()}.get(code, "?") if magic == MAGIC else "unknown-layout"
+                raise InvalidRequestError(f"segment {spec.segment} holds a {shape} {dtype} pool, but the target describes "
+                                          f"{list(spec.shape)} {spec.dtype}")
             self._drop_stale()
             tensor = _tensor_over(mm, spec)
             self._maps[spec.segment] = (mm, tensor)
