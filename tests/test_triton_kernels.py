@@ -153,7 +153,9 @@ def test_backend_switch_dispatches_and_validates(monkeypatch):
         with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
             DecoderServiceConfig(attention_backend="triton")
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert DecoderServiceConfig(attention_backend="triton").attention_backend == "triton"
+    # On a GPU the decoder config accepts triton only with the model and KV cache there (and shm needs a CPU pool).
+    gpu = {"device": "cuda", "kv_transport": "cuda_ipc"} if DEVICE == "cuda" else {}
+    assert DecoderServiceConfig(attention_backend="triton", **gpu).attention_backend == "triton"
     assert DecoderServiceConfig().attention_backend == "torch"
     if DEVICE == "cuda":  # compiled kernels: a CPU KV cache is refused up front
         with pytest.raises(ValueError, match="KV cache is on cpu"):

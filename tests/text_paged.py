@@ -22,8 +22,9 @@ def _pad(rows: list[list[int]], value: int = 0) -> torch.Tensor:
 
 def encode_batch(model, sources: list[list[int]]) -> list[torch.Tensor]:
     """Padded encoder batch -> each source's cross KV ``[L, 2, S_i, H, Dh]``."""
-    ids = _pad(sources)
-    mask = _pad([[1] * len(s) for s in sources])
+    device = next(model.parameters()).device
+    ids = _pad(sources).to(device)
+    mask = _pad([[1] * len(s) for s in sources]).to(device)
     kv = model.compute_cross_kv(model.encode(ids, mask))  # [L, 2, B, S, H, Dh]
     return [kv[:, :, i, : len(s)] for i, s in enumerate(sources)]
 
