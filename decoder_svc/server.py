@@ -113,6 +113,7 @@ class _Active:
     text_tail: str = ""  # last streamed character
     window_text_started: bool = False
     sample_completion: dict[int, int] = field(default_factory=dict)  # n > 1 / beams: completion tokens per index
+    decoding_recorded: bool = False  # Redis record moved to DECODING (by _encode, or on an encoder-cache hit's first output)
 
     def usage(self) -> dict[str, int]:
         """Token counts as of the last output (recorded on abort and failure too)."""
@@ -255,6 +256,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         if active.abort_requested:
             return
         await asyncio.to_thread(self.store.set_state, request_id, RequestState.DECODING, **(active.usage() if active.window else {}))
+        active.decoding_recorded = True
         await self.loop.call(self.engine.mark_encoded, request_id)
 
     # -- RPCs ---------------------------------------------------------------
@@ -289,6 +291,10 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
                 item = await active.stream.get()
                 if isinstance(item, BaseException):
                     raise item
+                if not active.decoding_recorded and active.encoding is None and item.finish_reason != "abort":
+                    # An encoder-cache hit decodes over another request's cross KV without an Encode of its own.
+                    active.decoding_recorded = True
+                    await asyncio.to_thread(self.store.set_state, request_id, RequestState.DECODING)
                 active.count(item)
                 self._observe_tokens(active, len(item.new_token_ids))
                 text = active.stream_text(item.text)

@@ -108,21 +108,32 @@ def test_identical_concurrent_inputs_are_encoded_once(services):
     before_d, before_e = scrape(ports["decoder"]), scrape(ports["encoder"])
     barrier = threading.Barrier(2)
 
-    def run(stub):
+    states = {}
+
+    def run(args):
+        stub, request_id = args
         barrier.wait()
-        return list(stub.Generate(decoder_pb2.GenerateRequest(audio=audio), timeout=120))
+        messages = []
+        for message in stub.Generate(decoder_pb2.GenerateRequest(request_id=request_id, audio=audio), timeout=120):
+            if not messages:  # mid-stream: the record says DECODING, also for the request that reused the other's KV
+                states[request_id] = stub.GetRequest(decoder_pb2.GetRequestRequest(request_id=request_id)).state
+            messages.append(message)
+        return messages
 
     with grpc.insecure_channel(svc.decoder_address) as channel:
         stub = decoder_pb2_grpc.DecoderServiceStub(channel)
         with ThreadPoolExecutor(2) as pool:
-            first, second = pool.map(run, [stub, stub])
+            first, second = pool.map(run, [(stub, "cache-a"), (stub, "cache-b")])
         stats = stub.GetStats(decoder_pb2.GetStatsRequest())
+        final = {r: stub.GetRequest(decoder_pb2.GetRequestRequest(request_id=r)).state for r in states}
+    assert states == {"cache-a": decoder_pb2.REQUEST_STATE_DECODING, "cache-b": decoder_pb2.REQUEST_STATE_DECODING}
+    assert set(final.values()) == {decoder_pb2.REQUEST_STATE_FINISHED}
     tokens = [[t for m in r for t in m.token_ids] for r in (first, second)]
     assert tokens[0] == tokens[1] and len(tokens[0]) > 5
     d, e = scrape(ports["decoder"]), scrape(ports["encoder"])
     hits = ("encdec_decoder_encoder_cache_hits_total", ())
     ok = ("encdec_encoder_requests_total", (("outcome", "ok"),))
     assert d[hits] - before_d.get(hits, 0) == 1
-    assert e[ok] - before_e[ok] == 1  # one Encode for both
+    assert e[ok] - before_e.get(ok, 0) == 1  # one Encode for both
     assert d[("encdec_decoder_encoder_cache_entries", ())] == 0  # evicted with the last holder
     assert stats.num_free_cross_blocks == stats.num_cross_blocks
