@@ -245,7 +245,12 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             self.metrics.encode.observe(time.monotonic() - encode_start)
             self.metrics.observe_transfer(nbytes, ms)
         except grpc.aio.AioRpcError as exc:
-            active.stream.put_nowait(UnavailableError(f"encoder failed: {exc.code().name}: {exc.details()}"))
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # name the setting, not gRPC's "Stream removed"
+                error = UnavailableError(f"encoder failed: no answer within encode_timeout_s={self.config.encode_timeout_s:g} s "
+                                         "(encoder overloaded or hung)")
+            else:
+                error = UnavailableError(f"encoder failed: {exc.code().name}: {exc.details()}")
+            active.stream.put_nowait(error)
             return
         except Exception as exc:  # noqa: BLE001 - reported on the request's stream
             active.stream.put_nowait(exc)

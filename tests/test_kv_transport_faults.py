@@ -101,6 +101,8 @@ def test_encoder_fault_fails_request_and_frees_blocks(services, hf_whisper_token
     encoder = services._named["encoder"][0]
     with channel:
         baseline = assert_all_blocks_free(stub)
+        if fault == "frozen":  # the decoder's channel is up, as in service: Encode itself then runs out of time
+            generate(stub, "short.wav", max_tokens=1)
         request_id = f"fault-{fault}-{uuid.uuid4().hex[:8]}"
         errors: list = []
         os.kill(encoder.pid, signal.SIGSTOP)  # the request is surely in the encoder's hands when the fault hits
@@ -116,6 +118,8 @@ def test_encoder_fault_fails_request_and_frees_blocks(services, hf_whisper_token
             if encoder.poll() is None:
                 os.kill(encoder.pid, signal.SIGCONT)
         _assert_failed_cleanly(stub, request_id, errors, thread)
+        if fault == "frozen":  # the message names the setting that ran out
+            assert f"encode_timeout_s={ENCODE_TIMEOUT_S}" in errors[0].details(), errors[0].details()
         if fault == "killed":
             services.restart("encoder")
         tokens = generate(stub, "short.wav")  # a fresh encoder pairs again / the thawed one serves on
