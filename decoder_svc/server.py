@@ -217,7 +217,9 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         With a transport that delivers on its own connection (torch_dist) the
         transfer is announced first and awaited after Encode answers; either
         way, once this returns no write for the request can still land in the
-        pool, so ``_release`` may free the blocks.
+        pool, so ``_release`` may free the blocks. After a timeout that rests on
+        the encoder: it starts no in-place (shm / cuda_ipc) write later than
+        ``encoder_svc.batcher.WRITE_MARGIN_S`` before the call's deadline.
         """
         spec = self.pool.spec
         target = encoder_pb2.KVTarget(transport=spec.transport, segment=spec.segment, shape=spec.shape, dtype=spec.dtype, instance_id=spec.instance_id)

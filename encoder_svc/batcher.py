@@ -13,9 +13,15 @@ import numpy as np
 import torch
 
 from shared.device import model_device
+from shared.errors import UnavailableError
 from shared.kv_transport import CrossKVWriter, KVTargetSpec
 
 log = logging.getLogger(__name__)
+
+# Seconds before the Encode call's gRPC deadline after which the encoder no longer starts a cross-KV write.
+# The decoder frees the reserved blocks at the deadline; a write has this long to finish (an 18 MB shm write
+# takes ~10 ms). A write stalled longer than this (e.g. the process stopped mid-copy) is not covered.
+WRITE_MARGIN_S = 0.5
 
 
 @dataclass
@@ -29,6 +35,11 @@ class EncodeItem:
         block_ids: the decoder's reserved cross blocks, in token order.
         input_ids: source token ids (text models; else None).
         transfer_id: the transfer the decoder announced (torch_dist; else 0).
+        write_deadline: ``time.monotonic()`` after which the cross KV must not be
+            written (None: no limit). Set from the Encode call's gRPC deadline
+            less ``WRITE_MARGIN_S``: the decoder frees the reserved blocks when
+            that deadline passes, so a write that starts later could land in
+            blocks another request owns by then (shm and cuda_ipc write in place).
         future: resolves to ``(encoder_len, encode_ms, batch_size, TransferStats)`` or an error.
     """
 
@@ -38,7 +49,11 @@ class EncodeItem:
     block_ids: list[int]
     input_ids: list[int] | None = None
     transfer_id: int = 0
+    write_deadline: float | None = None
     future: Future = field(default_factory=Future)
+
+    def past_write_deadline(self) -> bool:
+        return self.write_deadline is not None and time.monotonic() > self.write_deadline
 
 
 class EncodeBatcher:
@@ -128,6 +143,11 @@ class EncodeBatcher:
 
     def _run(self, batch: list[EncodeItem]) -> None:
         start = time.perf_counter()
+        for item in [item for item in batch if item.past_write_deadline()]:  # its decoder gave up: skip the forward
+            item.future.set_exception(_too_late(item))
+            batch.remove(item)
+        if not batch:
+            return
         try:
             cross_kv, lens = self._forward(batch)
         except Exception as exc:  # noqa: BLE001 - every waiting request must hear of it
@@ -138,6 +158,8 @@ class EncodeBatcher:
         for i, item in enumerate(batch):
             encoder_len = lens[i]
             try:
+                if item.past_write_deadline():
+                    raise _too_late(item)
                 stats = self.writer.write(item.spec, item.block_ids, cross_kv[:, :, i, :encoder_len], item.transfer_id)
             except Exception as exc:  # noqa: BLE001 - fail this request only
                 log.info("cross KV for %s not delivered (%s): %s", item.request_id, item.spec.transport, exc)
@@ -147,3 +169,8 @@ class EncodeBatcher:
                      stats.gb_per_s, item.spec.transport)
             item.future.set_result((encoder_len, (time.perf_counter() - start) * 1000.0, len(batch), stats))
         log.debug("encoded %d requests in %.1f ms", len(batch), (time.perf_counter() - start) * 1000.0)
+
+
+def _too_late(item: EncodeItem) -> UnavailableError:
+    return UnavailableError(f"cross KV for {item.request_id} not written: the Encode call's deadline (less "
+                            f"{WRITE_MARGIN_S:g} s) passed; the decoder has released its blocks")

@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 
 import numpy as np
 import torch
 
-from encoder_svc.batcher import EncodeBatcher, EncodeItem
+from encoder_svc.batcher import WRITE_MARGIN_S, EncodeBatcher, EncodeItem
 from shared.config import EncoderServiceConfig
 from shared.device import resolve_device, torch_dtype
 from shared.errors import InvalidRequestError, NotFoundError
@@ -75,6 +76,9 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
     async def Encode(self, request, context):
         try:
             item = self._item(request)
+            remaining = context.time_remaining()  # seconds to the caller's deadline; None without one
+            if remaining is not None:
+                item.write_deadline = time.monotonic() + remaining - WRITE_MARGIN_S
             encoder_len, encode_ms, batch_size, stats = await asyncio.wrap_future(self.batcher.submit(item))
         except Exception as exc:  # noqa: BLE001 - mapped to a status code
             self.metrics.requests.labels(outcome="error").inc()

@@ -144,3 +144,35 @@ def test_mapped_segment_refuses_a_same_size_layout():
     finally:
         writer.close()
         pool.close()
+
+
+def test_encoder_writes_nothing_past_the_callers_deadline(tmp_path):
+    """An Encode whose decoder already gave up (deadline passed, blocks released) must not write in place.
+
+    The decoder frees a timed-out request's cross blocks; were the late write to
+    land, it would overwrite whichever request owns those blocks by then.
+    """
+    import time
+
+    from encoder_svc.batcher import EncodeBatcher, EncodeItem
+    from shared.models.registry import load_model
+    from text_checkpoints import build_t5
+
+    model = load_model(build_t5(tmp_path / "t5", v1_1=False))
+    c = model.config
+    pool = create_pool("shm", (c.decoder_layers, 2, 4, 4, c.num_heads, c.head_dim))
+    writer = create_writer("shm")
+    batcher = EncodeBatcher(model, None, writer, max_batch_size=2, batch_wait_ms=0)
+    source = [5, 6, 7, 8, 9, 1]  # 6 positions: 2 blocks of 4
+    try:
+        late = EncodeItem("late", None, pool.spec, [0, 1], input_ids=source, write_deadline=time.monotonic() - 1.0)
+        with pytest.raises(UnavailableError, match="deadline"):
+            batcher.submit(late).result(timeout=60)
+        on_time = EncodeItem("on-time", None, pool.spec, [2, 3], input_ids=source, write_deadline=time.monotonic() + 60.0)
+        assert batcher.submit(on_time).result(timeout=60)[0] == len(source)
+        assert pool.tensor[:, :, [0, 1]].abs().sum().item() == 0.0  # the late request's blocks untouched
+        assert pool.tensor[:, :, 2].abs().sum().item() > 0.0
+    finally:
+        batcher.stop()
+        writer.close()
+        pool.close()
