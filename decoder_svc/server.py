@@ -290,6 +290,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             await abort_with(context, exc)
         active = self.active[request_id] = _Active(inp, arrival=arrival)
         state, fields = RequestState.FAILED, {}
+        released = False  # an error is recorded (FAILED) and its blocks freed before the client sees its status
         try:
             windows = inp.windows()
             await self._start_window(request_id, active, windows[0], params, request.priority)
@@ -336,9 +337,12 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             raise
         except Exception as exc:  # noqa: BLE001 - mapped to a status code
             fields = {"error": str(exc), **active.usage()}
+            released = True
+            await self._release(request_id, active, state, fields)
             await abort_with(context, exc)
         finally:
-            await self._release(request_id, active, state, fields)
+            if not released:
+                await self._release(request_id, active, state, fields)
 
     async def _start_window(self, request_id: str, active: _Active, window: RequestInput, params: SamplingParams, priority: int) -> None:
         """Adds the request's first or next window to the engine as a new sequence (its cross blocks are

@@ -127,6 +127,21 @@ def test_client_cancel_of_n2_request_frees_every_block(served):
     assert_all_blocks_free(stub)
 
 
+def test_request_that_can_never_fit_is_failed_in_redis_before_its_status(served):
+    """A request refused after its record exists (n over max_num_seqs 8: RESOURCE_EXHAUSTED) is already
+    FAILED, with the error, when the client gets the status: GetRequest right after it, no polling."""
+    _, tok, stub = served
+    for i in range(20):  # the old order (status, then the record) lost this race about 1 time in 7
+        rid = f"never-fits-{i}-{uuid.uuid4().hex[:8]}"
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(request(src(tok, 3), rid, temperature=1.0, n=9, max_tokens=8), timeout=60))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value.details()
+        assert "max_num_seqs" in err.value.details()
+        record = stub.GetRequest(decoder_pb2.GetRequestRequest(request_id=rid))
+        assert record.state == decoder_pb2.REQUEST_STATE_FAILED and "max_num_seqs" in record.error, record
+    assert_all_blocks_free(stub)
+
+
 def test_beam_search_over_grpc_equals_hf(served):
     from transformers import AutoModelForSeq2SeqLM
 
