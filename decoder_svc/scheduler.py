@@ -224,10 +224,13 @@ class Scheduler:
         self.encoder_cache.hold(parent_id, child.request_id)
         return copies
 
-    def _promised_self_blocks(self) -> int:
-        """Self blocks the encoding and waiting sequences need to start (their prefill)."""
+    def _promised_self_blocks(self, before: Sequence) -> int:
+        """Self blocks the encoding and waiting sequences queued ahead of ``before`` (by ``queue_key``)
+        need to start (their prefill). Those of lower priority are not counted: a higher-priority arrival
+        must not wait for blocks promised to them (priority inversion)."""
         bm = self.block_manager
-        return sum(bm.num_blocks_for(s.num_tokens) for s in (*self.encoding.values(), *self.waiting))
+        key = queue_key(before)
+        return sum(bm.num_blocks_for(s.num_tokens) for s in (*self.encoding.values(), *self.waiting) if queue_key(s) < key)
 
     # --- one step -------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -236,15 +239,16 @@ class Scheduler:
         out = SchedulerOutput()
 
         # (1) cross blocks (or a cached cross KV) + first self blocks must fit; head of line blocks the rest.
-        promised = self._promised_self_blocks()
+        handed_out = 0  # first self blocks of the requests handed out below (each ahead of the next)
         while self.waiting_cross:
             seq = self.waiting_cross[0]
             first_self = bm.num_blocks_for(seq.num_tokens)
             entry = self.encoder_cache.lookup(seq.request_id, seq.encoder_len)
+            promised = self._promised_self_blocks(seq) + handed_out
             if (entry is None and not bm.can_allocate_cross(seq)) or promised + first_self > bm.num_free_self_blocks:
                 break
             self.waiting_cross.pop(0)
-            promised += first_self
+            handed_out += first_self
             if entry is not None:  # encoder cache hit: read the holder's blocks, no Encode
                 bm.cross_pool.incref(entry.block_ids)
                 seq.cross_block_ids = list(entry.block_ids)

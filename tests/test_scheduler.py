@@ -287,6 +287,29 @@ def test_priority_orders_cross_blocks_and_admission_ties_fcfs():
     assert [s.request_id for s in sched.waiting] == ["mid-a"]
 
 
+def test_higher_priority_arrival_is_encoded_past_blocks_promised_to_lower_priority():
+    # One seat, 4 self blocks of 4 tokens: "low0" runs (1 block), low1..low3 are encoded and wait for the
+    # seat (or for cross blocks), promised 1 block each, so no free block is left unpromised. "high" must still be handed to the
+    # encoder at once (lower-priority promises do not hold it back) and run before the waiting lows.
+    sched = Scheduler(BlockManager(4, 64, block_size=4), max_num_seqs=1, max_num_batched_tokens=64)
+    lows = [make_seq(f"low{i}", encoder_len=4, max_tokens=3, max_total_len=12, priority=5) for i in range(4)]
+    for s in lows:
+        sched.add(s)
+    drain_encoding(sched)
+    step(sched)
+    assert [s.request_id for s in sched.running] == ["low0"] and sched.waiting  # the rest wait for the seat
+    high = make_seq("high", encoder_len=4, max_tokens=3, max_total_len=12, priority=-5)
+    sched.add(high)
+    so = sched.schedule()
+    assert [s.request_id for s in so.to_encode] == ["high"]
+    sched.mark_encoded("high")
+    finished = []
+    for _ in range(40):
+        finished += [s.request_id for s in step(sched)[1]]
+    assert finished.index("high") < finished.index("low1"), finished
+    assert sched.block_manager.num_free_self_blocks == 4
+
+
 def test_waiting_higher_priority_preempts_lower_never_equal():
     bm = BlockManager(64, 64, block_size=4)
     sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=64)
