@@ -9,8 +9,8 @@ Each ``schedule()``:
 1. **Cross blocks.** The best waiting request gets its cross-attention blocks
    (``ceil(encoder_len / block_size)``) reserved and is handed out in
    ``to_encode`` only when its cross blocks AND its first self blocks (the
-   prompt's, on top of those promised to requests already encoding or
-   waiting) fit. Head of line: a request that does not fit blocks those
+   prompt's, on top of those promised to requests encoding or waiting
+   ahead of it in queue order; lower-priority ones are not counted) fit. Head of line: a request that does not fit blocks those
    behind it, so a long request is never starved by short ones.
 2. **Decode.** Every running sequence, best first, gets one new self slot.
    When self blocks run out a victim is preempted: the running sequence with
