@@ -16,11 +16,14 @@ Each ``schedule()``:
    When self blocks run out a victim is preempted: the running sequence with
    the lowest priority (largest value), latest arrival among equals; it may
    be the sequence asking.
-3. **Admission (prefill).** Unless step 2 preempted, encoded waiting
+3. **Admission (prefill).** Encoded waiting
    sequences start, best first, while ``max_num_seqs`` seats, the
    ``max_num_batched_tokens`` budget and free self blocks allow. A waiting
    sequence that does not fit may preempt running sequences of strictly lower
-   priority (never of equal priority, so FCFS never thrashes).
+   priority (never of equal priority, so FCFS never thrashes). After step 2
+   preempted, only such a strictly-higher-priority sequence starts. Step 1
+   likewise counts the self blocks it could take from lower-priority running
+   sequences, so a high-priority arrival is encoded while they hold the pool.
 
 Encoder cache (``decoder_svc.encoder_cache``): a request added with an
 ``encoder_cache_key`` that an unfinished request already holds cross KV for
@@ -232,6 +235,13 @@ class Scheduler:
         key = queue_key(before)
         return sum(bm.num_blocks_for(s.num_tokens) for s in (*self.encoding.values(), *self.waiting) if queue_key(s) < key)
 
+    def _self_blocks_for(self, seq: Sequence) -> int:
+        """Self blocks ``seq`` can count on: the free ones plus those it may take by preempting running
+        sequences of strictly lower priority (step 3 does so when it is admitted)."""
+        bm = self.block_manager
+        return bm.num_free_self_blocks + sum(bm.num_freeable_self_blocks(r) for r in self.running
+                                             if r.priority > seq.priority and r.status is SequenceStatus.RUNNING)
+
     # --- one step -------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Plans one step (see the module docstring); allocates the blocks it plans."""
@@ -245,7 +255,7 @@ class Scheduler:
             first_self = bm.num_blocks_for(seq.num_tokens)
             entry = self.encoder_cache.lookup(seq.request_id, seq.encoder_len)
             promised = self._promised_self_blocks(seq) + handed_out
-            if (entry is None and not bm.can_allocate_cross(seq)) or promised + first_self > bm.num_free_self_blocks:
+            if (entry is None and not bm.can_allocate_cross(seq)) or promised + first_self > self._self_blocks_for(seq):
                 break
             self.waiting_cross.pop(0)
             handed_out += first_self
@@ -287,24 +297,28 @@ class Scheduler:
                 scheduled[seq.request_id] = n
                 budget -= n
 
-        # (3) admit waiting sequences (prefill) unless this step had to preempt for decodes.
-        if not out.preempted:
-            while self.waiting:
-                seq = self.waiting[0]
-                n = seq.num_tokens - seq.num_computed_tokens
-                victims = self._victims_for(seq, n, budget, scheduled)
-                if victims is None:
-                    break
-                for victim in victims:
-                    budget += scheduled.pop(victim.request_id, 0)
-                    self._preempt(victim)
-                    out.preempted.append(victim)
-                self.waiting.pop(0)
-                bm.append_slots(seq, n)
-                seq.status = SequenceStatus.RUNNING
-                self.running.append(seq)
-                scheduled[seq.request_id] = n
-                budget -= n
+        # (3) admit waiting sequences (prefill). After step 2 had to preempt for decodes only a sequence of
+        # strictly higher priority than a running one starts (preempting those): equals never thrash, and a
+        # high-priority request is not held back while lower-priority ones preempt each other.
+        decode_preempted = bool(out.preempted)
+        while self.waiting:
+            seq = self.waiting[0]
+            if decode_preempted and not any(r.priority > seq.priority for r in self.running if r.status is SequenceStatus.RUNNING):
+                break
+            n = seq.num_tokens - seq.num_computed_tokens
+            victims = self._victims_for(seq, n, budget, scheduled)
+            if victims is None:
+                break
+            for victim in victims:
+                budget += scheduled.pop(victim.request_id, 0)
+                self._preempt(victim)
+                out.preempted.append(victim)
+            self.waiting.pop(0)
+            bm.append_slots(seq, n)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled[seq.request_id] = n
+            budget -= n
 
         for rid, n in scheduled.items():
             out.scheduled_seqs.append(self.requests[rid])

@@ -310,6 +310,32 @@ def test_higher_priority_arrival_is_encoded_past_blocks_promised_to_lower_priori
     assert sched.block_manager.num_free_self_blocks == 4
 
 
+def test_high_priority_arrivals_start_while_lower_ones_contend_for_blocks():
+    # 5 low-priority requests fill 5 of 6 self blocks (4 tokens each) and soon preempt one another (recompute);
+    # 3 high-priority arrivals must be encoded and start within a step, not one by one as blocks come free.
+    bm = BlockManager(6, 64, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    for i in range(5):
+        sched.add(make_seq(f"low{i}", encoder_len=2, max_tokens=20, max_total_len=24, priority=10))
+    for _ in range(3):
+        step(sched)
+    for i in range(3):
+        sched.add(make_seq(f"high{i}", encoder_len=2, max_tokens=20, max_total_len=24, priority=-10))
+    finished, first_step = [], {}
+    for k in range(300):
+        so, done = step(sched)
+        finished += [s.request_id for s in done]
+        for s in so.scheduled_seqs:
+            first_step.setdefault(s.request_id, k)
+        check_invariants(sched)
+        if not sched.has_unfinished():
+            break
+    assert [first_step[f"high{i}"] for i in range(3)] == [1, 1, 1], first_step  # encoded at step 0, running at 1
+    assert finished[:3] == ["high0", "high1", "high2"], finished
+    assert sorted(finished[3:]) == [f"low{i}" for i in range(5)]
+    assert bm.num_free_self_blocks == 6 and bm.num_free_cross_blocks == 64
+
+
 def test_waiting_higher_priority_preempts_lower_never_equal():
     bm = BlockManager(64, 64, block_size=4)
     sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=64)
