@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from shared.bench.seq2seq_checkpoints import random_init
+
 WORDS = ("the a cat dog house river blue green quick slow runs jumps over under near far tree stone light dark "
          "morning evening rain snow wind sun moon star city road bridge boat train small large old new red white "
          "black yellow bird fish horse mountain valley forest garden window door table chair book paper music song "
@@ -49,28 +51,9 @@ def _pieces(proc, skip: set[str]) -> list[tuple[str, float]]:
     return [(proc.id_to_piece(i), proc.get_score(i)) for i in range(proc.get_piece_size()) if proc.id_to_piece(i) not in skip]
 
 
-def _reinit(model: torch.nn.Module, seed: int, gain: float = 3.0) -> None:
-    """Large random weights so greedy outputs vary from token to token instead of collapsing.
-
-    Matrices ~ N(0, gain^2 / fan_in) (sharp attention), embeddings ~ N(0, 1);
-    FFN output rows are centred so the positive mean of ReLU/GELU does not add
-    the same vector at every position.
-    """
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                std = 1.0 if ("embed" in name or "shared" in name or "relative_attention_bias" in name) else gain * p.shape[1] ** -0.5
-                p.copy_(torch.randn(p.shape, generator=g) * std)
-                if name.endswith(("fc2.weight", "wo.weight")):
-                    p.sub_(p.mean(dim=1, keepdim=True))
-            elif "norm" in name and name.endswith("weight"):
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-        for name, b in model.named_buffers():
-            if name.endswith("final_logits_bias"):
-                b.copy_(0.1 * torch.randn(b.shape, generator=g))
+def _reinit(model: torch.nn.Module, seed: int) -> None:
+    """Large random weights (``shared.bench.seq2seq_checkpoints.random_init``, logits bias included)."""
+    random_init(model, seed, final_logits_bias=True)
 
 
 def _save(model, tokenizer, out: Path, generation: dict) -> Path:

@@ -44,12 +44,14 @@ SHAPES = {
 }
 
 
-def _reinit(model, seed: int, q_gain: float, gain: float = 3.0) -> None:
-    """Large random weights so greedy outputs vary (``tests/text_checkpoints.py``'s recipe):
-    matrices ~ N(0, gain^2 / fan_in), embeddings ~ N(0, 1), FFN output rows centred,
-    norms ~ 1 +- 0.2, other vectors ~ N(0, 0.01).
+def random_init(model, seed: int, gain: float = 3.0, q_gain: float | None = None, final_logits_bias: bool = False) -> None:
+    """Large random weights so greedy outputs vary from token to token instead of collapsing
+    (also the recipe of ``tests/text_checkpoints.py``): matrices ~ N(0, gain^2 / fan_in) (sharp
+    attention), embeddings ~ N(0, 1), FFN output rows centred (so the positive mean of ReLU/GELU
+    does not add the same vector at every position), norms ~ 1 +- 0.2, other vectors ~ N(0, 0.01);
+    with ``final_logits_bias`` BART's logits bias buffer ~ N(0, 0.01) too.
 
-    Query projections use ``q_gain`` instead so attention scores have std ~3 at any
+    ``q_gain`` (None = ``gain``) is used for query projections so attention scores have std ~3 at any
     head size (T5 does not scale ``q . k``: ``q_gain = d_kv ** -0.5``; BART scales by
     ``d_kv ** -0.5``: ``q_gain = 1``). With ``gain`` on queries too, t5-small's scores
     reach std ~70: attention is one-hot and float32 rounding between two correct
@@ -65,7 +67,8 @@ def _reinit(model, seed: int, q_gain: float, gain: float = 3.0) -> None:
                 if "embed" in name or "shared" in name or "relative_attention_bias" in name:
                     std = 1.0
                 else:
-                    std = (q_gain if name.endswith((".q.weight", "q_proj.weight")) else gain) * p.shape[1] ** -0.5
+                    is_query = q_gain is not None and name.endswith((".q.weight", "q_proj.weight"))
+                    std = (q_gain if is_query else gain) * p.shape[1] ** -0.5
                 p.copy_(torch.randn(p.shape, generator=g) * std)
                 if name.endswith(("fc2.weight", "wo.weight")):
                     p.sub_(p.mean(dim=1, keepdim=True))
@@ -73,6 +76,10 @@ def _reinit(model, seed: int, q_gain: float, gain: float = 3.0) -> None:
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
+        if final_logits_bias:
+            for name, b in model.named_buffers():
+                if name.endswith("final_logits_bias"):
+                    b.copy_(0.1 * torch.randn(b.shape, generator=g))
 
 
 def _t5(shape: Shape, out: Path, seed: int) -> None:
@@ -87,7 +94,7 @@ def _t5(shape: Shape, out: Path, seed: int) -> None:
     with no_init_weights():
         model = T5ForConditionalGeneration(cfg)
     model.tie_weights()  # no_init_weights skips post_init's tying
-    _reinit(model, seed, q_gain=(shape.d_model // shape.heads) ** -0.5)
+    random_init(model, seed, q_gain=(shape.d_model // shape.heads) ** -0.5)
     model.save_pretrained(out)
     tok.save_pretrained(out)
 
@@ -111,7 +118,7 @@ def _bart(shape: Shape, out: Path, seed: int) -> None:
     with no_init_weights():
         model = BartForConditionalGeneration(cfg)
     model.tie_weights()  # no_init_weights skips post_init's tying
-    _reinit(model, seed, q_gain=1.0)
+    random_init(model, seed, q_gain=1.0)
     g = model.generation_config
     g.forced_eos_token_id = None  # fixed-length runs: no forced end token at the length limit
     g.forced_bos_token_id = None
