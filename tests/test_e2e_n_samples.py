@@ -6,12 +6,12 @@ The model is the tiny random BART of ``text_checkpoints`` (with its own tokenize
 from __future__ import annotations
 
 import random
-import time
 import uuid
 
 import grpc
 import pytest
 import torch
+from test_e2e_whisper import assert_all_blocks_free, wait_state
 from text_checkpoints import build_bart, sentence
 
 from shared.launcher import Services
@@ -51,28 +51,6 @@ def by_index(messages) -> dict[int, dict]:
         if m.finish_reason:
             r.update(finals=1, finish_reason=m.finish_reason, score=m.score if m.HasField("score") else None)
     return out
-
-
-def assert_all_blocks_free(stub, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        s = stub.GetStats(decoder_pb2.GetStatsRequest())
-        if (s.num_free_self_blocks == s.num_self_blocks and s.num_free_cross_blocks == s.num_cross_blocks
-                and s.num_running == s.num_waiting == 0) or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    assert s.num_free_self_blocks == s.num_self_blocks and s.num_free_cross_blocks == s.num_cross_blocks, s
-    assert s.num_running == s.num_waiting == 0, s
-
-
-def wait_state(stub, request_id: str, state: int, timeout_s: float = 10.0) -> decoder_pb2.RequestRecord:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        record = stub.GetRequest(decoder_pb2.GetRequestRequest(request_id=request_id))
-        if record.state == state or time.monotonic() > deadline:
-            assert record.state == state, record
-            return record
-        time.sleep(0.1)
 
 
 def test_n2_request_streams_two_indexed_samples(served):
