@@ -15,7 +15,7 @@ from shared.kv_transport import create_pool, create_writer
 SHAPE = (3, 2, 12, 5, 2, 4)  # [layers, K/V, blocks, block_size, heads, head_dim]
 
 
-def _reference(encoder_len: int, seed: int) -> torch.Tensor:
+def reference(encoder_len: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(SHAPE[0], 2, encoder_len, SHAPE[4], SHAPE[5], generator=g)  # [L, 2, S, H, D]
 
@@ -23,13 +23,13 @@ def _reference(encoder_len: int, seed: int) -> torch.Tensor:
 def _write_in_child(spec, block_ids, encoder_len, seed, errors) -> None:
     try:
         writer = create_writer("shm")
-        writer.write(spec, block_ids, _reference(encoder_len, seed))
+        writer.write(spec, block_ids, reference(encoder_len, seed))
         writer.close()
     except Exception as exc:  # noqa: BLE001 - reported to the parent
         errors.put(repr(exc))
 
 
-def _read_back(pool: torch.Tensor, block_ids: list[int], encoder_len: int) -> torch.Tensor:
+def read_back(pool: torch.Tensor, block_ids: list[int], encoder_len: int) -> torch.Tensor:
     blocks = pool[:, :, block_ids]  # [L, 2, nb, bs, H, D]
     return blocks.reshape(SHAPE[0], 2, -1, SHAPE[4], SHAPE[5])[:, :, :encoder_len]
 
@@ -45,7 +45,7 @@ def test_child_process_writes_bit_exact_blocks(encoder_len, block_ids):
         proc.start()
         proc.join(60)
         assert proc.exitcode == 0 and errors.empty()
-        assert torch.equal(_read_back(pool.tensor, block_ids, encoder_len), _reference(encoder_len, 3))
+        assert torch.equal(read_back(pool.tensor, block_ids, encoder_len), reference(encoder_len, 3))
         untouched = [b for b in range(SHAPE[2]) if b not in block_ids]
         assert torch.all(pool.tensor[:, :, untouched] == -7.0)
         # The tail of the last block past encoder_len is not written either.
@@ -66,7 +66,7 @@ def test_segment_is_private_and_unlinked_on_close():
     pool.close()
     assert not os.path.exists(path)
     with pytest.raises(UnavailableError):
-        create_writer("shm").write(pool.spec, [0], _reference(3, 0))
+        create_writer("shm").write(pool.spec, [0], reference(3, 0))
 
 
 @pytest.mark.parametrize(
@@ -79,7 +79,7 @@ def test_malformed_write_is_rejected_without_touching_blocks(block_ids, encoder_
     try:
         pool.tensor.fill_(1.0)
         with pytest.raises(InvalidRequestError, match=message):
-            writer.write(pool.spec, block_ids, _reference(encoder_len, 1))
+            writer.write(pool.spec, block_ids, reference(encoder_len, 1))
         assert torch.all(pool.tensor == 1.0)
     finally:
         writer.close()
@@ -120,7 +120,7 @@ def test_target_must_describe_the_pool_exactly(change, message):
         pool.tensor.fill_(2.0)
         spec = dataclasses.replace(pool.spec, **change)
         with pytest.raises(InvalidRequestError, match=message):
-            writer.write(spec, [0], _reference(3, 0))
+            writer.write(spec, [0], reference(3, 0))
         assert torch.all(pool.tensor == 2.0)
     finally:
         writer.close()
@@ -135,11 +135,11 @@ def test_mapped_segment_refuses_a_same_size_layout():
     writer = create_writer("shm")
     try:
         pool.tensor.fill_(2.0)
-        writer.write(pool.spec, [4], _reference(3, 0))  # maps the segment
+        writer.write(pool.spec, [4], reference(3, 0))  # maps the segment
         before = pool.tensor.clone()
         for change in (dict(shape=(3, 2, 6, 10, 2, 4)), dict(shape=(3, 2, 24, 5, 2, 4), dtype="float16")):
             with pytest.raises(InvalidRequestError, match="holds a"):
-                writer.write(dataclasses.replace(pool.spec, **change), [5, 1], _reference(7, 1))
+                writer.write(dataclasses.replace(pool.spec, **change), [5, 1], reference(7, 1))
         assert torch.equal(pool.tensor, before)
     finally:
         writer.close()

@@ -16,26 +16,16 @@ import multiprocessing as mp
 
 import pytest
 import torch
+from test_kv_transport import SHAPE, read_back, reference
 
 from shared.errors import InvalidRequestError
 from shared.kv_transport import KVTargetSpec, create_pool, create_writer
 from shared.kv_transport.cuda_ipc import SEGMENT_PREFIX, CudaIpcHandle, check_target
 
-SHAPE = (3, 2, 12, 5, 2, 4)  # [layers, K/V, blocks, block_size, heads, head_dim]
 NBYTES = 3 * 2 * 12 * 5 * 2 * 4 * 4
 WAIT_S = 120
 NCCL_WAIT_S = 40  # under gpu_check.sh's per-test limit, so a hung NCCL pairing fails as a test
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu_check.sh runs these on one)")
-
-
-def reference(encoder_len: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(SHAPE[0], 2, encoder_len, SHAPE[4], SHAPE[5], generator=g)  # [L, 2, S, H, D]
-
-
-def read_back(pool: torch.Tensor, block_ids: list[int], encoder_len: int) -> torch.Tensor:
-    blocks = pool[:, :, block_ids]  # [L, 2, nb, bs, H, D]
-    return blocks.reshape(SHAPE[0], 2, -1, SHAPE[4], SHAPE[5])[:, :, :encoder_len]
 
 
 def a_handle(**change) -> CudaIpcHandle:

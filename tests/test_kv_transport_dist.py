@@ -13,23 +13,13 @@ import queue
 
 import pytest
 import torch
+from test_kv_transport import SHAPE, read_back, reference
 
 from shared.errors import InvalidRequestError, UnavailableError
 from shared.kv_transport import create_pool, create_writer
 
-SHAPE = (3, 2, 12, 5, 2, 4)  # [layers, K/V, blocks, block_size, heads, head_dim]
 CTX = mp.get_context("spawn")  # a clean process: no forked Gloo/store threads
 WAIT_S = 60
-
-
-def reference(encoder_len: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(SHAPE[0], 2, encoder_len, SHAPE[4], SHAPE[5], generator=g)  # [L, 2, S, H, D]
-
-
-def read_back(pool: torch.Tensor, block_ids: list[int], encoder_len: int) -> torch.Tensor:
-    blocks = pool[:, :, block_ids]  # [L, 2, nb, bs, H, D]
-    return blocks.reshape(SHAPE[0], 2, -1, SHAPE[4], SHAPE[5])[:, :, :encoder_len]
 
 
 def writer_main(commands, results) -> None:
