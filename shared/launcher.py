@@ -20,6 +20,19 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from shared.redis_server import free_port
 
 
+def stop_processes(procs: list[subprocess.Popen], timeout_s: float = 15.0) -> None:
+    """SIGTERM to each running process, last started first; SIGKILL whatever outlives ``timeout_s`` (seconds)."""
+    for proc in reversed(procs):
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in reversed(procs):
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def wait_healthy(address: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
     """Polls the standard gRPC health service at ``address`` until SERVING.
 
@@ -138,15 +151,7 @@ class Services:
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM to every service (decoder first), then SIGKILL whatever outlives ``timeout_s``."""
-        for proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in reversed(self.procs):
-            try:
-                proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes(self.procs, timeout_s)
         self.procs.clear()
         if self._redis is not None:
             with contextlib.suppress(Exception):

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -48,6 +47,7 @@ from compose_file import (
     require,
 )
 
+from shared.launcher import stop_processes
 from shared.redis_server import free_port
 
 LOOPBACK = {"127.0.0.1", "localhost", "0.0.0.0"}
@@ -236,15 +236,7 @@ class LocalDeployment:
 
     def down(self, timeout_s: float = 15.0) -> None:
         """SIGTERM to every service, last started first; SIGKILL what outlives ``timeout_s``."""
-        for proc in reversed(self.procs.values()):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in reversed(self.procs.values()):
-            try:
-                proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes(list(self.procs.values()), timeout_s)
         self.procs.clear()
 
     def __enter__(self) -> LocalDeployment:
