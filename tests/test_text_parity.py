@@ -76,17 +76,23 @@ def test_greedy_and_logits_match_hf(text_checkpoints, arch):
     distinct = {t for ids in expected for t in ids}
     assert len(distinct) >= 15, f"{arch}: outputs too uniform to prove parity ({len(distinct)} distinct tokens)"
 
-    # Teacher-forced logits at every decoder position, each pair alone through the paged path (fp32).
+    # Teacher-forced logits at every decoder position, each pair alone through the paged path (fp32),
+    # measured against HF in float64: the large random weights of these checkpoints amplify float32
+    # rounding (HF's own fp32 logits are off by up to ~0.1 here), so ours must be as close to the
+    # exact values as HF fp32 is, not bit-equal to HF's summation order.
     start = model.generation.decoder_start_token_id
     targets = [[start, *ids] for ids in expected]
-    worst = 0.0
+    worst = hf_worst = 0.0
+    exact = hf_model(path).double()
     with torch.inference_mode():
         for src, tgt in zip(srcs, targets):
             mine = teacher_forced_logits(model, [src], [tgt], block_size=BLOCK)[0]  # [T, V]
             ref = hf(input_ids=torch.tensor([src]), decoder_input_ids=torch.tensor([tgt])).logits[0]  # [T, V]
-            worst = max(worst, float((ref - mine).abs().max()))
-    print(f"{arch}: max |logit diff| {worst:.2e} over every position of {len(srcs)} pairs")
-    assert worst < 1e-4
+            ref64 = exact(input_ids=torch.tensor([src]), decoder_input_ids=torch.tensor([tgt])).logits[0]  # [T, V]
+            worst = max(worst, float((ref64 - mine).abs().max()))
+            hf_worst = max(hf_worst, float((ref64 - ref).abs().max()))
+    print(f"{arch}: max |logit error| vs float64: ours {worst:.2e}, HF fp32 {hf_worst:.2e} over every position of {len(srcs)} pairs")
+    assert worst <= 2 * hf_worst + 1e-5
 
 
 def test_t5_relative_bias_past_bucket_boundary(text_checkpoints):

@@ -31,6 +31,7 @@ from kernels.attention_backend import paged_attention
 from kernels.paged_attention import write_kv
 from shared.attention_metadata import AttentionMetadata
 from shared.models.hf_checkpoint import TextGenerationDefaults, copy_weights, linear_names, load_hf_weights, read_json
+from shared.models.linear import Linear, linear
 
 __all__ = ["BartConfig", "BartForConditionalGeneration", "sinusoidal_positions"]
 
@@ -93,7 +94,7 @@ class Attention(nn.Module):
     def __init__(self, d: int, heads: int) -> None:
         super().__init__()
         self.h, self.dh = heads, d // heads
-        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(d, d) for _ in range(4))
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (Linear(d, d) for _ in range(4))
 
     def names(self, p: str) -> dict[str, torch.Tensor]:
         return {k: v for n in ("q_proj", "k_proj", "v_proj", "out_proj") for k, v in linear_names(f"{p}.{n}", getattr(self, n)).items()}
@@ -114,7 +115,7 @@ class EncoderLayer(nn.Module):
     def __init__(self, c: BartConfig) -> None:
         super().__init__()
         self.self_attn, self.attn_block = Attention(c.d_model, c.encoder_heads), Block(c.d_model, c.pre_norm)
-        self.fc1, self.fc2 = nn.Linear(c.d_model, c.encoder_ffn_dim), nn.Linear(c.encoder_ffn_dim, c.d_model)
+        self.fc1, self.fc2 = Linear(c.d_model, c.encoder_ffn_dim), Linear(c.encoder_ffn_dim, c.d_model)
         self.ffn_block, self.act = Block(c.d_model, c.pre_norm), ACT2FN[c.activation]
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -135,7 +136,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn, self.self_block = Attention(c.d_model, c.num_heads), Block(c.d_model, c.pre_norm)
         self.encoder_attn, self.cross_block = Attention(c.d_model, c.num_heads), Block(c.d_model, c.pre_norm)
-        self.fc1, self.fc2 = nn.Linear(c.d_model, c.decoder_ffn_dim), nn.Linear(c.decoder_ffn_dim, c.d_model)
+        self.fc1, self.fc2 = Linear(c.d_model, c.decoder_ffn_dim), Linear(c.decoder_ffn_dim, c.d_model)
         self.ffn_block, self.act = Block(c.d_model, c.pre_norm), ACT2FN[c.activation]
 
     def forward(self, x: torch.Tensor, md: AttentionMetadata, self_kv: torch.Tensor, cross_kv: torch.Tensor) -> torch.Tensor:
@@ -147,14 +148,14 @@ class DecoderLayer(nn.Module):
             write_kv(self_kv[0], self_kv[1], k, v, md.slot_mapping)
             out = paged_attention(q, self_kv[0], self_kv[1], md.block_tables, md.seq_lens, md.query_start_loc, causal=True,
                                   scale=a.dh**-0.5, max_query_len=md.max_query_len, max_context_len=md.max_seq_len,
-                                  backend=md.attention_backend)
+                                  backend=md.attention_backend, step_cache=md.step_cache)
             return a.out_proj(out.reshape(t, d))
 
         def cross_attend(h: torch.Tensor) -> torch.Tensor:
             a = self.encoder_attn
             out = paged_attention(a.q_proj(h).view(t, a.h, a.dh), cross_kv[0], cross_kv[1], md.cross_block_tables, md.encoder_lens,
                                   md.query_start_loc, causal=False, scale=a.dh**-0.5, max_query_len=md.max_query_len,
-                                  max_context_len=md.max_encoder_len, backend=md.attention_backend)
+                                  max_context_len=md.max_encoder_len, backend=md.attention_backend, step_cache=md.step_cache)
             return a.out_proj(out.reshape(t, d))
 
         x = self.self_block(x, self_attend)
@@ -214,7 +215,7 @@ class BartForConditionalGeneration(nn.Module):
         enc_embed = dec_embed if c.share_embeddings else nn.Embedding(c.vocab_size, c.d_model)
         self.encoder = Stack(c, EncoderLayer, c.encoder_layers, enc_embed)
         self.decoder = Stack(c, DecoderLayer, c.decoder_layers, dec_embed)
-        self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.d_model, c.vocab_size, bias=False)
+        self.lm_head = None if c.tie_word_embeddings else Linear(c.d_model, c.vocab_size, bias=False)
         self.register_buffer("final_logits_bias", torch.zeros(1, c.vocab_size))
 
     @classmethod
@@ -305,4 +306,4 @@ class BartForConditionalGeneration(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, d_model]`` -> ``[N, vocab_size]`` float32: ``lm_head(hidden) + final_logits_bias``."""
         weight = self.lm_head.weight if self.lm_head is not None else self.decoder.embed_tokens.weight
-        return (F.linear(hidden, weight) + self.final_logits_bias).float()
+        return (linear(hidden, weight) + self.final_logits_bias).float()

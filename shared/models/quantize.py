@@ -26,6 +26,8 @@ import warnings
 import torch
 from torch import nn
 
+from shared.models.linear import Linear
+
 SUPPORTED = ("none", "int8")
 
 
@@ -63,6 +65,18 @@ class Int8OutputProjection(nn.Module):
         return logits.scatter_(1, top, exact)
 
 
+def _as_plain_linears(module: nn.Module) -> nn.Module:
+    """Turns ``shared.models.linear.Linear`` modules back into ``nn.Linear``, in place.
+
+    torch's ``quantize_dynamic`` only swaps modules whose type is exactly
+    ``nn.Linear``; the parameters are the same, so only the class changes.
+    """
+    for m in module.modules():
+        if isinstance(m, Linear):
+            m.__class__ = nn.Linear
+    return module
+
+
 def quantize_decoder_int8(model: nn.Module) -> None:
     """Makes ``model``'s decoder layers and output projection int8, in place.
 
@@ -83,7 +97,7 @@ def quantize_decoder_int8(model: nn.Module) -> None:
 
     with warnings.catch_warnings():  # torch.ao announces its move to torchao on every call
         warnings.simplefilter("ignore")
-        quantize_dynamic(model.decoder_layers, {nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8, inplace=True)
+        quantize_dynamic(_as_plain_linears(model.decoder_layers), {nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8, inplace=True)
         weight = getattr(model, "output_projection_weight", None)
         if weight is not None:
             model.set_output_projection(Int8OutputProjection(weight))
@@ -105,10 +119,10 @@ def quantize_encoder_int8(model: nn.Module) -> None:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        quantize_dynamic(model.encoder_layers, {nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8, inplace=True)
+        quantize_dynamic(_as_plain_linears(model.encoder_layers), {nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8, inplace=True)
         for layer in getattr(model, "decoder_layers", []):
             if isinstance(getattr(layer, "cross_kv", None), nn.Linear):
-                layer.cross_kv = quantize_dynamic(nn.Sequential(layer.cross_kv), {nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)[0]
+                layer.cross_kv = quantize_dynamic(nn.Sequential(_as_plain_linears(layer.cross_kv)), {nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)[0]
 
 
 def apply_quantization(model: nn.Module, quantize: str, side: str) -> None:

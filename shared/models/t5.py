@@ -30,6 +30,7 @@ from kernels.attention_backend import paged_attention
 from kernels.paged_attention import write_kv
 from shared.attention_metadata import AttentionMetadata
 from shared.models.hf_checkpoint import TextGenerationDefaults, copy_weights, load_hf_weights, max_source_positions, read_json
+from shared.models.linear import Linear, linear
 
 __all__ = ["T5Config", "T5ForConditionalGeneration", "relative_position_bucket"]
 
@@ -118,8 +119,8 @@ class Attention(nn.Module):
         super().__init__()
         inner = c.num_heads * c.head_dim
         self.h, self.dh = c.num_heads, c.head_dim
-        self.q, self.k, self.v = (nn.Linear(c.d_model, inner, bias=False) for _ in range(3))
-        self.o = nn.Linear(inner, c.d_model, bias=False)
+        self.q, self.k, self.v = (Linear(c.d_model, inner, bias=False) for _ in range(3))
+        self.o = Linear(inner, c.d_model, bias=False)
 
 
 class FeedForward(nn.Module):
@@ -127,9 +128,9 @@ class FeedForward(nn.Module):
         super().__init__()
         self.gated = c.gated
         self.act = ACT2FN[c.activation]
-        self.wi_0 = nn.Linear(c.d_model, c.d_ff, bias=False)  # "wi" when not gated
-        self.wi_1 = nn.Linear(c.d_model, c.d_ff, bias=False) if c.gated else None
-        self.wo = nn.Linear(c.d_ff, c.d_model, bias=False)
+        self.wi_0 = Linear(c.d_model, c.d_ff, bias=False)  # "wi" when not gated
+        self.wi_1 = Linear(c.d_model, c.d_ff, bias=False) if c.gated else None
+        self.wo = Linear(c.d_ff, c.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.act(self.wi_0(x))
@@ -166,13 +167,13 @@ class DecoderLayer(nn.Module):
         write_kv(self_kv[0], self_kv[1], k, v, md.slot_mapping)
         out = paged_attention(q, self_kv[0], self_kv[1], md.block_tables, md.seq_lens, md.query_start_loc, causal=True, scale=1.0,
                               max_query_len=md.max_query_len, max_context_len=md.max_seq_len, position_bias=bias,
-                              backend=md.attention_backend)
+                              backend=md.attention_backend, step_cache=md.step_cache)
         x = x + a.o(out.reshape(t, -1))
         a = self.cross_attn
         q = a.q(self.cross_norm(x)).view(t, a.h, a.dh)
         out = paged_attention(q, cross_kv[0], cross_kv[1], md.cross_block_tables, md.encoder_lens, md.query_start_loc, causal=False,
                               scale=1.0, max_query_len=md.max_query_len, max_context_len=md.max_encoder_len,
-                              backend=md.attention_backend)
+                              backend=md.attention_backend, step_cache=md.step_cache)
         x = x + a.o(out.reshape(t, -1))
         return x + self.ffn(self.ffn_norm(x))
 
@@ -193,7 +194,7 @@ class T5ForConditionalGeneration(nn.Module):
         self.decoder_bias = nn.Embedding(c.num_buckets, c.num_heads)
         self.decoder_layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.decoder_layers))
         self.decoder_norm = RMSNorm(c.d_model, c.eps)
-        self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.d_model, c.vocab_size, bias=False)
+        self.lm_head = None if c.tie_word_embeddings else Linear(c.d_model, c.vocab_size, bias=False)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32) -> "T5ForConditionalGeneration":
@@ -303,4 +304,4 @@ class T5ForConditionalGeneration(nn.Module):
         if self.config.scale_decoder_outputs:
             hidden = hidden * self.config.d_model**-0.5
         weight = self.lm_head.weight if self.lm_head is not None else self.shared.weight
-        return F.linear(hidden, weight).float()
+        return linear(hidden, weight).float()

@@ -25,6 +25,7 @@ from kernels.attention_backend import contiguous_cross_attention, paged_attentio
 from kernels.paged_attention import write_kv
 from shared.attention_metadata import AttentionMetadata
 from shared.models.ct2_reader import load_ct2_weights
+from shared.models.linear import Linear, linear
 from shared.models.whisper_features import load_tokenizer, log_mel_spectrogram, special_token_ids
 
 __all__ = [
@@ -105,11 +106,11 @@ class EncoderLayer(nn.Module):
         super().__init__()
         self.h, self.dh = c.num_heads, c.head_dim
         self.attn_norm = nn.LayerNorm(c.d_model)
-        self.qkv = nn.Linear(c.d_model, 3 * c.d_model)  # rows q, k, v
-        self.attn_out = nn.Linear(c.d_model, c.d_model)
+        self.qkv = Linear(c.d_model, 3 * c.d_model)  # rows q, k, v
+        self.attn_out = Linear(c.d_model, c.d_model)
         self.ffn_norm = nn.LayerNorm(c.d_model)
-        self.fc1 = nn.Linear(c.d_model, c.ffn_dim)
-        self.fc2 = nn.Linear(c.ffn_dim, c.d_model)
+        self.fc1 = Linear(c.d_model, c.ffn_dim)
+        self.fc2 = Linear(c.ffn_dim, c.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
@@ -125,15 +126,15 @@ class DecoderLayer(nn.Module):
         self.h, self.dh = c.num_heads, c.head_dim
         self.scale = c.head_dim**-0.5
         self.self_attn_norm = nn.LayerNorm(c.d_model)
-        self.self_qkv = nn.Linear(c.d_model, 3 * c.d_model)  # rows q, k, v
-        self.self_out = nn.Linear(c.d_model, c.d_model)
+        self.self_qkv = Linear(c.d_model, 3 * c.d_model)  # rows q, k, v
+        self.self_out = Linear(c.d_model, c.d_model)
         self.cross_attn_norm = nn.LayerNorm(c.d_model)
-        self.cross_q = nn.Linear(c.d_model, c.d_model)
-        self.cross_kv = nn.Linear(c.d_model, 2 * c.d_model)  # rows k, v; applied to the encoder output
-        self.cross_out = nn.Linear(c.d_model, c.d_model)
+        self.cross_q = Linear(c.d_model, c.d_model)
+        self.cross_kv = Linear(c.d_model, 2 * c.d_model)  # rows k, v; applied to the encoder output
+        self.cross_out = Linear(c.d_model, c.d_model)
         self.ffn_norm = nn.LayerNorm(c.d_model)
-        self.fc1 = nn.Linear(c.d_model, c.ffn_dim)
-        self.fc2 = nn.Linear(c.ffn_dim, c.d_model)
+        self.fc1 = Linear(c.d_model, c.ffn_dim)
+        self.fc2 = Linear(c.ffn_dim, c.d_model)
 
     def forward(self, x: torch.Tensor, md: AttentionMetadata, self_kv: torch.Tensor, cross_kv: torch.Tensor) -> torch.Tensor:
         t, d = x.shape
@@ -141,7 +142,7 @@ class DecoderLayer(nn.Module):
         write_kv(self_kv[0], self_kv[1], k, v, md.slot_mapping)
         a = paged_attention(q, self_kv[0], self_kv[1], md.block_tables, md.seq_lens, md.query_start_loc,
                             causal=True, scale=self.scale, max_query_len=md.max_query_len, max_context_len=md.max_seq_len,
-                            backend=md.attention_backend)
+                            backend=md.attention_backend, step_cache=md.step_cache)
         x = x + self.self_out(a.reshape(t, d))
         q = self.cross_q(self.cross_attn_norm(x)).view(t, self.h, self.dh)
         if md.cross_kv_spans is not None:  # every sequence's cross blocks are one run: read them in place
@@ -150,7 +151,7 @@ class DecoderLayer(nn.Module):
         else:
             a = paged_attention(q, cross_kv[0], cross_kv[1], md.cross_block_tables, md.encoder_lens, md.query_start_loc,
                                 causal=False, scale=self.scale, max_query_len=md.max_query_len, max_context_len=md.max_encoder_len,
-                                backend=md.attention_backend)
+                                backend=md.attention_backend, step_cache=md.step_cache)
         x = x + self.cross_out(a.reshape(t, d))
         return x + self.fc2(F.gelu(self.fc1(self.ffn_norm(x))))
 
@@ -171,7 +172,7 @@ class WhisperForConditionalGeneration(nn.Module):
         self.decoder_positions = nn.Parameter(torch.zeros(c.max_target_positions, c.d_model))
         self.decoder_layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.decoder_layers))
         self.decoder_norm = nn.LayerNorm(c.d_model)
-        self.output_projection: nn.Module | None = None  # None: F.linear with embed_tokens (tied)
+        self.output_projection: nn.Module | None = None  # None: linear() with embed_tokens (tied)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32) -> "WhisperForConditionalGeneration":
@@ -197,38 +198,38 @@ class WhisperForConditionalGeneration(nn.Module):
         """
         name_map: dict[str, torch.Tensor] = {}
 
-        def linear(prefix: str, mod: nn.Linear) -> None:
+        def copy_linear(prefix: str, mod: nn.Linear) -> None:
             name_map[f"{prefix}/weight"], name_map[f"{prefix}/bias"] = mod.weight, mod.bias
 
         def norm(prefix: str, mod: nn.LayerNorm) -> None:
             name_map[f"{prefix}/gamma"], name_map[f"{prefix}/beta"] = mod.weight, mod.bias
 
-        linear("encoder/conv1", self.conv1)
-        linear("encoder/conv2", self.conv2)
+        copy_linear("encoder/conv1", self.conv1)
+        copy_linear("encoder/conv2", self.conv2)
         name_map["encoder/position_encodings/encodings"] = self.encoder_positions
         for i, layer in enumerate(self.encoder_layers):
             p = f"encoder/layer_{i}"
             norm(f"{p}/self_attention/layer_norm", layer.attn_norm)
-            linear(f"{p}/self_attention/linear_0", layer.qkv)
-            linear(f"{p}/self_attention/linear_1", layer.attn_out)
+            copy_linear(f"{p}/self_attention/linear_0", layer.qkv)
+            copy_linear(f"{p}/self_attention/linear_1", layer.attn_out)
             norm(f"{p}/ffn/layer_norm", layer.ffn_norm)
-            linear(f"{p}/ffn/linear_0", layer.fc1)
-            linear(f"{p}/ffn/linear_1", layer.fc2)
+            copy_linear(f"{p}/ffn/linear_0", layer.fc1)
+            copy_linear(f"{p}/ffn/linear_1", layer.fc2)
         norm("encoder/layer_norm", self.encoder_norm)
         name_map["decoder/embeddings/weight"] = self.embed_tokens.weight  # also the output projection
         name_map["decoder/position_encodings/encodings"] = self.decoder_positions
         for i, layer in enumerate(self.decoder_layers):
             p = f"decoder/layer_{i}"
             norm(f"{p}/self_attention/layer_norm", layer.self_attn_norm)
-            linear(f"{p}/self_attention/linear_0", layer.self_qkv)
-            linear(f"{p}/self_attention/linear_1", layer.self_out)
+            copy_linear(f"{p}/self_attention/linear_0", layer.self_qkv)
+            copy_linear(f"{p}/self_attention/linear_1", layer.self_out)
             norm(f"{p}/attention/layer_norm", layer.cross_attn_norm)
-            linear(f"{p}/attention/linear_0", layer.cross_q)
-            linear(f"{p}/attention/linear_1", layer.cross_kv)
-            linear(f"{p}/attention/linear_2", layer.cross_out)
+            copy_linear(f"{p}/attention/linear_0", layer.cross_q)
+            copy_linear(f"{p}/attention/linear_1", layer.cross_kv)
+            copy_linear(f"{p}/attention/linear_2", layer.cross_out)
             norm(f"{p}/ffn/layer_norm", layer.ffn_norm)
-            linear(f"{p}/ffn/linear_0", layer.fc1)
-            linear(f"{p}/ffn/linear_1", layer.fc2)
+            copy_linear(f"{p}/ffn/linear_0", layer.fc1)
+            copy_linear(f"{p}/ffn/linear_1", layer.fc2)
         norm("decoder/layer_norm", self.decoder_norm)
 
         if "decoder/projection/weight" in weights and weights["decoder/projection/weight"].shape != self.embed_tokens.weight.shape:
@@ -311,7 +312,7 @@ class WhisperForConditionalGeneration(nn.Module):
         """
         if self.output_projection is not None:  # e.g. int8 (shared.models.quantize)
             return self.output_projection(hidden).float()
-        return F.linear(hidden, self.embed_tokens.weight).float()
+        return linear(hidden, self.embed_tokens.weight).float()
 
     @property
     def output_projection_weight(self) -> torch.Tensor:

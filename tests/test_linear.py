@@ -1,0 +1,45 @@
+"""shared.models.linear against F.linear: the small-row CPU path and the chunked large-output path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shared.models.linear import CHUNK, SMALL_ROWS, Linear, linear
+from shared.models.quantize import _as_plain_linears
+
+
+@pytest.mark.parametrize("rows", [1, 3, SMALL_ROWS, SMALL_ROWS + 1, 200])
+@pytest.mark.parametrize("out_features", [24, CHUNK + 37])  # 2 chunks, the last one partial
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_f_linear(rows, out_features, bias):
+    g = torch.Generator().manual_seed(rows + out_features)
+    x = torch.randn(rows, 48, generator=g)
+    w = torch.randn(out_features, 48, generator=g)
+    b = torch.randn(out_features, generator=g) if bias else None
+    got = linear(x, w, b)
+    assert got.shape == (rows, out_features) and got.is_contiguous()
+    torch.testing.assert_close(got, F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+
+
+def test_leading_dims_and_empty_input():
+    x = torch.randn(2, 3, 16)
+    w = torch.randn(8, 16)
+    torch.testing.assert_close(linear(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
+    assert linear(torch.randn(0, 16), w).shape == (0, 8)
+
+
+def test_other_dtypes_take_f_linear():
+    x, w = torch.randn(4, 16, dtype=torch.float64), torch.randn(8, 16, dtype=torch.float64)
+    assert torch.equal(linear(x, w), F.linear(x, w))
+
+
+def test_module_keeps_nn_linear_state_dict_and_quantizes():
+    plain = nn.Linear(16, 8)
+    ours = Linear(16, 8)
+    ours.load_state_dict(plain.state_dict())
+    x = torch.randn(5, 16)
+    torch.testing.assert_close(ours(x), plain(x), atol=1e-5, rtol=1e-5)
+    assert type(_as_plain_linears(nn.Sequential(ours))[0]) is nn.Linear  # what torch's dynamic int8 swaps
