@@ -60,9 +60,14 @@ def _module(backend: str):
 def paged_attention(*args, backend: str = "torch", **kwargs) -> torch.Tensor:
     """``kernels.paged_attention.paged_attention`` run by ``backend`` (``torch`` or ``triton``).
 
+    ``step_cache`` (per-step reuse of masks) is used by the torch reference
+    only; the Triton kernel builds no masks and does not take it.
+
     Raises:
         ValueError: unknown backend (or what the implementation raises).
     """
+    if backend != "torch":
+        kwargs.pop("step_cache", None)
     return _module(backend)[0].paged_attention(*args, **kwargs)
 
 

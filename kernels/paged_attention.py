@@ -77,8 +77,14 @@ def gather_kv(
     if num_blocks > block_tables.shape[1]:
         raise ValueError(f"max_len {max_len} needs {num_blocks} blocks, block_tables has {block_tables.shape[1]} columns")
     b = block_tables.shape[0]
-    blocks = cache[block_tables[:, :num_blocks]]  # [B, nb, block_size, H, D]
-    return blocks.reshape(b, num_blocks * block_size, *cache.shape[2:])[:, :max_len]
+    ids = block_tables[:, :num_blocks].reshape(-1)
+    if cache.is_contiguous():
+        # Whole blocks as rows: index_select copies each row with one memcpy (~5x faster on CPU than
+        # advanced indexing, which copies element by element).
+        blocks = cache.view(cache.shape[0], -1).index_select(0, ids)  # [B * nb, block_size * H * D]
+    else:
+        blocks = cache[ids]
+    return blocks.view(b, num_blocks * block_size, *cache.shape[2:])[:, :max_len]
 
 
 def paged_attention(
@@ -93,6 +99,7 @@ def paged_attention(
     max_query_len: int | None = None,
     max_context_len: int | None = None,
     position_bias: torch.Tensor | None = None,
+    step_cache: dict | None = None,
 ) -> torch.Tensor:
     """Attention of a flat varlen batch of queries over paged K/V.
 
@@ -117,6 +124,12 @@ def paged_attention(
             (T5 relative position bias): the score of a query at position
             ``p`` for key ``j <= p`` gets ``position_bias[:, min(p - j, N - 1)]``
             added before the softmax. Causal only.
+        step_cache: optional dict that lives for one step
+            (``AttentionMetadata.step_cache``): the masks, bias and index
+            tensors that depend only on the step's metadata are built by the
+            first call and reused by the others (every layer of the step).
+            Entries are keyed by ``causal``, the lengths and the identity of
+            ``block_tables`` / ``position_bias``. None builds them every call.
 
     Returns:
         ``[T, H, D]`` in the dtype of ``query``. A query with no visible key
@@ -132,26 +145,64 @@ def paged_attention(
     if t == 0 or b == 0:
         return query.new_zeros(query.shape)
     device = query.device
+    compute_dtype = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
+    if max_context_len is None:
+        max_context_len = block_tables.shape[1] * k_cache.shape[1]
+    max_context_len = max(int(max_context_len), 1)
+    key = (causal, max_query_len, max_context_len, id(block_tables), None if position_bias is None else id(position_bias), compute_dtype)
+    plan = step_cache.get(key) if step_cache is not None else None
+    if plan is None:
+        plan = _plan(t, block_tables, context_lens, query_start_loc, causal, max_query_len, max_context_len, position_bias,
+                     compute_dtype, device)
+        if step_cache is not None:
+            step_cache[key] = plan
+    seq_of_tok, idx_in_seq, max_query_len, attn_mask, has_key, block_tables = plan
+
+    if seq_of_tok is None:  # one query per sequence (a decode step): no padding to do
+        q_pad = query.to(compute_dtype).reshape(b, 1, h, d)
+    else:
+        q_pad = query.new_zeros((b, max_query_len, h, d), dtype=compute_dtype)
+        q_pad[seq_of_tok, idx_in_seq] = query.to(compute_dtype)
+    k = gather_kv(k_cache, block_tables, max_context_len).to(compute_dtype)  # [B, L, H, D]
+    v = gather_kv(v_cache, block_tables, max_context_len).to(compute_dtype)
+    out = F.scaled_dot_product_attention(
+        q_pad.transpose(1, 2),  # [B, H, Q, D]
+        k.transpose(1, 2),  # [B, H, L, D]
+        v.transpose(1, 2),
+        attn_mask=attn_mask,  # [B, 1 or H, Q, L]: bool mask, or float bias with -inf
+        scale=scale,
+    ).transpose(1, 2)  # [B, Q, H, D]
+    if has_key is not None:
+        out = out * has_key[:, :, None, None]
+    if seq_of_tok is None:
+        return out.reshape(t, h, d).to(query.dtype)
+    return out[seq_of_tok, idx_in_seq].to(query.dtype)  # [T, H, D]
+
+
+def _plan(t: int, block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor, causal: bool,
+          max_query_len: int | None, max_context_len: int, position_bias: torch.Tensor | None, compute_dtype: torch.dtype,
+          device: torch.device) -> tuple:
+    """What ``paged_attention`` needs besides Q/K/V, from the step's metadata alone.
+
+    Returns ``(seq_of_tok, idx_in_seq, max_query_len, attn_mask, has_key, block_tables)``;
+    ``seq_of_tok`` / ``idx_in_seq`` are None when every sequence has exactly one
+    query, ``has_key`` None when every query sees at least one key (known on
+    the host only when that costs no sync, so usually a tensor).
+    """
+    b = block_tables.shape[0]
     query_start_loc = query_start_loc.to(device=device, dtype=torch.long)
     context_lens = context_lens.to(device=device, dtype=torch.long)
     block_tables = block_tables.to(device=device, dtype=torch.long)
     q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [B]
     if max_query_len is None:
         max_query_len = int(q_lens.max())
-    if max_context_len is None:
-        max_context_len = block_tables.shape[1] * k_cache.shape[1]
-    max_context_len = max(int(max_context_len), 1)
-
-    # Each flat token's sequence and index inside it.
-    tok = torch.arange(t, device=device)
-    seq_of_tok = torch.searchsorted(query_start_loc[1:], tok, right=True)  # [T]
-    idx_in_seq = tok - query_start_loc[seq_of_tok]  # [T]
-
-    compute_dtype = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
-    q_pad = query.new_zeros((b, max_query_len, h, d), dtype=compute_dtype)
-    q_pad[seq_of_tok, idx_in_seq] = query.to(compute_dtype)
-    k = gather_kv(k_cache, block_tables, max_context_len).to(compute_dtype)  # [B, L, H, D]
-    v = gather_kv(v_cache, block_tables, max_context_len).to(compute_dtype)
+    if max_query_len == 1 and t == b:
+        seq_of_tok = idx_in_seq = None
+    else:
+        # Each flat token's sequence and index inside it.
+        tok = torch.arange(t, device=device)
+        seq_of_tok = torch.searchsorted(query_start_loc[1:], tok, right=True)  # [T]
+        idx_in_seq = tok - query_start_loc[seq_of_tok]  # [T]
 
     key_pos = torch.arange(max_context_len, device=device)  # [L]
     mask = key_pos[None, None, :] < context_lens[:, None, None]  # [B, 1, L]
@@ -170,13 +221,4 @@ def paged_attention(
         dist = (q_pos[:, :, None] - key_pos[None, None, :]).clamp(0, position_bias.shape[1] - 1)  # [B, Q, L]
         bias = position_bias.to(compute_dtype)[:, dist].permute(1, 0, 2, 3)  # [B, H, Q, L]
         attn_mask = bias.masked_fill(~attn_mask, float("-inf"))
-
-    out = F.scaled_dot_product_attention(
-        q_pad.transpose(1, 2),  # [B, H, Q, D]
-        k.transpose(1, 2),  # [B, H, L, D]
-        v.transpose(1, 2),
-        attn_mask=attn_mask,  # [B, 1 or H, Q, L]: bool mask, or float bias with -inf
-        scale=scale,
-    ).transpose(1, 2)  # [B, Q, H, D]
-    out = out * has_key[:, :, None, None]
-    return out[seq_of_tok, idx_in_seq].to(query.dtype)  # [T, H, D]
+    return seq_of_tok, idx_in_seq, max_query_len, attn_mask, has_key, block_tables

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -44,6 +44,9 @@ class AttentionMetadata:
             (read in place by ``kernels.cross_attention``); None otherwise.
         attention_backend: ``torch`` or ``triton``: which implementation the
             model's attention call sites run (``kernels.attention_backend``).
+        step_cache: scratch dict for this step only: the torch attention
+            builds its masks and index tensors once per step here and every
+            layer reuses them (``kernels.paged_attention``, ``step_cache``).
     """
 
     query_start_loc: torch.Tensor
@@ -58,6 +61,7 @@ class AttentionMetadata:
     max_encoder_len: int
     cross_kv_spans: list[tuple[int, int, int, int]] | None = None
     attention_backend: str = "torch"
+    step_cache: dict = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:

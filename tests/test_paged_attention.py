@@ -74,6 +74,24 @@ def test_matches_naive(name, causal):
     torch.testing.assert_close(got2, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["decode_irregular", "mixed_prefill_decode"])
+def test_step_cache_reused_across_layers(name):
+    """Two "layers" (different K/V and queries, same step metadata) through one step_cache give what
+    each gives alone; with a position bias too (built once, then reused)."""
+    q_lens, ctx_lens, bs = CASES[name]
+    first = _setup(q_lens, ctx_lens, bs, seed=1)
+    bt, ctx, qsl = first[3], first[4], first[5]
+    second = tuple(torch.randn_like(t) for t in first[:3])  # another layer: other queries and caches
+    bias = torch.randn(first[0].shape[1], 50)
+    for position_bias in (None, bias):
+        cache: dict = {}
+        for query, kc, vc, *_ in (first, second, first):
+            kw = dict(causal=True, scale=0.5, max_query_len=max(q_lens), max_context_len=max(ctx_lens), position_bias=position_bias)
+            alone = paged_attention(query, kc, vc, bt, ctx, qsl, **kw)
+            torch.testing.assert_close(paged_attention(query, kc, vc, bt, ctx, qsl, step_cache=cache, **kw), alone, atol=0, rtol=0)
+        assert len(cache) == 1  # built by the first call only
+
+
 def test_cross_attention_whisper_shape():
     """Encoder length 1500 with a block size that does not divide it, 2 decode queries + a prefill."""
     q_lens, ctx_lens = [1, 3, 1], [1500, 1500, 700]
