@@ -17,6 +17,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from shared.compute_thread import use_threads
+
 log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.5
@@ -33,6 +35,8 @@ class EngineLoop:
         on_output: ``(RequestOutput)`` called on the loop for each output.
         on_step_error: ``(exception)`` called on the loop when a step raised;
             the requests of that step are then failed by the caller.
+        num_threads: torch intra-op threads of the engine thread
+            (``shared.compute_thread``); None keeps the process setting.
     """
 
     def __init__(
@@ -42,12 +46,14 @@ class EngineLoop:
         on_encode: Callable[[str, list[int]], None],
         on_output: Callable[[Any], None],
         on_step_error: Callable[[BaseException], None],
+        num_threads: int | None = None,
     ) -> None:
         self.engine = engine
         self._loop = loop
         self._on_encode = on_encode
         self._on_output = on_output
         self._on_step_error = on_step_error
+        self._num_threads = num_threads
         self._commands: queue.Queue[tuple[Callable[[], Any], Future] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
@@ -83,6 +89,7 @@ class EngineLoop:
                 return True
 
     def _run(self) -> None:
+        use_threads(self._num_threads)
         idle = True
         while self._drain(block=idle):
             if not self.engine.has_unfinished_requests():

@@ -49,7 +49,6 @@ import uuid
 from dataclasses import dataclass, field
 
 import grpc
-import torch
 
 from decoder_svc.engine import CapacityError, DecoderEngine, RequestOutput
 from decoder_svc.encoder_cache import encoder_cache_key
@@ -57,6 +56,7 @@ from decoder_svc.engine_loop import EngineLoop
 from decoder_svc.inputs import RequestInput, parse_input
 from decoder_svc.kv_budget import block_bytes, max_concurrent_requests, resolve_budget, size_kv_cache
 from shared.config import DecoderServiceConfig
+from shared.compute_thread import single_threaded_main
 from shared.device import resolve_device, torch_dtype
 from shared.errors import AlreadyExistsError, InvalidRequestError, NotFoundError, ResourceExhaustedError, UnavailableError
 from shared.grpc_server import GRPC_OPTIONS, abort_with, serve
@@ -140,8 +140,10 @@ class _Active:
 class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
     """Thin servicer: convert, call the engine loop, convert back."""
 
-    def __init__(self, config: DecoderServiceConfig, model, engine: DecoderEngine, pool, store: RequestStateStore) -> None:
+    def __init__(self, config: DecoderServiceConfig, model, engine: DecoderEngine, pool, store: RequestStateStore,
+                 num_threads: int | None = None) -> None:
         self.config = config
+        self.num_threads = num_threads  # the engine thread's torch threads (shared.compute_thread)
         self.model = model
         self.engine = engine
         self.pool = pool
@@ -160,7 +162,8 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             bm.num_blocks_for(model.config.max_source_positions))
 
     def start(self) -> None:
-        self.loop = EngineLoop(self.engine, asyncio.get_running_loop(), self._on_encode, self._on_output, self._on_step_error)
+        self.loop = EngineLoop(self.engine, asyncio.get_running_loop(), self._on_encode, self._on_output, self._on_step_error,
+                               self.num_threads)
 
     async def close(self) -> None:
         self.loop.stop()
@@ -513,8 +516,7 @@ def run(config: DecoderServiceConfig) -> None:
     Raises:
         ValueError: ``device`` names a GPU this machine does not have (``shared.device.resolve_device``).
     """
-    if config.num_threads:
-        torch.set_num_threads(config.num_threads)
+    threads = single_threaded_main(config.num_threads)  # loading stays on one thread; the engine thread gets these
     device = resolve_device(config.device)  # before anything is loaded: a missing GPU fails fast
     model = load_model(config.model, torch_dtype(config.dtype))
     apply_quantization(model, config.quantize, "decoder")  # CPU only (the config refuses int8 on CUDA)
@@ -525,7 +527,7 @@ def run(config: DecoderServiceConfig) -> None:
     engine, pool = build_engine(config, model)
 
     async def main() -> None:
-        servicer = DecoderServicer(config, model, engine, pool, store)
+        servicer = DecoderServicer(config, model, engine, pool, store, threads)
         servicer.start()
         start_metrics_server(config.metrics_port, config.host, servicer.metrics.registry)
 

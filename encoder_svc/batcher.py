@@ -6,12 +6,14 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from shared.compute_thread import use_threads
 from shared.device import model_device
 from shared.errors import UnavailableError
 from shared.kv_transport import CrossKVWriter, KVTargetSpec
@@ -76,9 +78,14 @@ class EncodeBatcher:
         writer: the KV transport's encoder-side writer.
         max_batch_size: most requests per forward.
         batch_wait_ms: batching window in milliseconds.
+        num_threads: torch intra-op threads of the batcher thread
+            (``shared.compute_thread``); None keeps the process setting.
+        warm_up: run once on the batcher thread before the first batch (first-call
+            costs); the constructor returns when it is done and raises what it raised.
     """
 
-    def __init__(self, model, featurize, writer: CrossKVWriter, max_batch_size: int, batch_wait_ms: float) -> None:
+    def __init__(self, model, featurize, writer: CrossKVWriter, max_batch_size: int, batch_wait_ms: float,
+                 num_threads: int | None = None, warm_up: Callable[[], None] | None = None) -> None:
         self.model = model
         self.device = model_device(model)
         self.featurize = featurize
@@ -86,8 +93,10 @@ class EncodeBatcher:
         self.max_batch_size = max_batch_size
         self.batch_wait_s = batch_wait_ms / 1000.0
         self._queue: queue.Queue[EncodeItem | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._loop, name="encode-batcher", daemon=True)
+        self._started: Future = Future()
+        self._thread = threading.Thread(target=self._loop, args=(num_threads, warm_up), name="encode-batcher", daemon=True)
         self._thread.start()
+        self._started.result()  # the warm-up's exception, if any
 
     def submit(self, item: EncodeItem) -> Future:
         self._queue.put(item)
@@ -114,7 +123,15 @@ class EncodeBatcher:
             batch.append(item)
         return batch
 
-    def _loop(self) -> None:
+    def _loop(self, num_threads: int | None, warm_up: Callable[[], None] | None) -> None:
+        use_threads(num_threads)
+        try:
+            if warm_up is not None:
+                warm_up()
+        except BaseException as exc:  # noqa: BLE001 - raised again by the constructor
+            self._started.set_exception(exc)
+            return
+        self._started.set_result(None)
         while (batch := self._next_batch()) is not None:
             batch = [item for item in batch if item.future.set_running_or_notify_cancel()]
             if batch:

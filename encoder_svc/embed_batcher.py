@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from encoder_svc.embed_engine import EmbedEngine, Encoded
+from shared.compute_thread import use_threads
 
 log = logging.getLogger(__name__)
 
@@ -102,14 +103,16 @@ class EmbedBatcher:
     Args:
         engine: the loaded encoder-only model.
         max_batch_tokens: padded-token budget of one forward.
+        num_threads: torch intra-op threads of the batcher thread
+            (``shared.compute_thread``); None keeps the process setting.
     """
 
-    def __init__(self, engine: EmbedEngine, max_batch_tokens: int) -> None:
+    def __init__(self, engine: EmbedEngine, max_batch_tokens: int, num_threads: int | None = None) -> None:
         self.engine = engine
         self.max_batch_tokens = max_batch_tokens
         self._queue: queue.Queue[EmbedJob | None] = queue.Queue()
         self._arrivals = itertools.count()
-        self._thread = threading.Thread(target=self._loop, name="embed-batcher", daemon=True)
+        self._thread = threading.Thread(target=self._loop, args=(num_threads,), name="embed-batcher", daemon=True)
         self._thread.start()
 
     def submit(self, seqs: list[Encoded], pooling: str) -> Future:
@@ -143,7 +146,8 @@ class EmbedBatcher:
             job.served = (-1, next(self._arrivals))
             jobs.append(job)
 
-    def _loop(self) -> None:
+    def _loop(self, num_threads: int | None) -> None:
+        use_threads(num_threads)
         jobs: list[EmbedJob] = []
         running = True
         for turn in itertools.count():

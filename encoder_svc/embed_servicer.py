@@ -163,8 +163,11 @@ def _usage(seqs) -> embed_pb2.EmbedUsage:
     return embed_pb2.EmbedUsage(prompt_tokens=sum(len(s.ids) for s in seqs))
 
 
-def run_embed(config: EncoderServiceConfig) -> None:
-    """Loads an encoder-only model and serves ``EmbedService`` until SIGINT/SIGTERM."""
+def run_embed(config: EncoderServiceConfig, num_threads: int | None = None) -> None:
+    """Loads an encoder-only model and serves ``EmbedService`` until SIGINT/SIGTERM.
+
+    ``num_threads``: torch intra-op threads of the batcher thread (``shared.compute_thread``).
+    """
     from encoder_svc.embed_engine import load_embed_engine
     from shared.grpc_server import serve
     from shared.models.registry import model_names
@@ -174,7 +177,7 @@ def run_embed(config: EncoderServiceConfig) -> None:
     engine = load_embed_engine(config.model, torch_dtype(config.dtype), resolve_device(config.device))
     log.info("encoder-only model %s on %s (%s): pooling %s, normalize %s, max input %d tokens, %d labels", config.model,
              engine.device, config.dtype, engine.spec.pooling, engine.spec.normalize, engine.max_input_length, engine.num_labels)
-    batcher = EmbedBatcher(engine, max(config.max_batch_tokens, engine.max_input_length))
+    batcher = EmbedBatcher(engine, max(config.max_batch_tokens, engine.max_input_length), num_threads)
     servicer = EmbedServicer(engine, batcher, config.model, model_names(config.model), config.max_inputs_per_request)
 
     async def on_stop() -> None:

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from encoder_svc.batcher import WRITE_MARGIN_S, EncodeBatcher, EncodeItem
+from shared.compute_thread import single_threaded_main
 from shared.config import EncoderServiceConfig
 from shared.device import resolve_device, torch_dtype
 from shared.errors import InvalidRequestError, NotFoundError
@@ -102,13 +103,12 @@ def _warm_up(model, device: torch.device) -> None:
 def run(config: EncoderServiceConfig) -> None:
     """Loads the model and serves until SIGINT/SIGTERM: ``EncoderService`` for an
     encoder-decoder model, ``EmbedService`` for an encoder-only one."""
-    if config.num_threads:
-        torch.set_num_threads(config.num_threads)
+    threads = single_threaded_main(config.num_threads)  # loading stays on one thread; the batcher thread gets these
     device = resolve_device(config.device)  # ValueError (a clear one) when the GPU is missing
     if is_encoder_only(config.model):  # BERT family: EmbedService instead of Encode
         from encoder_svc.embed_servicer import run_embed
 
-        return run_embed(config)
+        return run_embed(config, threads)
     model = load_model(config.model, torch_dtype(config.dtype))
     apply_quantization(model, config.quantize, "encoder")  # CPU only (the config refuses int8 on CUDA)
     model.to(device)
@@ -119,12 +119,12 @@ def run(config: EncoderServiceConfig) -> None:
         # request's encoder output. One request per forward keeps results per request.
         log.info("int8 encoder: encoding one request per forward (was max_batch_size=%d)", max_batch_size)
         max_batch_size = 1
-    _warm_up(model, device)
     writer = WriterSet(
         [t.strip() for t in config.kv_transport.split(",") if t.strip()],
         {"torch_dist": dict(backend=config.kv_dist_backend, device=config.kv_device, timeout_s=config.kv_transfer_timeout_s)},
     )
-    batcher = EncodeBatcher(model, log_mel_spectrogram, writer, max_batch_size, config.batch_wait_ms)
+    batcher = EncodeBatcher(model, log_mel_spectrogram, writer, max_batch_size, config.batch_wait_ms, threads,
+                            warm_up=lambda: _warm_up(model, device))
     servicer = EncoderServicer(config, model, batcher)
     start_metrics_server(config.metrics_port, config.host, servicer.metrics.registry)
 

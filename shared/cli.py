@@ -23,6 +23,9 @@ BUNDLED_CLIP = Path(__file__).resolve().parent.parent / "tests" / "data" / "samp
 
 
 def _serve_encoder(args: argparse.Namespace) -> int:
+    from shared.compute_thread import passive_omp_wait
+
+    passive_omp_wait()  # before torch loads: see shared.compute_thread
     from encoder_svc.server import run
 
     run(config_from(EncoderServiceConfig, args))
