@@ -23,9 +23,9 @@ BUNDLED_CLIP = Path(__file__).resolve().parent.parent / "tests" / "data" / "samp
 
 
 def _serve_encoder(args: argparse.Namespace) -> int:
-    from shared.compute_thread import passive_omp_wait
+    from shared.compute_thread import short_omp_spin
 
-    passive_omp_wait()  # before torch loads: see shared.compute_thread
+    short_omp_spin()  # before torch loads: see shared.compute_thread
     from encoder_svc.server import run
 
     run(config_from(EncoderServiceConfig, args))
@@ -33,6 +33,9 @@ def _serve_encoder(args: argparse.Namespace) -> int:
 
 
 def _serve_decoder(args: argparse.Namespace) -> int:
+    from shared.compute_thread import short_omp_spin
+
+    short_omp_spin()  # before torch loads: see shared.compute_thread
     from decoder_svc.server import run
 
     run(config_from(DecoderServiceConfig, args))

@@ -18,12 +18,25 @@ and the compute thread takes the configured count when it starts
 OpenMP's own (``omp_set_num_threads`` is per calling thread), which
 ``torch.set_num_threads`` calls.
 
-Spinning is what the decoder's steady stream of small ops wants. The encoder
-service works in bursts on the same cores: its workers spinning after each
-burst took CPU from the decoder (t5-small bench, 32 requests: 13-14 s of wall
-instead of 7.4-7.8 s, the encoder burning 7 s of CPU instead of 1 s). So the
-encoder process defaults to ``OMP_WAIT_POLICY=PASSIVE`` (``passive_omp_wait``),
-unless the environment already says otherwise.
+How long an idle worker spins is a trade-off on 2 cores shared by two
+services: the decoder's steady stream of small ops wants its workers awake
+between ops, while spinning workers take the cores from the other service
+(Whisper: the encoder's 30 s windows are half the work). Measured on our
+2-core machines, walls of the t5-small seq2seq bench (32 x 64 tokens) /
+the Whisper bench at concurrency 16 (16 clips), seconds, +-0.5, with both
+services' main threads single-threaded:
+
+===========================================  =========  ==========
+encoder / decoder spin                       t5-small   Whisper
+===========================================  =========  ==========
+PASSIVE / 300,000 (libgomp's default)        7.4        13.6-14.8
+PASSIVE / PASSIVE                            8.0-9.5    11.0-12.2
+3,000 / 3,000 (``short_omp_spin``)           7.0-7.4    11.5-12.1
+===========================================  =========  ==========
+
+So both services default to ``GOMP_SPINCOUNT=3000`` (about 30 us of spinning:
+enough to bridge the gap between a step's consecutive ops, asleep on real idle)
+unless the environment sets ``GOMP_SPINCOUNT`` or ``OMP_WAIT_POLICY``.
 """
 
 from __future__ import annotations
@@ -31,18 +44,24 @@ from __future__ import annotations
 import os
 import sys
 
-__all__ = ["passive_omp_wait", "single_threaded_main", "use_threads"]
+__all__ = ["SPIN_COUNT", "short_omp_spin", "single_threaded_main", "use_threads"]
+
+SPIN_COUNT = 3000
 
 
-def passive_omp_wait() -> None:
-    """Defaults ``OMP_WAIT_POLICY`` to ``PASSIVE`` for this process (OpenMP workers sleep when idle).
+def short_omp_spin(spin_count: int = SPIN_COUNT) -> None:
+    """Defaults libgomp's ``GOMP_SPINCOUNT`` to ``spin_count`` for this process (see the module docstring).
+
+    Leaves the environment alone when it already sets ``GOMP_SPINCOUNT`` or
+    ``OMP_WAIT_POLICY``.
 
     Raises:
         RuntimeError: torch is already imported (libgomp reads the variable when it loads).
     """
     if "torch" in sys.modules:
-        raise RuntimeError("passive_omp_wait() must run before torch is imported")
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        raise RuntimeError("short_omp_spin() must run before torch is imported")
+    if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
+        os.environ["GOMP_SPINCOUNT"] = str(spin_count)
 
 
 def single_threaded_main(num_threads: int = 0) -> int:
