@@ -54,16 +54,12 @@ from decoder_svc.engine import CapacityError, DecoderEngine, RequestOutput
 from decoder_svc.encoder_cache import encoder_cache_key
 from decoder_svc.engine_loop import EngineLoop
 from decoder_svc.inputs import RequestInput, parse_input
-from decoder_svc.kv_budget import block_bytes, max_concurrent_requests, resolve_budget, size_kv_cache
+from decoder_svc.kv_budget import max_concurrent_requests
 from shared.config import DecoderServiceConfig
-from shared.compute_thread import single_threaded_main
-from shared.device import resolve_device, torch_dtype
 from shared.errors import AlreadyExistsError, InvalidRequestError, NotFoundError, ResourceExhaustedError, UnavailableError
-from shared.grpc_server import GRPC_OPTIONS, abort_with, serve
-from shared.kv_transport import create_pool
-from shared.metrics import DecoderMetrics, start_metrics_server
-from shared.models.quantize import apply_quantization
-from shared.models.registry import load_model, load_tokenizer, model_names
+from shared.grpc_server import GRPC_OPTIONS, abort_with
+from shared.metrics import DecoderMetrics
+from shared.models.registry import model_names
 from shared.proto import decoder_pb2, decoder_pb2_grpc, encoder_pb2, encoder_pb2_grpc
 from shared.request_state import RequestExistsError, RequestState, RequestStateStore
 from shared.sampling_params import SamplingParams
@@ -85,7 +81,6 @@ FINISH_REASONS = {
 
 
 MAX_REQUEST_ID_LEN = 256
-KV_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 @dataclass
@@ -455,94 +450,3 @@ def _logprobs_pb(lp) -> decoder_pb2.Logprobs:
     """``decoder_svc.sampler.TokenLogprobs`` -> its proto message."""
     return decoder_pb2.Logprobs(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank,
                                 top=[decoder_pb2.TokenLogprob(token_id=t, logprob=v) for t, v in lp.top])
-
-
-def build_engine(config: DecoderServiceConfig, model):
-    """Creates the cross-KV pool (shared with the encoder) and the engine over it.
-
-    ``model`` is already on ``config.device``; the pool goes on ``kv_device``
-    (the same device, as the config enforces) and the engine's self cache
-    beside it. Pool sizes come from ``decoder_svc.kv_budget.size_kv_cache`` (explicit
-    block counts, else ``kv_cache_memory``, else ``max_num_seqs``) and are
-    logged with the max number of concurrent max-length requests.
-
-    Raises:
-        ValueError: ``kv_cache_memory`` cannot hold one max-length request.
-    """
-    cfg = model.config
-    cross_dtype_bytes = KV_DTYPE_BYTES[config.kv_transfer_dtype]
-    self_dtype_bytes = 4 if config.kv_device == "cpu" else cross_dtype_bytes  # as ModelRunner allocates the self cache
-    sizing = size_kv_cache(
-        self_block_bytes=block_bytes(cfg.decoder_layers, config.block_size, cfg.num_heads, cfg.head_dim, self_dtype_bytes),
-        cross_block_bytes=block_bytes(cfg.decoder_layers, config.block_size, cfg.num_heads, cfg.head_dim, cross_dtype_bytes),
-        block_size=config.block_size,
-        max_decoder_len=min(model.generation.max_length, cfg.max_target_positions),
-        max_encoder_len=cfg.max_source_positions,
-        max_num_seqs=config.max_num_seqs,
-        budget_bytes=resolve_budget(config.kv_cache_memory, config.kv_device),  # both caches live on kv_device
-        num_self_blocks=config.num_self_blocks,
-        num_cross_blocks=config.num_cross_blocks,
-    )
-    num_self, num_cross = sizing.num_self_blocks, sizing.num_cross_blocks
-    pool = create_pool(config.kv_transport, (cfg.decoder_layers, 2, num_cross, config.block_size, cfg.num_heads, cfg.head_dim),
-                       config.kv_transfer_dtype, **_pool_options(config))
-    engine = DecoderEngine(
-        model,
-        load_tokenizer(config.model),
-        pool.tensor,
-        num_self_blocks=num_self,
-        block_size=config.block_size,
-        max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        attention_backend=config.attention_backend,
-    )
-    log.info("%s; %d tokens per block (%s)", sizing.describe(config.max_num_seqs), config.block_size, pool.spec.segment)
-    return engine, pool
-
-
-def _pool_options(config: DecoderServiceConfig) -> dict:
-    """Transport-specific keyword options of the cross-KV pool."""
-    if config.kv_transport == "torch_dist":
-        return dict(address=config.kv_dist_address, backend=config.kv_dist_backend, device=config.kv_device,
-                    timeout_s=config.kv_transfer_timeout_s)
-    if config.kv_transport == "cuda_ipc":
-        return dict(device=config.kv_device)  # must be a CUDA device; CudaIpcCrossKVPool says so otherwise
-    return {}
-
-
-def run(config: DecoderServiceConfig) -> None:
-    """Loads the model onto ``config.device``, creates the KV pools there and serves until SIGINT/SIGTERM.
-
-    Raises:
-        ValueError: ``device`` names a GPU this machine does not have (``shared.device.resolve_device``).
-    """
-    threads = single_threaded_main(config.num_threads)  # loading stays on one thread; the engine thread gets these
-    device = resolve_device(config.device)  # before anything is loaded: a missing GPU fails fast
-    model = load_model(config.model, torch_dtype(config.dtype))
-    apply_quantization(model, config.quantize, "decoder")  # CPU only (the config refuses int8 on CUDA)
-    model.to(device)  # before the KV pools are sized: a fractional kv_cache_memory sees the weights' memory taken
-    log.info("decoder model %s on %s (%s), attention %s", config.model, device, config.dtype, config.attention_backend)
-    store = RequestStateStore(config.redis_url)
-    store.ping()
-    engine, pool = build_engine(config, model)
-
-    async def main() -> None:
-        servicer = DecoderServicer(config, model, engine, pool, store, threads)
-        servicer.start()
-        start_metrics_server(config.metrics_port, config.host, servicer.metrics.registry)
-
-        async def on_stop() -> None:
-            await servicer.close()
-            pool.close()
-
-        await serve(
-            lambda server: decoder_pb2_grpc.add_DecoderServiceServicer_to_server(servicer, server),
-            ["encdec.v1.DecoderService"],
-            f"{config.host}:{config.port}",
-            on_stop,
-        )
-
-    try:
-        asyncio.run(main())
-    finally:
-        pool.close()

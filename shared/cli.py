@@ -36,7 +36,7 @@ def _serve_decoder(args: argparse.Namespace) -> int:
     from shared.compute_thread import short_omp_spin
 
     short_omp_spin()  # before torch loads: see shared.compute_thread
-    from decoder_svc.server import run
+    from decoder_svc.startup import run
 
     run(config_from(DecoderServiceConfig, args))
     return 0

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from decoder_svc.server import build_engine
+from decoder_svc.startup import build_engine
 from encoder_svc.batcher import EncodeBatcher, EncodeItem
 from shared.config import (
     DecoderServiceConfig,

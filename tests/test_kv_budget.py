@@ -97,11 +97,11 @@ def test_fraction_of_free_memory():
 
 
 def test_build_engine_reports_blocks_and_concurrency(whisper_model_dir, caplog):
-    from decoder_svc.server import build_engine
+    from decoder_svc.startup import build_engine
     from shared.models.registry import load_model
 
     config = DecoderServiceConfig(model=str(whisper_model_dir), kv_cache_memory="64MiB", max_num_seqs=4)
-    with caplog.at_level(logging.INFO, logger="decoder_svc.server"):
+    with caplog.at_level(logging.INFO, logger="decoder_svc.startup"):
         engine, pool = build_engine(config, load_model(whisper_model_dir))
     try:
         bm = engine.block_manager
