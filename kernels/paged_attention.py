@@ -128,8 +128,8 @@ def paged_attention(
             (``AttentionMetadata.step_cache``): the masks, bias and index
             tensors that depend only on the step's metadata are built by the
             first call and reused by the others (every layer of the step).
-            Entries are keyed by ``causal``, the lengths and the identity of
-            ``block_tables`` / ``position_bias``. None builds them every call.
+            Entries are keyed by the query count, ``causal``, the lengths and
+            the identity of ``block_tables`` / ``position_bias``. None builds them every call.
 
     Returns:
         ``[T, H, D]`` in the dtype of ``query``. A query with no visible key
@@ -149,7 +149,8 @@ def paged_attention(
     if max_context_len is None:
         max_context_len = block_tables.shape[1] * k_cache.shape[1]
     max_context_len = max(int(max_context_len), 1)
-    key = (causal, max_query_len, max_context_len, id(block_tables), None if position_bias is None else id(position_bias), compute_dtype)
+    key = (t, causal, max_query_len, max_context_len, id(block_tables), None if position_bias is None else id(position_bias),
+           compute_dtype)
     plan = step_cache.get(key) if step_cache is not None else None
     if plan is None:
         plan = _plan(t, block_tables, context_lens, query_start_loc, causal, max_query_len, max_context_len, position_bias,
@@ -172,8 +173,7 @@ def paged_attention(
         attn_mask=attn_mask,  # [B, 1 or H, Q, L]: bool mask, or float bias with -inf
         scale=scale,
     ).transpose(1, 2)  # [B, Q, H, D]
-    if has_key is not None:
-        out = out * has_key[:, :, None, None]
+    out = out * has_key[:, :, None, None]
     if seq_of_tok is None:
         return out.reshape(t, h, d).to(query.dtype)
     return out[seq_of_tok, idx_in_seq].to(query.dtype)  # [T, H, D]
@@ -186,8 +186,8 @@ def _plan(t: int, block_tables: torch.Tensor, context_lens: torch.Tensor, query_
 
     Returns ``(seq_of_tok, idx_in_seq, max_query_len, attn_mask, has_key, block_tables)``;
     ``seq_of_tok`` / ``idx_in_seq`` are None when every sequence has exactly one
-    query, ``has_key`` None when every query sees at least one key (known on
-    the host only when that costs no sync, so usually a tensor).
+    query; ``has_key`` ``[B, Q]`` tells whether each (padded) query sees any
+    key (the output of one that sees none is zeroed).
     """
     b = block_tables.shape[0]
     query_start_loc = query_start_loc.to(device=device, dtype=torch.long)

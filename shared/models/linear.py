@@ -46,10 +46,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x, weight, bias)
     x2 = x.reshape(rows, x.shape[-1]).t()  # [in, rows]
     n = weight.shape[0]
-    if n <= CHUNK:
-        out = torch.mm(weight, x2) if bias is None else torch.addmm(bias.unsqueeze(1), weight, x2)  # [out, rows]
-        return out.t().contiguous().view(*x.shape[:-1], n)
-    # Large outputs (vocabulary projections): transpose chunk by chunk while the chunk is still in cache.
+    # Chunk by chunk of output features (one chunk unless a vocabulary projection): each [chunk, rows]
+    # product is transposed into the output while it is still in cache.
     out = x.new_empty(rows, n)
     for i in range(0, n, CHUNK):
         w = weight[i : i + CHUNK]
