@@ -25,7 +25,10 @@ def model_dir(whisper_model_dir) -> Path:
 
 @pytest.fixture(scope="module")
 def ours(model_dir):
-    return load_model(model_dir)
+    """Loaded as the decoder service does: output projection packed where the CPU kernel runs."""
+    model = load_model(model_dir)
+    model.pack_output_projection()
+    return model
 
 
 @pytest.fixture(scope="module")

@@ -22,10 +22,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.attention_backend import contiguous_cross_attention, paged_attention
+from kernels.packed_linear import PackedWeight
 from kernels.paged_attention import write_kv
 from shared.attention_metadata import AttentionMetadata
 from shared.models.ct2_reader import load_ct2_weights
-from shared.models.linear import Linear, linear
+from shared.models.linear import Linear, pack_projection, vocab_projection
 from shared.models.whisper_features import load_tokenizer, log_mel_spectrogram, special_token_ids
 
 __all__ = [
@@ -172,7 +173,8 @@ class WhisperForConditionalGeneration(nn.Module):
         self.decoder_positions = nn.Parameter(torch.zeros(c.max_target_positions, c.d_model))
         self.decoder_layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.decoder_layers))
         self.decoder_norm = nn.LayerNorm(c.d_model)
-        self.output_projection: nn.Module | None = None  # None: linear() with embed_tokens (tied)
+        self.output_projection: nn.Module | None = None  # None: vocab_projection() with embed_tokens (tied)
+        self.packed_projection: PackedWeight | None = None  # pack_output_projection()
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32) -> "WhisperForConditionalGeneration":
@@ -312,7 +314,7 @@ class WhisperForConditionalGeneration(nn.Module):
         """
         if self.output_projection is not None:  # e.g. int8 (shared.models.quantize)
             return self.output_projection(hidden).float()
-        return linear(hidden, self.embed_tokens.weight).float()
+        return vocab_projection(hidden, self.embed_tokens.weight, self.packed_projection).float()
 
     @property
     def output_projection_weight(self) -> torch.Tensor:
@@ -322,3 +324,12 @@ class WhisperForConditionalGeneration(nn.Module):
     def set_output_projection(self, module: nn.Module) -> None:
         """Replaces the tied projection in ``compute_logits`` (``[N, d] -> [N, vocab]``)."""
         self.output_projection = module
+
+    def pack_output_projection(self) -> bool:
+        """Packs the output projection for ``kernels.packed_linear`` (CPU float32 decode steps).
+
+        Returns whether it was packed (``shared.models.linear.pack_projection``
+        says when it is not). Call after the weights reached their device.
+        """
+        self.packed_projection = pack_projection(self.embed_tokens.weight)
+        return self.packed_projection is not None

@@ -1,0 +1,148 @@
+/* Few-row float32 products against a pre-packed weight, for CPU decode steps.
+ *
+ * out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for M (a decode step's
+ * sequences, 1..64) rows and a large N (a vocabulary projection). MKL's sgemm
+ * streams such a weight at a fraction of its compute peak: it packs a panel of
+ * W on every call and only then computes. Here W is packed once, at load
+ * time, into panels of 16 output features stored k-major:
+ *
+ *     wp[p, k, j] = w[16 p + j, k]          (zero for 16 p + j >= N)
+ *
+ * so one decode step reads W exactly once, front to back, and each 64-byte
+ * row of a panel feeds 2 x MR fused multiply-adds (MR = up to 6 rows of x
+ * whose values are broadcast). 12 accumulators + 2 weight vectors + 1
+ * broadcast fill the 16 AVX2 registers; the register blocking is the classic
+ * GEMM micro-kernel of Goto & van de Geijn, "Anatomy of High-Performance
+ * Matrix Multiplication" (ACM TOMS 34(3), 2008), with the packed operand
+ * being the weight instead of a per-call copy.
+ *
+ * Summation order: each output is one running fp32 sum over k (MKL splits k
+ * differently), so results differ from F.linear by float rounding only.
+ *
+ * Plain C ABI, loaded with ctypes by kernels/packed_linear.py (no Python.h).
+ * Work is split over N across `num_threads` POSIX threads (the caller is one
+ * of them); the AVX2/FMA code is compiled per function (target attribute)
+ * and refused at run time on CPUs without it.
+ */
+#include <immintrin.h>
+#include <pthread.h>
+#include <stddef.h>
+
+#define PANEL 16 /* output features per panel: two 8-float AVX registers */
+#define MR_MAX 6 /* rows of x per micro-kernel call */
+#define MAX_THREADS 64
+#define TARGET __attribute__((target("avx2,fma")))
+
+int packed_linear_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+size_t packed_linear_packed_size(size_t n, size_t k) { return (n + PANEL - 1) / PANEL * PANEL * k; }
+
+void packed_linear_pack(const float* w, float* wp, size_t n, size_t k) {
+    size_t panels = (n + PANEL - 1) / PANEL;
+    for (size_t p = 0; p < panels; p++)
+        for (size_t kk = 0; kk < k; kk++)
+            for (size_t j = 0; j < PANEL; j++) {
+                size_t row = p * PANEL + j;
+                wp[(p * k + kk) * PANEL + j] = row < n ? w[row * k + kk] : 0.0f;
+            }
+}
+
+#define REP1(M) M(0)
+#define REP2(M) REP1(M) M(1)
+#define REP3(M) REP2(M) M(2)
+#define REP4(M) REP3(M) M(3)
+#define REP5(M) REP4(M) M(4)
+#define REP6(M) REP5(M) M(5)
+#define ACC_DECL(i) __m256 a##i##0 = _mm256_setzero_ps(), a##i##1 = _mm256_setzero_ps(); const float* x##i = x + (i) * k;
+#define ACC_STEP(i) b = _mm256_broadcast_ss(x##i + kk); a##i##0 = _mm256_fmadd_ps(b, w0, a##i##0); a##i##1 = _mm256_fmadd_ps(b, w1, a##i##1);
+#define ACC_STORE(i) acc[2 * (i)] = a##i##0; acc[2 * (i) + 1] = a##i##1;
+
+/* acc[2 i], acc[2 i + 1] = x[i, :] . panel columns 0..7, 8..15, for i < MR. */
+#define MICRO_KERNEL(MR)                                                                  \
+    TARGET static void micro_kernel_##MR(const float* pw, const float* x, size_t k, __m256* acc) { \
+        REP##MR(ACC_DECL)                                                                 \
+        for (size_t kk = 0; kk < k; kk++) {                                               \
+            __m256 w0 = _mm256_loadu_ps(pw + PANEL * kk), w1 = _mm256_loadu_ps(pw + PANEL * kk + 8), b; \
+            REP##MR(ACC_STEP)                                                             \
+        }                                                                                 \
+        REP##MR(ACC_STORE)                                                                \
+    }
+MICRO_KERNEL(1) MICRO_KERNEL(2) MICRO_KERNEL(3) MICRO_KERNEL(4) MICRO_KERNEL(5) MICRO_KERNEL(6)
+
+typedef void (*micro_kernel_t)(const float*, const float*, size_t, __m256*);
+static const micro_kernel_t MICRO_KERNELS[MR_MAX + 1] = {0, micro_kernel_1, micro_kernel_2, micro_kernel_3,
+                                                         micro_kernel_4, micro_kernel_5, micro_kernel_6};
+
+typedef struct {
+    const float *x, *wp, *bias;
+    float* out;
+    size_t m, n, k, first_panel, end_panel;
+} job_t;
+
+TARGET static void run_job(const job_t* j) {
+    __m256 acc[2 * MR_MAX];
+    float tail[PANEL];
+    for (size_t p = j->first_panel; p < j->end_panel; p++) {
+        size_t n0 = p * PANEL, valid = j->n - n0 < PANEL ? j->n - n0 : PANEL;
+        const float* pw = j->wp + p * j->k * PANEL;
+        __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
+        if (j->bias && valid == PANEL) {
+            b0 = _mm256_loadu_ps(j->bias + n0);
+            b1 = _mm256_loadu_ps(j->bias + n0 + 8);
+        }
+        for (size_t m0 = 0; m0 < j->m; m0 += MR_MAX) {  /* the panel stays in L1/L2 across row groups */
+            size_t mr = j->m - m0 < MR_MAX ? j->m - m0 : MR_MAX;
+            MICRO_KERNELS[mr](pw, j->x + m0 * j->k, j->k, acc);
+            for (size_t i = 0; i < mr; i++) {
+                float* o = j->out + (m0 + i) * j->n + n0;
+                __m256 r0 = _mm256_add_ps(acc[2 * i], b0), r1 = _mm256_add_ps(acc[2 * i + 1], b1);
+                if (valid == PANEL) {
+                    _mm256_storeu_ps(o, r0);
+                    _mm256_storeu_ps(o + 8, r1);
+                } else {  /* last, partial panel: bias added per element */
+                    _mm256_storeu_ps(tail, r0);
+                    _mm256_storeu_ps(tail + 8, r1);
+                    for (size_t c = 0; c < valid; c++) o[c] = tail[c] + (j->bias ? j->bias[n0 + c] : 0.0f);
+                }
+            }
+        }
+    }
+}
+
+static void* run_thread(void* arg) {
+    run_job((const job_t*)arg);
+    return NULL;
+}
+
+/* x [m, k], wp packed from w [n, k], bias [n] or NULL, out [m, n]; all contiguous float32.
+ * Returns 0, or -1 if a worker thread could not be started (its panels then run on the caller). */
+int packed_linear(const float* x, const float* wp, const float* bias, float* out, size_t m, size_t n, size_t k,
+                  int num_threads) {
+    size_t panels = (n + PANEL - 1) / PANEL;
+    if (m == 0 || panels == 0) return 0;
+    if (num_threads < 1) num_threads = 1;
+    if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
+    if ((size_t)num_threads > panels) num_threads = (int)panels;
+    job_t jobs[MAX_THREADS];
+    pthread_t threads[MAX_THREADS];
+    int started[MAX_THREADS] = {0}, rc = 0;
+    size_t per = (panels + num_threads - 1) / num_threads;
+    for (int t = 0; t < num_threads; t++) {
+        size_t a = t * per < panels ? t * per : panels, b = a + per < panels ? a + per : panels;
+        jobs[t] = (job_t){x, wp, bias, out, m, n, k, a, b};
+    }
+    for (int t = 1; t < num_threads; t++) started[t] = pthread_create(&threads[t], NULL, run_thread, &jobs[t]) == 0;
+    run_job(&jobs[0]);
+    for (int t = 1; t < num_threads; t++) {
+        if (started[t]) {
+            pthread_join(threads[t], NULL);
+        } else {
+            run_job(&jobs[t]);
+            rc = -1;
+        }
+    }
+    return rc;
+}

@@ -1,0 +1,77 @@
+"""kernels/packed_linear.py (C, AVX2) against its torch reference ``F.linear``, on irregular shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.packed_linear import MAX_ROWS, PackedWeight, is_available, packed_linear, reference_linear
+from shared.models.linear import linear, pack_projection, vocab_projection
+
+pytestmark = pytest.mark.skipif(not is_available(), reason="packed_linear is built for x86-64 with AVX2/FMA only")
+
+
+def _exact(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    y = x.double() @ w.double().T
+    return (y + b.double() if b is not None else y).float()
+
+
+# rows: 1, under / at / over the 6-row micro-kernel, MAX_ROWS; features: under / at / over a 16-wide panel
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 32, MAX_ROWS])
+@pytest.mark.parametrize("out_features,in_features", [(1, 1), (15, 7), (16, 64), (17, 33), (1000, 384), (4099, 96)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_reference(rows, out_features, in_features, with_bias):
+    g = torch.Generator().manual_seed(rows * 7919 + out_features * 31 + in_features)
+    x = torch.randn(rows, in_features, generator=g)
+    w = torch.randn(out_features, in_features, generator=g)
+    b = torch.randn(out_features, generator=g) if with_bias else None
+    got = packed_linear(x, PackedWeight.pack(w), b)
+    ref = reference_linear(x, w, b)
+    assert got.shape == ref.shape == (rows, out_features) and got.is_contiguous()
+    # One running fp32 sum per output: as close to the exact value as F.linear's blocked sums are.
+    tol = 2 * (ref - _exact(x, w, b)).abs().max().item() + 4e-6 * in_features
+    assert (got - _exact(x, w, b)).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("num_threads", [1, 2, 3, 64])
+def test_thread_split_is_bitwise_the_same(num_threads):
+    """Threads split whole 16-feature panels, so every output is the same sum whatever the split."""
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(9, 48, generator=g), torch.randn(333, 48, generator=g)
+    packed = PackedWeight.pack(w)
+    assert torch.equal(packed_linear(x, packed, num_threads=num_threads), packed_linear(x, packed, num_threads=1))
+
+
+def test_leading_dims_and_non_contiguous_inputs():
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(64, 40, generator=g).T.contiguous().T[:, :20]  # [64, 20] view with strides (1, 64)
+    x = torch.randn(2, 3, 40, generator=g)[..., ::2]  # [2, 3, 20], non-contiguous
+    got = packed_linear(x, PackedWeight.pack(w))
+    torch.testing.assert_close(got, reference_linear(x, w), rtol=1e-5, atol=1e-5)
+    assert got.shape == (2, 3, 64)
+
+
+def test_bad_inputs_are_refused():
+    w = torch.randn(20, 8)
+    packed = PackedWeight.pack(w)
+    with pytest.raises(ValueError, match="at most 64 rows"):
+        packed_linear(torch.randn(MAX_ROWS + 1, 8), packed)
+    with pytest.raises(ValueError, match="float32 CPU"):
+        packed_linear(torch.randn(2, 8, dtype=torch.float64), packed)
+    with pytest.raises(ValueError, match=r"\[\.\.\., 8\]"):
+        packed_linear(torch.randn(2, 9), packed)
+    with pytest.raises(ValueError, match="bias"):
+        packed_linear(torch.randn(2, 8), packed, torch.randn(19))
+    with pytest.raises(ValueError, match="2-D float32 CPU"):
+        PackedWeight.pack(w.half())
+
+
+def test_vocab_projection_uses_the_kernel_for_decode_steps_only():
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(777, 32, generator=g)
+    packed = pack_projection(w)
+    assert packed is not None and pack_projection(w.double()) is None
+    few, many = torch.randn(MAX_ROWS, 32, generator=g), torch.randn(MAX_ROWS + 1, 32, generator=g)
+    assert torch.equal(vocab_projection(few, w, packed), packed_linear(few, packed))
+    assert torch.equal(vocab_projection(many, w, packed), linear(many, w))  # prefill-sized: MKL
+    assert torch.equal(vocab_projection(few, w, None), linear(few, w))
