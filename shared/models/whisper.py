@@ -260,7 +260,9 @@ class WhisperForConditionalGeneration(nn.Module):
         if input_features.dim() != 3 or tuple(input_features.shape[1:]) != (c.num_mel_bins, 2 * c.max_source_positions):
             raise ValueError(f"encoder expects [B, {c.num_mel_bins}, {2 * c.max_source_positions}] features, got {list(input_features.shape)}")
         x = F.gelu(self.conv1(input_features.to(self.dtype)))  # [B, d, 3000]
-        x = F.gelu(self.conv2(x)).transpose(1, 2)  # [B, 1500, d]
+        # Contiguous once here: a transposed x would keep its layout through every residual add, and each
+        # layer norm and linear would copy it again (~20 ms of a ~480 ms tiny.en encode on 2 cores).
+        x = F.gelu(self.conv2(x)).transpose(1, 2).contiguous()  # [B, 1500, d]
         x = x + self.encoder_positions
         for layer in self.encoder_layers:
             x = layer(x)
@@ -273,11 +275,20 @@ class WhisperForConditionalGeneration(nn.Module):
         ``[B, S, d_model]`` -> ``[num_decoder_layers, 2, B, S, num_heads, head_dim]``
         (index 0 = K, 1 = V), in the model dtype.
         """
-        b, s, _ = encoder_out.shape
+        b, s, d = encoder_out.shape
         c = self.config
-        x = encoder_out.to(self.dtype)
-        kv = torch.stack([layer.cross_kv(x) for layer in self.decoder_layers])  # [L, B, S, 2*d]
-        return kv.view(c.decoder_layers, b, s, 2, c.num_heads, c.head_dim).permute(0, 3, 1, 2, 4, 5).contiguous()
+        x = encoder_out.to(self.dtype).reshape(b * s, d)  # [B*S, d]
+        out = torch.empty(c.decoder_layers, 2, b, s, c.num_heads, c.head_dim, dtype=self.dtype, device=x.device)
+        # Each K / V product lands in its final place (no stacked [L, B, S, 2d] copy permuted afterwards:
+        # 58 -> 51 ms per tiny.en clip alone, 68 -> 46 ms per clip in a batch of 8, bit-identical).
+        for layer_out, layer in zip(out, self.decoder_layers):
+            proj = layer.cross_kv
+            if not isinstance(proj, nn.Linear):  # e.g. int8 (shared.models.quantize): one product, copied into place
+                layer_out.copy_(proj(x).view(b, s, 2, c.num_heads, c.head_dim).permute(2, 0, 1, 3, 4))
+                continue
+            for i in range(2):  # weight rows: k, then v
+                torch.addmm(proj.bias[i * d : (i + 1) * d], x, proj.weight[i * d : (i + 1) * d].t(), out=layer_out[i].view(b * s, d))
+        return out
 
     @torch.inference_mode()
     def forward(
