@@ -23,7 +23,7 @@ differ from it by float32 rounding only (one running sum per output).
 
 The C library is built by ``pip install`` (setup.py, x86-64 only); where it
 is missing or the CPU lacks AVX2/FMA, ``is_available()`` is False and callers
-keep ``F.linear``.
+keep ``F.linear``. Inference only: outputs carry no autograd graph.
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ __all__ = ["MAX_ROWS", "PackedWeight", "is_available", "packed_linear", "referen
 
 MAX_ROWS = 64  # from about here on MKL's F.linear (compute-bound, weight reused) is as fast
 _LIB_GLOB = "_packed_linear*.so"
+_UNAVAILABLE = ("the packed_linear kernel is not available: kernels/_packed_linear*.so was not built (no C compiler "
+                "when the package was installed, or not x86-64 Linux) or this CPU lacks AVX2/FMA")
 
 
 @lru_cache(maxsize=1)
@@ -79,6 +81,14 @@ class PackedWeight:
     out_features: int
     in_features: int
 
+    def __post_init__(self) -> None:
+        """Raises ValueError unless ``data`` is a contiguous float32 CPU tensor of the packed size (the kernel trusts it)."""
+        size = -(-self.out_features // 16) * 16 * self.in_features
+        if (self.out_features < 0 or self.in_features < 0 or self.data.dtype != torch.float32 or self.data.device.type != "cpu"
+                or not self.data.is_contiguous() or self.data.numel() != size):
+            raise ValueError(f"PackedWeight data must be {size} contiguous float32 CPU values for a [{self.out_features}, "
+                             f"{self.in_features}] weight; build it with PackedWeight.pack")
+
     @classmethod
     def pack(cls, weight: torch.Tensor) -> "PackedWeight":
         """Packs a contiguous-or-not ``[N, K]`` float32 CPU weight.
@@ -89,7 +99,7 @@ class PackedWeight:
         """
         lib = _library()
         if lib is None:
-            raise RuntimeError("the packed_linear kernel is not built for this machine (needs x86-64 with AVX2 and FMA)")
+            raise RuntimeError(_UNAVAILABLE)
         if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
             raise ValueError(f"PackedWeight.pack takes a 2-D float32 CPU weight, got {weight.dtype} {tuple(weight.shape)} on {weight.device}")
         n, k = weight.shape
@@ -114,18 +124,22 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | No
         ``[..., out_features]`` float32, contiguous.
 
     Raises:
+        RuntimeError: the kernel is not available (see ``is_available``).
         ValueError: wrong dtype, device, feature count or more than ``MAX_ROWS`` rows.
     """
     lib = _library()
     if lib is None:
-        raise RuntimeError("the packed_linear kernel is not built for this machine (needs x86-64 with AVX2 and FMA)")
+        raise RuntimeError(_UNAVAILABLE)
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != weight.in_features:
         raise ValueError(f"packed_linear takes float32 CPU [..., {weight.in_features}] input, got {x.dtype} {tuple(x.shape)} on {x.device}")
-    rows = x.numel() // weight.in_features if weight.in_features else 0
+    rows = x.shape[:-1].numel()
     if rows > MAX_ROWS:
         raise ValueError(f"packed_linear takes at most {MAX_ROWS} rows, got {rows}; use F.linear")
     if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (weight.out_features,)):
         raise ValueError(f"bias must be float32 [{weight.out_features}], got {bias.dtype} {tuple(bias.shape)}")
+    if weight.in_features == 0:  # empty sums: the bias alone, as F.linear
+        out = torch.zeros(rows, weight.out_features) + (bias if bias is not None else 0.0)
+        return out.view(*x.shape[:-1], weight.out_features)
     x2 = x.reshape(rows, weight.in_features).contiguous()
     out = torch.empty(rows, weight.out_features, dtype=torch.float32)
     b = bias.contiguous() if bias is not None else None

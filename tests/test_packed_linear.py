@@ -8,7 +8,7 @@ import torch
 from kernels.packed_linear import MAX_ROWS, PackedWeight, is_available, packed_linear, reference_linear
 from shared.models.linear import linear, pack_projection, vocab_projection
 
-pytestmark = pytest.mark.skipif(not is_available(), reason="packed_linear is built for x86-64 with AVX2/FMA only")
+pytestmark = pytest.mark.skipif(not is_available(), reason="kernels/_packed_linear*.so not built (no C compiler at install, not x86-64 Linux) or no AVX2/FMA")
 
 
 def _exact(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -64,6 +64,16 @@ def test_bad_inputs_are_refused():
         packed_linear(torch.randn(2, 8), packed, torch.randn(19))
     with pytest.raises(ValueError, match="2-D float32 CPU"):
         PackedWeight.pack(w.half())
+    with pytest.raises(ValueError, match="build it with PackedWeight.pack"):  # the kernel would read past a short buffer
+        PackedWeight(torch.empty(0), 100_000, 8)
+
+
+def test_empty_dimensions_follow_f_linear():
+    g = torch.Generator().manual_seed(2)
+    for rows, out_features, in_features in [(0, 5, 8), (3, 0, 8), (3, 17, 0)]:
+        x, w, b = torch.randn(rows, in_features, generator=g), torch.randn(out_features, in_features, generator=g), torch.randn(out_features, generator=g)
+        for bias in (None, b):
+            torch.testing.assert_close(packed_linear(x, PackedWeight.pack(w), bias), reference_linear(x, w, bias))
 
 
 def test_vocab_projection_uses_the_kernel_for_decode_steps_only():
