@@ -28,11 +28,10 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from kernels.attention_backend import paged_attention
-from kernels.packed_linear import PackedWeight
 from kernels.paged_attention import write_kv
 from shared.attention_metadata import AttentionMetadata
 from shared.models.hf_checkpoint import TextGenerationDefaults, copy_weights, linear_names, load_hf_weights, read_json
-from shared.models.linear import Linear, pack_projection, vocab_projection
+from shared.models.linear import Linear, PackedOutputProjection
 
 __all__ = ["BartConfig", "BartForConditionalGeneration", "sinusoidal_positions"]
 
@@ -202,7 +201,7 @@ def _norm_names(p: str, block: Block) -> dict[str, torch.Tensor]:
     return {f"{p}.weight": block.norm.weight, f"{p}.bias": block.norm.bias}
 
 
-class BartForConditionalGeneration(nn.Module):
+class BartForConditionalGeneration(PackedOutputProjection, nn.Module):
     """BART-family encoder + paged decoder. Build with ``from_pretrained`` (an HF directory)."""
 
     input_modality = "text"
@@ -217,7 +216,6 @@ class BartForConditionalGeneration(nn.Module):
         self.encoder = Stack(c, EncoderLayer, c.encoder_layers, enc_embed)
         self.decoder = Stack(c, DecoderLayer, c.decoder_layers, dec_embed)
         self.lm_head = None if c.tie_word_embeddings else Linear(c.d_model, c.vocab_size, bias=False)
-        self.packed_projection: PackedWeight | None = None  # pack_output_projection()
         self.register_buffer("final_logits_bias", torch.zeros(1, c.vocab_size))
 
     @classmethod
@@ -307,16 +305,7 @@ class BartForConditionalGeneration(nn.Module):
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, d_model]`` -> ``[N, vocab_size]`` float32: ``lm_head(hidden) + final_logits_bias``."""
-        return (vocab_projection(hidden, self._projection_weight(), self.packed_projection) + self.final_logits_bias).float()
+        return (self._vocab_projection(hidden) + self.final_logits_bias).float()
 
     def _projection_weight(self) -> torch.Tensor:
         return self.lm_head.weight if self.lm_head is not None else self.decoder.embed_tokens.weight
-
-    def pack_output_projection(self) -> bool:
-        """Packs the output projection for ``kernels.packed_linear`` (CPU float32 decode steps).
-
-        Returns whether it was packed (``shared.models.linear.pack_projection``
-        says when it is not). Call after the weights reached their device.
-        """
-        self.packed_projection = pack_projection(self._projection_weight())
-        return self.packed_projection is not None

@@ -30,7 +30,7 @@ from torch import nn
 
 from kernels.packed_linear import MAX_ROWS, PackedWeight, is_available, packed_linear
 
-__all__ = ["Linear", "SMALL_ROWS", "linear", "pack_projection", "vocab_projection"]
+__all__ = ["Linear", "PackedOutputProjection", "SMALL_ROWS", "linear", "pack_projection", "vocab_projection"]
 
 SMALL_ROWS = 64
 CHUNK = 2048  # output features per product when transposing a large output back (fits in L2)
@@ -92,3 +92,31 @@ def vocab_projection(hidden: torch.Tensor, weight: torch.Tensor, packed: PackedW
     if packed is not None and 0 < rows <= MAX_ROWS and hidden.dtype == torch.float32 and hidden.device.type == "cpu":
         return packed_linear(hidden, packed)
     return linear(hidden, weight)
+
+
+class PackedOutputProjection:
+    """Mixin of the encoder-decoder models: their vocabulary projection, packed on request.
+
+    The model defines ``_projection_weight()`` (its ``[vocab, d]`` output
+    projection weight) and computes logits with ``_vocab_projection(hidden)``;
+    the decoder service calls ``pack_output_projection()`` once the weights are
+    on their device.
+    """
+
+    packed_projection: PackedWeight | None = None  # set by pack_output_projection()
+
+    def _projection_weight(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def pack_output_projection(self) -> bool:
+        """Packs the output projection for ``kernels.packed_linear`` (CPU float32 decode steps).
+
+        Returns whether it was packed (``pack_projection`` says when it is not).
+        Call after the weights reached their device.
+        """
+        self.packed_projection = pack_projection(self._projection_weight())
+        return self.packed_projection is not None
+
+    def _vocab_projection(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, d] -> [N, vocab]`` through ``vocab_projection`` (the packed copy where there is one)."""
+        return vocab_projection(hidden, self._projection_weight(), self.packed_projection)

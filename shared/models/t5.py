@@ -27,11 +27,10 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from kernels.attention_backend import paged_attention
-from kernels.packed_linear import PackedWeight
 from kernels.paged_attention import write_kv
 from shared.attention_metadata import AttentionMetadata
 from shared.models.hf_checkpoint import TextGenerationDefaults, copy_weights, load_hf_weights, max_source_positions, read_json
-from shared.models.linear import Linear, pack_projection, vocab_projection
+from shared.models.linear import Linear, PackedOutputProjection
 
 __all__ = ["T5Config", "T5ForConditionalGeneration", "relative_position_bucket"]
 
@@ -179,7 +178,7 @@ class DecoderLayer(nn.Module):
         return x + self.ffn(self.ffn_norm(x))
 
 
-class T5ForConditionalGeneration(nn.Module):
+class T5ForConditionalGeneration(PackedOutputProjection, nn.Module):
     """T5 encoder + paged decoder. Build with ``from_pretrained`` (an HF directory)."""
 
     input_modality = "text"
@@ -196,7 +195,6 @@ class T5ForConditionalGeneration(nn.Module):
         self.decoder_layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.decoder_layers))
         self.decoder_norm = RMSNorm(c.d_model, c.eps)
         self.lm_head = None if c.tie_word_embeddings else Linear(c.d_model, c.vocab_size, bias=False)
-        self.packed_projection: PackedWeight | None = None  # pack_output_projection()
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32) -> "T5ForConditionalGeneration":
@@ -305,16 +303,7 @@ class T5ForConditionalGeneration(nn.Module):
         """``[N, d_model]`` -> ``[N, vocab_size]`` float32 (v1.0: hidden scaled by ``d_model ** -0.5``)."""
         if self.config.scale_decoder_outputs:
             hidden = hidden * self.config.d_model**-0.5
-        return vocab_projection(hidden, self._projection_weight(), self.packed_projection).float()
+        return self._vocab_projection(hidden).float()
 
     def _projection_weight(self) -> torch.Tensor:
         return self.lm_head.weight if self.lm_head is not None else self.shared.weight
-
-    def pack_output_projection(self) -> bool:
-        """Packs the output projection for ``kernels.packed_linear`` (CPU float32 decode steps).
-
-        Returns whether it was packed (``shared.models.linear.pack_projection``
-        says when it is not). Call after the weights reached their device.
-        """
-        self.packed_projection = pack_projection(self._projection_weight())
-        return self.packed_projection is not None

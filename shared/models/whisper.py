@@ -22,11 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.attention_backend import contiguous_cross_attention, paged_attention
-from kernels.packed_linear import PackedWeight
 from kernels.paged_attention import write_kv
 from shared.attention_metadata import AttentionMetadata
 from shared.models.ct2_reader import load_ct2_weights
-from shared.models.linear import Linear, pack_projection, vocab_projection
+from shared.models.linear import Linear, PackedOutputProjection
 from shared.models.whisper_features import load_tokenizer, log_mel_spectrogram, special_token_ids
 
 __all__ = [
@@ -157,7 +156,7 @@ class DecoderLayer(nn.Module):
         return x + self.fc2(F.gelu(self.fc1(self.ffn_norm(x))))
 
 
-class WhisperForConditionalGeneration(nn.Module):
+class WhisperForConditionalGeneration(PackedOutputProjection, nn.Module):
     """Whisper encoder + paged decoder. Build with ``from_pretrained``."""
 
     def __init__(self, config: WhisperConfig, generation: WhisperGenerationDefaults | None = None) -> None:
@@ -174,7 +173,6 @@ class WhisperForConditionalGeneration(nn.Module):
         self.decoder_layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.decoder_layers))
         self.decoder_norm = nn.LayerNorm(c.d_model)
         self.output_projection: nn.Module | None = None  # None: vocab_projection() with embed_tokens (tied)
-        self.packed_projection: PackedWeight | None = None  # pack_output_projection()
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32) -> "WhisperForConditionalGeneration":
@@ -325,22 +323,16 @@ class WhisperForConditionalGeneration(nn.Module):
         """
         if self.output_projection is not None:  # e.g. int8 (shared.models.quantize)
             return self.output_projection(hidden).float()
-        return vocab_projection(hidden, self.embed_tokens.weight, self.packed_projection).float()
+        return self._vocab_projection(hidden).float()
+
+    def _projection_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight
 
     @property
     def output_projection_weight(self) -> torch.Tensor:
         """``[vocab_size, d_model]``: the tied output projection (the decoder embeddings)."""
-        return self.embed_tokens.weight
+        return self._projection_weight()
 
     def set_output_projection(self, module: nn.Module) -> None:
         """Replaces the tied projection in ``compute_logits`` (``[N, d] -> [N, vocab]``)."""
         self.output_projection = module
-
-    def pack_output_projection(self) -> bool:
-        """Packs the output projection for ``kernels.packed_linear`` (CPU float32 decode steps).
-
-        Returns whether it was packed (``shared.models.linear.pack_projection``
-        says when it is not). Call after the weights reached their device.
-        """
-        self.packed_projection = pack_projection(self.embed_tokens.weight)
-        return self.packed_projection is not None
