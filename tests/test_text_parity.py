@@ -69,7 +69,7 @@ def engine_greedy(model, tokenizer, srcs: list[list[int]], max_new: int) -> list
 def test_greedy_and_logits_match_hf(text_checkpoints, arch):
     path = text_checkpoints[arch]
     model, tokenizer, hf = load_model(path), load_tokenizer(path), hf_model(path)
-    model.pack_output_projection()  # as the decoder service loads it (kernels/packed_linear.py where it runs)
+    model.pack_decode_weights()  # as the decoder service loads it (kernels/packed_linear.py where it runs)
     srcs = sources(tokenizer)
     expected = [hf_greedy(hf, s, MAX_NEW) for s in srcs]
     got = engine_greedy(model, tokenizer, srcs, MAX_NEW)

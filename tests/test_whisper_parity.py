@@ -25,9 +25,9 @@ def model_dir(whisper_model_dir) -> Path:
 
 @pytest.fixture(scope="module")
 def ours(model_dir):
-    """Loaded as the decoder service does: output projection packed where the CPU kernel runs."""
+    """Loaded as the decoder service does: decode-step weights packed where the CPU kernel runs."""
     model = load_model(model_dir)
-    model.pack_output_projection()
+    model.pack_decode_weights()
     return model
 
 

@@ -20,17 +20,17 @@
  * differently), so results differ from F.linear by float rounding only.
  *
  * Plain C ABI, loaded with ctypes by kernels/packed_linear.py (no Python.h).
- * Work is split over N across `num_threads` POSIX threads (the caller is one
- * of them); the AVX2/FMA code is compiled per function (target attribute)
- * and refused at run time on CPUs without it.
+ * Work is split over N across `num_threads` POSIX threads (parallel.h); the
+ * AVX2/FMA code is compiled per function (target attribute) and refused at
+ * run time on CPUs without it.
  */
 #include <immintrin.h>
-#include <pthread.h>
 #include <stddef.h>
+
+#include "parallel.h"
 
 #define PANEL 16 /* output features per panel: two 8-float AVX registers */
 #define MR_MAX 6 /* rows of x per micro-kernel call */
-#define MAX_THREADS 64
 #define TARGET __attribute__((target("avx2,fma")))
 
 int packed_linear_supported(void) {
@@ -79,13 +79,15 @@ static const micro_kernel_t MICRO_KERNELS[MR_MAX + 1] = {0, micro_kernel_1, micr
 typedef struct {
     const float *x, *wp, *bias;
     float* out;
-    size_t m, n, k, first_panel, end_panel;
+    size_t m, n, k;
 } job_t;
 
-TARGET static void run_job(const job_t* j) {
+/* Panels [first_panel, end_panel) of the output. */
+TARGET static void run_panels(const void* ctx, size_t first_panel, size_t end_panel) {
+    const job_t* j = (const job_t*)ctx;
     __m256 acc[2 * MR_MAX];
     float tail[PANEL];
-    for (size_t p = j->first_panel; p < j->end_panel; p++) {
+    for (size_t p = first_panel; p < end_panel; p++) {
         size_t n0 = p * PANEL, valid = j->n - n0 < PANEL ? j->n - n0 : PANEL;
         const float* pw = j->wp + p * j->k * PANEL;
         __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
@@ -112,37 +114,11 @@ TARGET static void run_job(const job_t* j) {
     }
 }
 
-static void* run_thread(void* arg) {
-    run_job((const job_t*)arg);
-    return NULL;
-}
-
 /* x [m, k], wp packed from w [n, k], bias [n] or NULL, out [m, n]; all contiguous float32.
  * Returns 0, or -1 if a worker thread could not be started (its panels then run on the caller). */
 int packed_linear(const float* x, const float* wp, const float* bias, float* out, size_t m, size_t n, size_t k,
                   int num_threads) {
-    size_t panels = (n + PANEL - 1) / PANEL;
-    if (m == 0 || panels == 0) return 0;
-    if (num_threads < 1) num_threads = 1;
-    if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
-    if ((size_t)num_threads > panels) num_threads = (int)panels;
-    job_t jobs[MAX_THREADS];
-    pthread_t threads[MAX_THREADS];
-    int started[MAX_THREADS] = {0}, rc = 0;
-    size_t per = (panels + num_threads - 1) / num_threads;
-    for (int t = 0; t < num_threads; t++) {
-        size_t a = t * per < panels ? t * per : panels, b = a + per < panels ? a + per : panels;
-        jobs[t] = (job_t){x, wp, bias, out, m, n, k, a, b};
-    }
-    for (int t = 1; t < num_threads; t++) started[t] = pthread_create(&threads[t], NULL, run_thread, &jobs[t]) == 0;
-    run_job(&jobs[0]);
-    for (int t = 1; t < num_threads; t++) {
-        if (started[t]) {
-            pthread_join(threads[t], NULL);
-        } else {
-            run_job(&jobs[t]);
-            rc = -1;
-        }
-    }
-    return rc;
+    if (m == 0) return 0;
+    job_t job = {x, wp, bias, out, m, n, k};
+    return parallel_for(run_panels, &job, (n + PANEL - 1) / PANEL, num_threads);
 }

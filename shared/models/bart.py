@@ -31,7 +31,7 @@ from kernels.attention_backend import paged_attention
 from kernels.paged_attention import write_kv
 from shared.attention_metadata import AttentionMetadata
 from shared.models.hf_checkpoint import TextGenerationDefaults, copy_weights, linear_names, load_hf_weights, read_json
-from shared.models.linear import Linear, PackedOutputProjection
+from shared.models.linear import FusedPacked, Linear, PackedDecodeWeights, fused_products, pack_fused
 
 __all__ = ["BartConfig", "BartForConditionalGeneration", "sinusoidal_positions"]
 
@@ -96,8 +96,14 @@ class Attention(nn.Module):
         self.h, self.dh = heads, d // heads
         self.q_proj, self.k_proj, self.v_proj, self.out_proj = (Linear(d, d) for _ in range(4))
 
+    packed_qkv: FusedPacked | None = None  # set by DecoderLayer.pack_decode_weights (self-attention)
+
     def names(self, p: str) -> dict[str, torch.Tensor]:
         return {k: v for n in ("q_proj", "k_proj", "v_proj", "out_proj") for k, v in linear_names(f"{p}.{n}", getattr(self, n)).items()}
+
+    def qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``[T, d] -> 3 x [T, d]``: q, k, v (one packed product on decode steps once packed)."""
+        return fused_products(h, (self.q_proj, self.k_proj, self.v_proj), self.packed_qkv)
 
 
 class Block(nn.Module):
@@ -144,7 +150,7 @@ class DecoderLayer(nn.Module):
 
         def self_attend(h: torch.Tensor) -> torch.Tensor:
             a = self.self_attn
-            q, k, v = (p(h).view(t, a.h, a.dh) for p in (a.q_proj, a.k_proj, a.v_proj))  # [T, H, Dh]
+            q, k, v = (p.view(t, a.h, a.dh) for p in a.qkv(h))  # [T, H, Dh]
             write_kv(self_kv[0], self_kv[1], k, v, md.slot_mapping)
             out = paged_attention(q, self_kv[0], self_kv[1], md.block_tables, md.seq_lens, md.query_start_loc, causal=True,
                                   scale=a.dh**-0.5, max_query_len=md.max_query_len, max_context_len=md.max_seq_len,
@@ -161,6 +167,13 @@ class DecoderLayer(nn.Module):
         x = self.self_block(x, self_attend)
         x = self.cross_block(x, cross_attend)
         return self.ffn_block(x, lambda h: self.fc2(self.act(self.fc1(h))))
+
+    def pack_decode_weights(self) -> int:
+        """Packs this layer's decode-step products (self q/k/v fused); returns the bytes added."""
+        a, c = self.self_attn, self.encoder_attn
+        a.packed_qkv = pack_fused((a.q_proj, a.k_proj, a.v_proj))
+        fused = a.packed_qkv.weight.data.nbytes if a.packed_qkv is not None else 0
+        return fused + sum(m.pack() for m in (a.out_proj, c.q_proj, c.out_proj, self.fc1, self.fc2))
 
 
 class Stack(nn.Module):
@@ -201,7 +214,7 @@ def _norm_names(p: str, block: Block) -> dict[str, torch.Tensor]:
     return {f"{p}.weight": block.norm.weight, f"{p}.bias": block.norm.bias}
 
 
-class BartForConditionalGeneration(PackedOutputProjection, nn.Module):
+class BartForConditionalGeneration(PackedDecodeWeights, nn.Module):
     """BART-family encoder + paged decoder. Build with ``from_pretrained`` (an HF directory)."""
 
     input_modality = "text"
@@ -309,3 +322,6 @@ class BartForConditionalGeneration(PackedOutputProjection, nn.Module):
 
     def _projection_weight(self) -> torch.Tensor:
         return self.lm_head.weight if self.lm_head is not None else self.decoder.embed_tokens.weight
+
+    def _decoder_layers(self) -> nn.ModuleList:
+        return self.decoder.layers

@@ -20,9 +20,18 @@ transposed back while it is still in cache (a ``[32, 32128]`` transpose
 alone cost 3-4 ms). From about 64 rows on (encoders, long prefills) ``F.linear`` is as fast or
 faster, so those keep it; so do other devices and dtypes. The math is the
 same; only the order of the float32 sums differs (about 1e-7 relative).
+
+Faster still, where the C kernel is built: the decoder service packs the
+weights a decode step multiplies (``PackedDecodeWeights.pack_decode_weights``:
+the vocabulary projection, each decoder layer's ``Linear.pack`` and its
+self-attention q/k/v as one ``pack_fused`` product), and decode-step inputs
+(``decode_rows``) then run ``kernels.packed_linear`` (tables there).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +39,8 @@ from torch import nn
 
 from kernels.packed_linear import MAX_ROWS, PackedWeight, is_available, packed_linear
 
-__all__ = ["Linear", "PackedOutputProjection", "SMALL_ROWS", "linear", "pack_projection", "vocab_projection"]
+__all__ = ["FusedPacked", "Linear", "PackedDecodeWeights", "SMALL_ROWS", "decode_rows", "fused_products", "linear",
+           "pack_fused", "pack_projection", "vocab_projection"]
 
 SMALL_ROWS = 64
 CHUNK = 2048  # output features per product when transposing a large output back (fits in L2)
@@ -57,15 +67,76 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.view(*x.shape[:-1], n)
 
 
+def decode_rows(x: torch.Tensor) -> bool:
+    """Whether ``x`` (``[..., in]``) is a float32 CPU input of 1..``MAX_ROWS`` rows: the packed kernel's case."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return 0 < rows <= MAX_ROWS and x.dtype == torch.float32 and x.device.type == "cpu"
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` whose forward is ``linear`` (same parameters, names and state dict).
 
-    ``shared.models.quantize`` turns these back into plain ``nn.Linear``
-    before torch's dynamic int8 quantization, which matches exact types.
+    ``pack()`` adds a packed copy of the weight (``kernels.packed_linear``)
+    that decode-step inputs (``decode_rows``) then use. ``shared.models.quantize``
+    turns these back into plain ``nn.Linear`` before torch's dynamic int8
+    quantization, which matches exact types.
     """
 
+    packed: PackedWeight | None = None  # set by pack()
+
+    def pack(self) -> int:
+        """Packs the weight for decode steps (``pack_projection``); returns the bytes that added (0: not packed)."""
+        self.packed = pack_projection(self.weight)
+        return self.packed.data.nbytes if self.packed is not None else 0
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and decode_rows(x):
+            return packed_linear(x, self.packed, self.bias)
         return linear(x, self.weight, self.bias)
+
+
+@dataclass(frozen=True)
+class FusedPacked:
+    """Several ``Linear`` layers on the same input packed as one ``[sum(sizes), in]`` weight (e.g. q, k, v).
+
+    Attributes:
+        weight: the packed concatenation of their weights, in order.
+        bias: ``[sum(sizes)]`` float32, their biases concatenated (zeros for
+            a layer without one), or None when none has a bias.
+        sizes: each layer's ``out_features``.
+    """
+
+    weight: PackedWeight
+    bias: torch.Tensor | None
+    sizes: tuple[int, ...]
+
+
+def pack_fused(linears: Iterable[nn.Linear]) -> FusedPacked | None:
+    """The layers' weights (all ``[*, in]``, same ``in``) packed as one product, or None where ``pack_projection`` is.
+
+    Raises:
+        ValueError: the layers' input sizes differ.
+    """
+    linears = list(linears)
+    if len({m.in_features for m in linears}) != 1:
+        raise ValueError(f"pack_fused needs layers of one input size, got {[m.in_features for m in linears]}")
+    packed = pack_projection(torch.cat([m.weight for m in linears]))
+    if packed is None:
+        return None
+    bias = None
+    if any(m.bias is not None for m in linears):
+        bias = torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears]).detach()
+    return FusedPacked(packed, bias, tuple(m.out_features for m in linears))
+
+
+def fused_products(x: torch.Tensor, linears: Iterable[nn.Linear], fused: FusedPacked | None) -> tuple[torch.Tensor, ...]:
+    """``tuple(m(x) for m in linears)``; one packed product (``[..., size]`` views of it) for decode-step inputs.
+
+    ``fused`` must be ``pack_fused(linears)`` or None (then each layer runs on its own).
+    """
+    if fused is not None and decode_rows(x):
+        return packed_linear(x, fused.weight, fused.bias).split(fused.sizes, dim=-1)
+    return tuple(m(x) for m in linears)
 
 
 def pack_projection(weight: torch.Tensor) -> PackedWeight | None:
@@ -88,34 +159,42 @@ def vocab_projection(hidden: torch.Tensor, weight: torch.Tensor, packed: PackedW
     (decode steps), where it runs ~1.3-2x faster than MKL (table in
     ``kernels/packed_linear.py``); prefills and other devices keep ``linear``.
     """
-    rows = hidden.numel() // hidden.shape[-1] if hidden.shape[-1] else 0
-    if packed is not None and 0 < rows <= MAX_ROWS and hidden.dtype == torch.float32 and hidden.device.type == "cpu":
+    if packed is not None and decode_rows(hidden):
         return packed_linear(hidden, packed)
     return linear(hidden, weight)
 
 
-class PackedOutputProjection:
-    """Mixin of the encoder-decoder models: their vocabulary projection, packed on request.
+class PackedDecodeWeights:
+    """Mixin of the encoder-decoder models: the weights of decode steps packed for the CPU kernel, on request.
 
     The model defines ``_projection_weight()`` (its ``[vocab, d]`` output
-    projection weight) and computes logits with ``_vocab_projection(hidden)``;
-    the decoder service calls ``pack_output_projection()`` once the weights are
-    on their device.
+    projection weight) and ``_decoder_layers()``, whose layers each define
+    ``pack_decode_weights() -> int`` (pack what a decode step multiplies:
+    ``Linear.pack``, ``pack_fused``; bytes added). It computes logits with
+    ``_vocab_projection(hidden)``. The decoder service calls
+    ``pack_decode_weights()`` once the weights are on their device.
     """
 
-    packed_projection: PackedWeight | None = None  # set by pack_output_projection()
+    packed_projection: PackedWeight | None = None  # set by pack_decode_weights()
 
     def _projection_weight(self) -> torch.Tensor:
         raise NotImplementedError
 
-    def pack_output_projection(self) -> bool:
-        """Packs the output projection for ``kernels.packed_linear`` (CPU float32 decode steps).
+    def _decoder_layers(self) -> Iterable[nn.Module]:
+        raise NotImplementedError
 
-        Returns whether it was packed (``pack_projection`` says when it is not).
-        Call after the weights reached their device.
+    def pack_decode_weights(self) -> int:
+        """Packs the output projection and the decoder layers' products for ``kernels.packed_linear``.
+
+        Returns the bytes the packed copies take (they sit beside the weights,
+        which prefills and encoders keep using); 0 when nothing was packed:
+        ``pack_projection`` says when (float32 CPU weights, kernel built for
+        this CPU). Call after the weights reached their device.
         """
         self.packed_projection = pack_projection(self._projection_weight())
-        return self.packed_projection is not None
+        if self.packed_projection is None:
+            return 0
+        return self.packed_projection.data.nbytes + sum(layer.pack_decode_weights() for layer in self._decoder_layers())
 
     def _vocab_projection(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, d] -> [N, vocab]`` through ``vocab_projection`` (the packed copy where there is one)."""

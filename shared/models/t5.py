@@ -30,7 +30,7 @@ from kernels.attention_backend import paged_attention
 from kernels.paged_attention import write_kv
 from shared.attention_metadata import AttentionMetadata
 from shared.models.hf_checkpoint import TextGenerationDefaults, copy_weights, load_hf_weights, max_source_positions, read_json
-from shared.models.linear import Linear, PackedOutputProjection
+from shared.models.linear import FusedPacked, Linear, PackedDecodeWeights, fused_products, pack_fused
 
 __all__ = ["T5Config", "T5ForConditionalGeneration", "relative_position_bucket"]
 
@@ -122,6 +122,12 @@ class Attention(nn.Module):
         self.q, self.k, self.v = (Linear(c.d_model, inner, bias=False) for _ in range(3))
         self.o = Linear(inner, c.d_model, bias=False)
 
+    packed_qkv: FusedPacked | None = None  # set by DecoderLayer.pack_decode_weights (self-attention)
+
+    def qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``[T, d] -> 3 x [T, inner]``: q, k, v (one packed product on decode steps once packed)."""
+        return fused_products(h, (self.q, self.k, self.v), self.packed_qkv)
+
 
 class FeedForward(nn.Module):
     def __init__(self, c: T5Config) -> None:
@@ -163,7 +169,7 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, md: AttentionMetadata, self_kv: torch.Tensor, cross_kv: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
         a, h = self.self_attn, self.self_norm(x)
-        q, k, v = (p(h).view(t, a.h, a.dh) for p in (a.q, a.k, a.v))  # [T, H, Dh]
+        q, k, v = (p.view(t, a.h, a.dh) for p in a.qkv(h))  # [T, H, Dh]
         write_kv(self_kv[0], self_kv[1], k, v, md.slot_mapping)
         out = paged_attention(q, self_kv[0], self_kv[1], md.block_tables, md.seq_lens, md.query_start_loc, causal=True, scale=1.0,
                               max_query_len=md.max_query_len, max_context_len=md.max_seq_len, position_bias=bias,
@@ -177,8 +183,15 @@ class DecoderLayer(nn.Module):
         x = x + a.o(out.reshape(t, -1))
         return x + self.ffn(self.ffn_norm(x))
 
+    def pack_decode_weights(self) -> int:
+        """Packs this layer's decode-step products (self q/k/v fused); returns the bytes added."""
+        a, c, f = self.self_attn, self.cross_attn, self.ffn
+        a.packed_qkv = pack_fused((a.q, a.k, a.v))
+        fused = a.packed_qkv.weight.data.nbytes if a.packed_qkv is not None else 0
+        return fused + sum(m.pack() for m in (a.o, c.q, c.o, f.wi_0, f.wi_1, f.wo) if m is not None)
 
-class T5ForConditionalGeneration(PackedOutputProjection, nn.Module):
+
+class T5ForConditionalGeneration(PackedDecodeWeights, nn.Module):
     """T5 encoder + paged decoder. Build with ``from_pretrained`` (an HF directory)."""
 
     input_modality = "text"
@@ -307,3 +320,6 @@ class T5ForConditionalGeneration(PackedOutputProjection, nn.Module):
 
     def _projection_weight(self) -> torch.Tensor:
         return self.lm_head.weight if self.lm_head is not None else self.shared.weight
+
+    def _decoder_layers(self) -> nn.ModuleList:
+        return self.decoder_layers

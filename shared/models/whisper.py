@@ -25,7 +25,7 @@ from kernels.attention_backend import contiguous_cross_attention, paged_attentio
 from kernels.paged_attention import write_kv
 from shared.attention_metadata import AttentionMetadata
 from shared.models.ct2_reader import load_ct2_weights
-from shared.models.linear import Linear, PackedOutputProjection
+from shared.models.linear import Linear, PackedDecodeWeights
 from shared.models.whisper_features import load_tokenizer, log_mel_spectrogram, special_token_ids
 
 __all__ = [
@@ -155,8 +155,12 @@ class DecoderLayer(nn.Module):
         x = x + self.cross_out(a.reshape(t, d))
         return x + self.fc2(F.gelu(self.fc1(self.ffn_norm(x))))
 
+    def pack_decode_weights(self) -> int:
+        """Packs this layer's decode-step products (not ``cross_kv``: the encoder side); returns the bytes added."""
+        return sum(m.pack() for m in (self.self_qkv, self.self_out, self.cross_q, self.cross_out, self.fc1, self.fc2))
 
-class WhisperForConditionalGeneration(PackedOutputProjection, nn.Module):
+
+class WhisperForConditionalGeneration(PackedDecodeWeights, nn.Module):
     """Whisper encoder + paged decoder. Build with ``from_pretrained``."""
 
     def __init__(self, config: WhisperConfig, generation: WhisperGenerationDefaults | None = None) -> None:
@@ -327,6 +331,9 @@ class WhisperForConditionalGeneration(PackedOutputProjection, nn.Module):
 
     def _projection_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight
+
+    def _decoder_layers(self) -> nn.ModuleList:
+        return self.decoder_layers
 
     @property
     def output_projection_weight(self) -> torch.Tensor:

@@ -1,0 +1,124 @@
+"""Decode-step paged attention on CPU, reading K/V blocks in place (``kernels/csrc/paged_decode_attention.c``).
+
+The torch reference (``kernels.paged_attention.paged_attention``) gathers
+every sequence's K/V blocks into a dense copy, builds a mask and calls
+``F.scaled_dot_product_attention``: for a t5-small batch-32 decode step that
+was ~13 ms of the step's ~75 ms (gathers, SDPA, masks) on our 2-core AVX2
+machines. With one query per sequence, this C kernel reads each key and value
+where it lies, once, through the block table. ``kernels.attention_backend``
+sends decode steps of float32 CPU caches here (backend ``torch``) and every
+other case (prefill, half-precision caches, other devices) to the reference;
+tests/test_cpu_paged_attention.py compares the two.
+
+The C library is built by ``pip install`` (setup.py, x86-64 Linux only);
+where it is missing or the CPU lacks AVX2/FMA, ``is_available()`` is False
+and the reference runs. Inference only: no autograd.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import lru_cache
+
+import torch
+
+from kernels._clib import load_library
+
+__all__ = ["applies", "is_available", "paged_decode_attention"]
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.paged_decode_attention.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64,
+                                           ctypes.c_float, ctypes.c_int]
+    lib.paged_decode_attention.restype = ctypes.c_int
+
+
+@lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL | None:
+    return load_library("paged_decode_attention", _declare)
+
+
+def is_available() -> bool:
+    """True if the compiled kernel is installed and this CPU has AVX2 and FMA."""
+    return _library() is not None
+
+
+def applies(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_seqs: int,
+            max_query_len: int | None) -> bool:
+    """Whether ``paged_decode_attention`` can serve this call of the reference.
+
+    True for a decode step (``max_query_len == 1`` and one query per
+    sequence) on float32 CPU query and contiguous caches, when the kernel is
+    available.
+    """
+    return (max_query_len == 1 and query.shape[0] == num_seqs and query.dtype == torch.float32
+            and k_cache.dtype == torch.float32 and v_cache.dtype == torch.float32 and query.device.type == "cpu"
+            and k_cache.device.type == "cpu" and v_cache.device.type == "cpu" and k_cache.is_contiguous()
+            and v_cache.is_contiguous() and is_available())
+
+
+def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                           context_lens: torch.Tensor, scale: float, position_bias: torch.Tensor | None = None,
+                           num_threads: int | None = None) -> torch.Tensor:
+    """One query per sequence over its paged K/V (the reference's decode case).
+
+    Args:
+        query: ``[B, H, D]`` float32 CPU, the query of sequence ``b`` in row ``b``.
+        k_cache: ``[num_blocks, block_size, H, D]`` float32 CPU, contiguous (a
+            cache is never copied).
+        v_cache: same shape as ``k_cache``.
+        block_tables: ``[B, M]`` integer block ids; only the first
+            ``ceil(context_lens[b] / block_size)`` of row ``b`` are read.
+        context_lens: ``[B]`` keys per sequence (a causal query sits at
+            position ``context_lens[b] - 1``; cross-attention: the encoder length).
+        scale: factor on ``q . k``.
+        position_bias: optional ``[H, N]`` T5 bias by causal distance
+            ``context_lens[b] - 1 - j``, clamped to ``N - 1``.
+        num_threads: threads over the ``B * H`` (sequence, head) pairs
+            (default ``torch.get_num_threads()``).
+
+    Returns:
+        ``[B, H, D]`` float32; zeros for a sequence with no key.
+
+    Raises:
+        RuntimeError: the kernel is not available (see ``is_available``).
+        ValueError: wrong dtypes, devices or shapes; a negative length or one
+            past the block table's width; a block id outside the cache.
+    """
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("the paged_decode_attention kernel is not available: kernels/_paged_decode_attention*.so was "
+                           "not built (no C compiler when the package was installed, or not x86-64 Linux) or this CPU "
+                           "lacks AVX2/FMA")
+    b, h, d = query.shape
+    if (query.dtype != torch.float32 or k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32
+            or query.device.type != "cpu" or k_cache.device.type != "cpu" or v_cache.device.type != "cpu"):
+        raise ValueError("paged_decode_attention takes float32 CPU query and caches, got "
+                         f"{query.dtype}/{k_cache.dtype}/{v_cache.dtype} on {query.device}/{k_cache.device}")
+    if (k_cache.dim() != 4 or k_cache.shape != v_cache.shape or tuple(k_cache.shape[2:]) != (h, d) or k_cache.shape[1] < 1
+            or not k_cache.is_contiguous() or not v_cache.is_contiguous()):
+        raise ValueError(f"caches must both be contiguous [num_blocks, block_size >= 1, {h}, {d}], got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if block_tables.dim() != 2 or block_tables.shape[0] != b or tuple(context_lens.shape) != (b,):
+        raise ValueError(f"block_tables must be [{b}, M] and context_lens [{b}], got {tuple(block_tables.shape)} and "
+                         f"{tuple(context_lens.shape)}")
+    if position_bias is not None and (position_bias.dim() != 2 or position_bias.shape[0] != h or position_bias.shape[1] < 1):
+        raise ValueError(f"position_bias must be [{h}, N] with N >= 1, got {tuple(position_bias.shape)}")
+    q, k, v = query.contiguous(), k_cache, v_cache
+    tables = block_tables.to(torch.int64).contiguous()
+    lens = context_lens.to(torch.int64).contiguous()
+    bias = position_bias.to(torch.float32).contiguous() if position_bias is not None else None
+    out = torch.empty(b, h, d, dtype=torch.float32)
+    if b == 0 or h == 0 or d == 0:
+        return out.zero_()
+    rc = lib.paged_decode_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), tables.data_ptr(), tables.shape[1],
+                                    lens.data_ptr(), bias.data_ptr() if bias is not None else None,
+                                    bias.shape[1] if bias is not None else 0, out.data_ptr(), b, h, d, k.shape[0],
+                                    k.shape[1], float(scale), num_threads or torch.get_num_threads())
+    if rc == -2:
+        raise ValueError(f"context_lens must be >= 0 and fit the block table ({tables.shape[1]} blocks of {k.shape[1]}), "
+                         f"got {lens.tolist()}")
+    if rc == -3:
+        raise ValueError(f"block_tables holds a block id outside the cache's {k.shape[0]} blocks")
+    return out

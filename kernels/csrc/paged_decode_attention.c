@@ -1,0 +1,174 @@
+/* Decode-step attention over a paged float32 KV cache, read in place (CPU).
+ *
+ * One query per sequence (a decode step): for sequence b and head h,
+ *
+ *     s_j   = scale * q[b, h] . k_j  (+ bias[h, min(L_b - 1 - j, N - 1)])   j < L_b
+ *     out   = sum_j softmax(s)_j v_j
+ *
+ * where key j of sequence b lives in block block_tables[b, j / block_size]
+ * at offset j % block_size of k_cache / v_cache [num_blocks, block_size, H, D]
+ * (the layout of kernels/paged_attention.py, whose torch reference gathers
+ * the blocks into a dense copy first; this kernel never builds that copy).
+ * The optional bias is T5's relative position bias by causal distance, the
+ * query sitting at position L_b - 1. A sequence with L_b == 0 gets zeros.
+ *
+ * Softmax is the usual max-subtracted one over a per-thread score buffer; exp is the Cephes expf range reduction and polynomial
+ * (S. L. Moshier, Cephes Math Library, expf.c), eight lanes at a time.
+ *
+ * Each token's keys (and values) of all heads are adjacent in the cache, so
+ * a sequence's K and V are read token by token, once, front to back, for all
+ * its heads together; a batch of fewer sequences than 2 x threads is split by
+ * heads as well. Plain C ABI, loaded with ctypes by
+ * kernels/cpu_paged_attention.py; work items go to POSIX threads (parallel.h). Block ids
+ * and lengths are checked before anything is read: a bad one returns an error
+ * code instead of reading outside the cache.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "parallel.h"
+
+#define TARGET __attribute__((target("avx2,fma")))
+
+int paged_decode_attention_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+/* exp(x) for x <= 0 (scores minus their max); Cephes expf, max relative error ~2e-7. */
+TARGET static inline __m256 exp_ps(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.3f);
+    x = _mm256_max_ps(x, lo);
+    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+TARGET static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+TARGET static inline float dot(const float* a, const float* b, int64_t d) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= d; i += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+    }
+    for (; i + 8 <= d; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    float s = hsum(_mm256_add_ps(acc0, acc1));
+    for (; i < d; i++) s += a[i] * b[i];
+    return s;
+}
+
+typedef struct {
+    const float *q, *k_cache, *v_cache, *bias;
+    const int64_t *block_tables, *context_lens;
+    float* out;
+    int64_t num_heads, head_dim, block_size, bt_stride, bias_len, max_len, head_groups;
+    float scale;
+} attn_t;
+
+/* Work items [begin, end): item = b * head_groups + g covers sequence b's heads [g H / G, (g + 1) H / G).
+ * Keys and values are read token by token (each token's heads are adjacent in the cache), once per item. */
+TARGET static void run_items(const void* ctx, size_t begin, size_t end) {
+    const attn_t* a = (const attn_t*)ctx;
+    const int64_t H = a->num_heads, D = a->head_dim, bs = a->block_size, G = a->head_groups;
+    float* scores = malloc(sizeof(float) * (size_t)(H * (a->max_len + 8)));  /* [heads, max_len + 8] */
+    float* acc = malloc(sizeof(float) * (size_t)(H * D));
+    if (scores == NULL || acc == NULL) {  /* cannot happen for sane sizes; leave NaN so it is seen */
+        for (size_t it = begin; it < end; it++)
+            for (int64_t i = 0; i < H * D; i++) a->out[(int64_t)it / G * H * D + i] = NAN;
+        free(scores);
+        free(acc);
+        return;
+    }
+    const int64_t stride = a->max_len + 8;
+    for (size_t it = begin; it < end; it++) {
+        const int64_t b = (int64_t)it / G, g = (int64_t)it % G, h0 = g * H / G, h1 = (g + 1) * H / G;
+        const int64_t len = a->context_lens[b], *table = a->block_tables + b * a->bt_stride;
+        const float* q = a->q + b * H * D;
+        float* out = a->out + b * H * D;
+        if (len <= 0) {
+            memset(out + h0 * D, 0, sizeof(float) * (size_t)((h1 - h0) * D));
+            continue;
+        }
+        for (int64_t j = 0; j < len; j++) {  /* scores[h, j] */
+            const float* k = a->k_cache + (table[j / bs] * bs + j % bs) * H * D;
+            const int64_t dist = len - 1 - j, col = a->bias ? (dist < a->bias_len ? dist : a->bias_len - 1) : 0;
+            for (int64_t h = h0; h < h1; h++)
+                scores[h * stride + j] = dot(q + h * D, k + h * D, D) * a->scale + (a->bias ? a->bias[h * a->bias_len + col] : 0.0f);
+        }
+        for (int64_t h = h0; h < h1; h++) {  /* scores[h, :] := exp(s - max) / sum */
+            float* s = scores + h * stride;
+            float mx = -INFINITY;
+            for (int64_t j = 0; j < len; j++) mx = s[j] > mx ? s[j] : mx;
+            for (int64_t j = len; j < len + 8; j++) s[j] = -INFINITY;  /* pads the last vector: exp gives 0 */
+            __m256 vmx = _mm256_set1_ps(mx), vsum = _mm256_setzero_ps();
+            for (int64_t j = 0; j < len; j += 8) {
+                __m256 x = _mm256_loadu_ps(s + j);
+                __m256 e = _mm256_and_ps(exp_ps(_mm256_sub_ps(x, vmx)), _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ));
+                _mm256_storeu_ps(s + j, e);
+                vsum = _mm256_add_ps(vsum, e);
+            }
+            const float inv = 1.0f / hsum(vsum);
+            for (int64_t j = 0; j < len; j++) s[j] *= inv;
+        }
+        memset(acc + h0 * D, 0, sizeof(float) * (size_t)((h1 - h0) * D));
+        for (int64_t j = 0; j < len; j++) {  /* acc[h] += p[h, j] v_j[h] */
+            const float* v = a->v_cache + (table[j / bs] * bs + j % bs) * H * D;
+            for (int64_t h = h0; h < h1; h++) {
+                const float p = scores[h * stride + j];
+                const __m256 w = _mm256_set1_ps(p);
+                float *o = acc + h * D;
+                const float* vh = v + h * D;
+                int64_t i = 0;
+                for (; i + 8 <= D; i += 8) _mm256_storeu_ps(o + i, _mm256_fmadd_ps(w, _mm256_loadu_ps(vh + i), _mm256_loadu_ps(o + i)));
+                for (; i < D; i++) o[i] += p * vh[i];
+            }
+        }
+        memcpy(out + h0 * D, acc + h0 * D, sizeof(float) * (size_t)((h1 - h0) * D));
+    }
+    free(scores);
+    free(acc);
+}
+
+/* q [B, H, D]; k_cache, v_cache [num_blocks, block_size, H, D]; block_tables [B, bt_stride];
+ * context_lens [B]; bias [H, bias_len] or NULL; out [B, H, D]. All contiguous; float32 / int64.
+ * Returns 0; -1 if a worker thread could not be started (its pairs then ran on the caller);
+ * -2 if a length is negative or needs more than bt_stride blocks; -3 if a block id that would
+ * be read is outside [0, num_blocks). Nothing is read or written on -2 / -3. */
+int paged_decode_attention(const float* q, const float* k_cache, const float* v_cache, const int64_t* block_tables,
+                           int64_t bt_stride, const int64_t* context_lens, const float* bias, int64_t bias_len, float* out,
+                           int64_t batch, int64_t num_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size,
+                           float scale, int num_threads) {
+    int64_t max_len = 0;
+    for (int64_t b = 0; b < batch; b++) {
+        const int64_t len = context_lens[b], used = (len + block_size - 1) / block_size;
+        if (len < 0 || used > bt_stride) return -2;
+        for (int64_t i = 0; i < used; i++)
+            if (block_tables[b * bt_stride + i] < 0 || block_tables[b * bt_stride + i] >= num_blocks) return -3;
+        max_len = len > max_len ? len : max_len;
+    }
+    /* Whole sequences per work item when there are enough of them for the threads; else heads are split too. */
+    int64_t groups = num_threads < 1 ? 1 : (2 * (int64_t)num_threads + batch - 1) / (batch > 0 ? batch : 1);
+    groups = groups < 1 ? 1 : groups > num_heads ? num_heads : groups;
+    attn_t a = {q, k_cache, v_cache, bias, block_tables, context_lens, out,
+                num_heads, head_dim, block_size, bt_stride, bias_len, max_len, groups, scale};
+    return parallel_for(run_items, &a, (size_t)(batch * groups), num_threads);
+}

@@ -1,0 +1,115 @@
+"""kernels/cpu_paged_attention.py (C, AVX2) against its torch reference ``kernels.paged_attention``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import attention_backend
+from kernels.cpu_paged_attention import applies, is_available, paged_decode_attention
+from kernels.paged_attention import paged_attention as reference
+
+pytestmark = pytest.mark.skipif(not is_available(), reason="kernels/_paged_decode_attention*.so not built (no C compiler at "
+                                "install, not x86-64 Linux) or no AVX2/FMA")
+
+
+def _case(lens: list[int], heads: int, head_dim: int, block_size: int, seed: int, spare_blocks: int = 5):
+    """Random caches with each sequence's blocks at shuffled, non-contiguous ids; table columns past a length hold junk ids."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(1, max(-(-n // block_size) for n in lens))
+    num_blocks = len(lens) * width + spare_blocks
+    k_cache = torch.randn(num_blocks, block_size, heads, head_dim, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, heads, head_dim, generator=g)
+    tables = torch.randperm(num_blocks, generator=g)[: len(lens) * width].view(len(lens), width)
+    query = torch.randn(len(lens), heads, head_dim, generator=g)
+    return query, k_cache, v_cache, tables, torch.tensor(lens)
+
+
+def _reference(query, k_cache, v_cache, tables, lens, scale, bias=None):
+    return reference(query, k_cache, v_cache, tables, lens, torch.arange(len(lens) + 1), causal=True, scale=scale,
+                     max_query_len=1, position_bias=bias)
+
+
+# lengths under / at / over a block, 1, and past the 8-lane vectors; head dims under / at / past 8 lanes
+@pytest.mark.parametrize("lens", [[1], [3, 16, 17, 40], [7, 1, 33, 8, 9, 64]])
+@pytest.mark.parametrize("heads,head_dim", [(1, 8), (2, 5), (3, 20), (8, 64)])
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+def test_matches_reference(lens, heads, head_dim, block_size):
+    query, k, v, tables, lens_t = _case(lens, heads, head_dim, block_size, seed=len(lens) * 100 + heads * 10 + block_size)
+    got = paged_decode_attention(query, k, v, tables, lens_t, head_dim**-0.5)
+    ref = _reference(query, k, v, tables, lens_t, head_dim**-0.5)
+    assert got.shape == (len(lens), heads, head_dim)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("bias_len", [1, 6, 200])
+def test_t5_position_bias_by_distance(bias_len):
+    """T5: bias[h, min(query_pos - key_pos, N - 1)] added to the (unscaled) scores; distances past N clamp."""
+    query, k, v, tables, lens = _case([1, 9, 30], 4, 16, 4, seed=bias_len)
+    bias = torch.randn(4, bias_len, generator=torch.Generator().manual_seed(3)) * 3
+    torch.testing.assert_close(paged_decode_attention(query, k, v, tables, lens, 1.0, bias),
+                               _reference(query, k, v, tables, lens, 1.0, bias), rtol=1e-5, atol=2e-6)
+
+
+def test_long_context_and_large_scores_stay_finite():
+    """Whisper-like 1500 cross keys, and scores in the hundreds (the max is subtracted before exp)."""
+    query, k, v, tables, lens = _case([1500, 1499, 3], 6, 64, 16, seed=7)
+    query = query * 40
+    got = paged_decode_attention(query, k, v, tables, lens, 64**-0.5)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, _reference(query, k, v, tables, lens, 64**-0.5), rtol=1e-4, atol=1e-5)
+
+
+def test_empty_context_gives_zeros_and_others_are_unharmed():
+    query, k, v, tables, lens = _case([0, 5, 0], 2, 8, 4, seed=11)
+    got = paged_decode_attention(query, k, v, tables, lens, 0.3)
+    assert (got[0] == 0).all() and (got[2] == 0).all()
+    torch.testing.assert_close(got, _reference(query, k, v, tables, lens, 0.3), rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("num_threads", [1, 2, 3, 64])
+def test_thread_split_is_bitwise_the_same(num_threads):
+    """Work items are whole (sequence, head group) pairs: any split computes every output the same way."""
+    query, k, v, tables, lens = _case([5, 20, 1, 33, 2], 4, 16, 4, seed=5)
+    one = paged_decode_attention(query, k, v, tables, lens, 0.25, num_threads=1)
+    assert torch.equal(paged_decode_attention(query, k, v, tables, lens, 0.25, num_threads=num_threads), one)
+
+
+def test_bad_inputs_are_refused_before_reading():
+    query, k, v, tables, lens = _case([5, 9], 2, 8, 4, seed=2)
+    with pytest.raises(ValueError, match="outside the cache"):
+        paged_decode_attention(query, k, v, torch.full_like(tables, k.shape[0]), lens, 1.0)
+    with pytest.raises(ValueError, match="outside the cache"):
+        paged_decode_attention(query, k, v, torch.full_like(tables, -1), lens, 1.0)
+    with pytest.raises(ValueError, match="fit the block table"):
+        paged_decode_attention(query, k, v, tables, torch.tensor([5, 4 * tables.shape[1] + 1]), 1.0)
+    with pytest.raises(ValueError, match="fit the block table"):
+        paged_decode_attention(query, k, v, tables, torch.tensor([-1, 5]), 1.0)
+    with pytest.raises(ValueError, match="float32"):
+        paged_decode_attention(query.half(), k, v, tables, lens, 1.0)
+    with pytest.raises(ValueError, match="contiguous"):
+        paged_decode_attention(query, k.transpose(0, 1), v.transpose(0, 1), tables, lens, 1.0)
+    with pytest.raises(ValueError, match="block_tables"):
+        paged_decode_attention(query, k, v, tables[:1], lens, 1.0)
+    with pytest.raises(ValueError, match="position_bias"):
+        paged_decode_attention(query, k, v, tables, lens, 1.0, torch.zeros(2, 0))
+
+
+def test_backend_sends_decode_steps_here_and_the_rest_to_the_reference(monkeypatch):
+    """``attention_backend.paged_attention`` (backend torch): the C kernel for one query per sequence on float32
+    caches; prefill (several queries) and half-precision caches keep the reference; results match either way."""
+    query, k, v, tables, lens = _case([4, 9], 2, 8, 4, seed=9)
+    calls = []
+    real = attention_backend._cpu_decode.paged_decode_attention
+    monkeypatch.setattr(attention_backend._cpu_decode, "paged_decode_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    qsl = torch.arange(3)
+    got = attention_backend.paged_attention(query, k, v, tables, lens, qsl, causal=True, scale=0.5, max_query_len=1)
+    assert calls == [1]
+    torch.testing.assert_close(got, _reference(query, k, v, tables, lens, 0.5), rtol=1e-5, atol=2e-6)
+    # A prefill: 3 queries of the second sequence (positions 6..8), 1 of the first.
+    q3 = torch.randn(4, 2, 8)
+    qsl3 = torch.tensor([0, 1, 4])
+    got = attention_backend.paged_attention(q3, k, v, tables, lens, qsl3, causal=True, scale=0.5, max_query_len=3)
+    assert calls == [1]
+    torch.testing.assert_close(got, reference(q3, k, v, tables, lens, qsl3, causal=True, scale=0.5, max_query_len=3))
+    assert not applies(query, k.half(), v.half(), 2, 1) and not applies(query, k, v, 2, None) and applies(query, k, v, 2, 1)
