@@ -4,11 +4,11 @@ All metadata lives in pyproject.toml. This file only adds a ``build_py`` that
 compiles ``proto/encdec/v1/*.proto`` into ``shared/proto/{name}_pb2.py``,
 ``{name}_pb2.pyi`` and ``{name}_pb2_grpc.py`` before the normal build (it also
 runs for ``pip install -e .``, where the files land in the source tree), an
-``sdist`` that ships the .proto sources, and, on x86-64 Linux, the C libraries of
-``kernels/packed_linear.py`` and ``kernels/cpu_paged_attention.py``
-(``kernels/_<name>*.so``: plain C loaded with ctypes, no Python API). They are
-optional: without a C compiler the install still succeeds and the torch code
-paths run instead.
+``sdist`` that ships the .proto sources, and, on x86-64 Linux, the C library of
+``kernels/packed_linear.py``, ``kernels/cpu_paged_attention.py`` and
+``kernels/cpu_argmax.py`` (``kernels/_cpu_kernels*.so``: plain C loaded with
+ctypes, no Python API, one worker pool for all). It is optional: without a C compiler the install
+still succeeds and the torch code paths run instead.
 
 Why the temporary include root: grpc's generated ``*_pb2_grpc.py`` imports its
 ``*_pb2`` by the .proto's path relative to the include root. Copying the .proto
@@ -104,9 +104,9 @@ def c_kernels() -> list[Extension]:
     """The optional C kernels: x86-64 Linux only (AVX2/FMA code is chosen per function, checked at run time)."""
     if not sys.platform.startswith("linux") or platform.machine().lower() not in ("x86_64", "amd64"):
         return []
-    return [Extension(f"kernels._{name}", [f"kernels/csrc/{name}.c"], depends=["kernels/csrc/parallel.h"],
-                      extra_compile_args=["-O3", "-std=c11"], libraries=["pthread", "m"], optional=True)
-            for name in ("packed_linear", "paged_decode_attention")]
+    sources = [f"kernels/csrc/{name}.c" for name in ("packed_linear", "paged_decode_attention", "argmax", "parallel")]
+    return [Extension("kernels._cpu_kernels", sources, depends=["kernels/csrc/parallel.h"],
+                      extra_compile_args=["-O3", "-std=gnu11"], libraries=["pthread", "m"], optional=True)]
 
 
 setup(cmdclass={"build_py": build_py, "sdist": sdist}, ext_modules=c_kernels())

@@ -1,7 +1,10 @@
-"""Loads the optional C kernels of ``kernels/csrc`` (built by setup.py as ``kernels/_<name>*.so``).
+"""Loads the optional C kernels of ``kernels/csrc`` (built by setup.py as ``kernels/_cpu_kernels*.so``).
 
-Plain C libraries opened with ctypes (no Python API); each exports a
-``<name>_supported()`` that says whether this CPU runs its code (AVX2/FMA).
+One plain C library (no Python API) opened with ctypes: ``packed_linear``,
+``paged_decode_attention``, ``argmax`` and the worker pool they share
+(``parallel.h``).
+Each kernel exports a ``<kernel>_supported()`` that says whether this CPU runs
+its code (AVX2/FMA).
 """
 
 from __future__ import annotations
@@ -10,21 +13,29 @@ import ctypes
 import glob
 import os
 from collections.abc import Callable
+from functools import lru_cache
 
 
-def load_library(name: str, declare: Callable[[ctypes.CDLL], None]) -> ctypes.CDLL | None:
-    """``kernels/_<name>*.so`` with its functions declared, or None.
-
-    None when no such file was built (no C compiler at install time, or not
-    x86-64 Linux), it cannot be opened, or its ``<name>_supported()`` returns 0.
-    """
-    for path in sorted(glob.glob(os.path.join(os.path.dirname(__file__), f"_{name}*.so"))):
+@lru_cache(maxsize=1)
+def _open() -> ctypes.CDLL | None:
+    for path in sorted(glob.glob(os.path.join(os.path.dirname(__file__), "_cpu_kernels*.so"))):
         try:
-            lib = ctypes.CDLL(path)
+            return ctypes.CDLL(path)
         except OSError:
             continue
-        supported = getattr(lib, f"{name}_supported")
-        supported.restype = ctypes.c_int
-        declare(lib)
-        return lib if supported() else None
     return None
+
+
+def load_library(kernel: str, declare: Callable[[ctypes.CDLL], None]) -> ctypes.CDLL | None:
+    """The library with ``kernel``'s functions declared (``declare``), or None.
+
+    None when it was not built (no C compiler at install time, or not x86-64
+    Linux), cannot be opened, or ``<kernel>_supported()`` returns 0.
+    """
+    lib = _open()
+    if lib is None:
+        return None
+    supported = getattr(lib, f"{kernel}_supported")
+    supported.restype = ctypes.c_int
+    declare(lib)
+    return lib if supported() else None

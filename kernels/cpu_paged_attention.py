@@ -88,7 +88,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     """
     lib = _library()
     if lib is None:
-        raise RuntimeError("the paged_decode_attention kernel is not available: kernels/_paged_decode_attention*.so was "
+        raise RuntimeError("the paged_decode_attention kernel is not available: kernels/_cpu_kernels*.so was "
                            "not built (no C compiler when the package was installed, or not x86-64 Linux) or this CPU "
                            "lacks AVX2/FMA")
     b, h, d = query.shape

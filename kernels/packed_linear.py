@@ -46,7 +46,7 @@ from kernels._clib import load_library
 __all__ = ["MAX_ROWS", "PackedWeight", "is_available", "packed_linear", "reference_linear"]
 
 MAX_ROWS = 64  # from about here on MKL's F.linear (compute-bound, weight reused) is as fast
-_UNAVAILABLE = ("the packed_linear kernel is not available: kernels/_packed_linear*.so was not built (no C compiler "
+_UNAVAILABLE = ("the packed_linear kernel is not available: kernels/_cpu_kernels*.so was not built (no C compiler "
                 "when the package was installed, or not x86-64 Linux) or this CPU lacks AVX2/FMA")
 
 

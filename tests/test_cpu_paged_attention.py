@@ -9,7 +9,7 @@ from kernels import attention_backend
 from kernels.cpu_paged_attention import applies, is_available, paged_decode_attention
 from kernels.paged_attention import paged_attention as reference
 
-pytestmark = pytest.mark.skipif(not is_available(), reason="kernels/_paged_decode_attention*.so not built (no C compiler at "
+pytestmark = pytest.mark.skipif(not is_available(), reason="kernels/_cpu_kernels*.so not built (no C compiler at "
                                 "install, not x86-64 Linux) or no AVX2/FMA")
 
 

@@ -10,7 +10,7 @@ from torch import nn
 from kernels.packed_linear import MAX_ROWS, PackedWeight, is_available, packed_linear, reference_linear
 from shared.models.linear import Linear, fused_products, linear, pack_fused, pack_projection, vocab_projection
 
-pytestmark = pytest.mark.skipif(not is_available(), reason="kernels/_packed_linear*.so not built (no C compiler at install, not x86-64 Linux) or no AVX2/FMA")
+pytestmark = pytest.mark.skipif(not is_available(), reason="kernels/_cpu_kernels*.so not built (no C compiler at install, not x86-64 Linux) or no AVX2/FMA")
 
 
 def _exact(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
