@@ -4,13 +4,14 @@
 
 #include <immintrin.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <time.h>
 #include <unistd.h>
 
 #define MAX_WORKERS 63
-#define SPIN_US 200 /* how long an idle worker spins before sleeping */
+#define SPIN_US 50 /* how long an idle worker spins (yielding) before sleeping */
 
 typedef struct {
     parallel_fn fn;
@@ -53,7 +54,10 @@ static void* worker(void* arg) {
             int spins = 0;
             while ((g = atomic_load(&generation)) == seen) {
                 _mm_pause();
-                if (++spins % 64 == 0 && now_us() - start > SPIN_US) break;
+                if (++spins % 16 == 0) {
+                    if (now_us() - start > SPIN_US) break;
+                    sched_yield(); /* a runnable thread on this core (an OpenMP worker of the next torch op) goes first */
+                }
             }
             if (g == seen) {
                 pthread_mutex_lock(&sleep_lock);

@@ -318,7 +318,7 @@ class BartForConditionalGeneration(PackedDecodeWeights, nn.Module):
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, d_model]`` -> ``[N, vocab_size]`` float32: ``lm_head(hidden) + final_logits_bias``."""
-        return (self._vocab_projection(hidden) + self.final_logits_bias).float()
+        return self._vocab_projection(hidden, self.final_logits_bias[0]).float()
 
     def _projection_weight(self) -> torch.Tensor:
         return self.lm_head.weight if self.lm_head is not None else self.decoder.embed_tokens.weight

@@ -151,17 +151,20 @@ def pack_projection(weight: torch.Tensor) -> PackedWeight | None:
     return PackedWeight.pack(weight)
 
 
-def vocab_projection(hidden: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None = None) -> torch.Tensor:
-    """``[N, d] -> [N, vocab]``: ``linear(hidden, weight)``, through ``packed_linear`` when it applies.
+def vocab_projection(hidden: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None = None,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``[N, d] -> [N, vocab]``: ``linear(hidden, weight, bias)``, through ``packed_linear`` when it applies.
 
     ``packed`` must be ``pack_projection(weight)`` (or None). It is used for
     float32 CPU inputs of at most ``kernels.packed_linear.MAX_ROWS`` rows
     (decode steps), where it runs ~1.3-2x faster than MKL (table in
     ``kernels/packed_linear.py``); prefills and other devices keep ``linear``.
+    ``bias`` (``[vocab]``, e.g. BART's ``final_logits_bias``) is added inside
+    the product: no second pass over the logits.
     """
-    if packed is not None and decode_rows(hidden):
-        return packed_linear(hidden, packed)
-    return linear(hidden, weight)
+    if packed is not None and decode_rows(hidden) and (bias is None or bias.dtype == torch.float32):
+        return packed_linear(hidden, packed, bias)
+    return linear(hidden, weight, bias)
 
 
 class PackedDecodeWeights:
@@ -196,6 +199,6 @@ class PackedDecodeWeights:
             return 0
         return self.packed_projection.data.nbytes + sum(layer.pack_decode_weights() for layer in self._decoder_layers())
 
-    def _vocab_projection(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, d] -> [N, vocab]`` through ``vocab_projection`` (the packed copy where there is one)."""
-        return vocab_projection(hidden, self._projection_weight(), self.packed_projection)
+    def _vocab_projection(self, hidden: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``[N, d] -> [N, vocab]`` (+ ``bias`` ``[vocab]``) through ``vocab_projection`` (the packed copy where there is one)."""
+        return vocab_projection(hidden, self._projection_weight(), self.packed_projection, bias)
