@@ -1,4 +1,14 @@
-/* The worker pool of parallel.h: see there. C11 atomics, POSIX threads. */
+/* The worker pool of parallel.h: see there. C11 atomics, POSIX threads.
+ *
+ * A job is cut into chunks that the caller and the workers claim one at a
+ * time (an atomic counter), so nobody waits for a worker that has not been
+ * scheduled: on 2 cores shared with another busy process (the encoder
+ * service), a static split made every kernel call wait for a descheduled
+ * worker's half. The counter carries the job's generation in its high 32
+ * bits: a late worker's claim on a finished job fails, and the job's fields
+ * are read only after a successful claim, while the caller cannot post the
+ * next job until every claimed chunk is done.
+ */
 #define _GNU_SOURCE
 #include "parallel.h"
 
@@ -11,24 +21,23 @@
 #include <unistd.h>
 
 #define MAX_WORKERS 63
-#define SPIN_US 50 /* how long an idle worker spins (yielding) before sleeping */
+#define SPIN_US 50          /* how long an idle worker spins (yielding) before sleeping */
+#define CHUNKS_PER_THREAD 4 /* finer chunks: less waiting for the last one; more claims */
 
 typedef struct {
     parallel_fn fn;
     const void* ctx;
-    size_t n, per;
-    int participants; /* the caller is participant 0 */
+    size_t n, chunk, chunks;
 } job_t;
 
 static pthread_mutex_t dispatch = PTHREAD_MUTEX_INITIALIZER; /* one job at a time */
 static pthread_mutex_t sleep_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
 static int num_workers = 0; /* guarded by dispatch */
-static job_t job;           /* written under dispatch before generation is bumped */
-static atomic_ulong generation = 0;
-static atomic_int pending = 0;
+static job_t job;           /* written under dispatch before the job is posted */
+static atomic_uint_fast64_t next_chunk = 0; /* generation << 32 | next chunk index */
+static atomic_size_t done = 0;              /* chunks finished of the current job */
 static atomic_int sleepers = 0;
-static unsigned long start_generation[MAX_WORKERS + 1]; /* what a new worker has already seen */
 static int fork_handler_installed = 0;
 
 static double now_us(void) {
@@ -37,22 +46,28 @@ static double now_us(void) {
     return ts.tv_sec * 1e6 + ts.tv_nsec / 1e3;
 }
 
-static void run_part(const job_t* j, int part) {
-    size_t a = (size_t)part * j->per, b = a + j->per;
-    if (a > j->n) a = j->n;
-    if (b > j->n) b = j->n;
-    if (a < b) j->fn(j->ctx, a, b);
+/* Claims and runs chunks of generation `gen` until none is left (or a newer job replaced it). */
+static void run_chunks(uint64_t gen) {
+    uint64_t v = atomic_load(&next_chunk);
+    while ((v >> 32) == gen) {
+        size_t idx = (size_t)(v & 0xffffffffu);
+        if (idx >= job.chunks) return; /* may read a newer job's count: then the claim below fails anyway */
+        if (!atomic_compare_exchange_weak(&next_chunk, &v, v + 1)) continue; /* v reloaded */
+        size_t a = idx * job.chunk, b = a + job.chunk < job.n ? a + job.chunk : job.n;
+        job.fn(job.ctx, a, b);
+        atomic_fetch_add(&done, 1);
+        v = atomic_load(&next_chunk);
+    }
 }
 
 static void* worker(void* arg) {
-    const int id = (int)(intptr_t)arg; /* participant id, 1.. */
-    unsigned long seen = start_generation[id]; /* not the current value: the job may already be posted */
+    uint64_t seen = (uint64_t)(uintptr_t)arg; /* the generation when started: the next job is new to it */
     for (;;) {
-        unsigned long g = atomic_load(&generation);
+        uint64_t g = atomic_load(&next_chunk) >> 32;
         if (g == seen) {
             double start = now_us();
             int spins = 0;
-            while ((g = atomic_load(&generation)) == seen) {
+            while ((g = atomic_load(&next_chunk) >> 32) == seen) {
                 _mm_pause();
                 if (++spins % 16 == 0) {
                     if (now_us() - start > SPIN_US) break;
@@ -62,14 +77,13 @@ static void* worker(void* arg) {
             if (g == seen) {
                 pthread_mutex_lock(&sleep_lock);
                 atomic_fetch_add(&sleepers, 1);
-                while ((g = atomic_load(&generation)) == seen) pthread_cond_wait(&wake, &sleep_lock);
+                while ((g = atomic_load(&next_chunk) >> 32) == seen) pthread_cond_wait(&wake, &sleep_lock);
                 atomic_fetch_sub(&sleepers, 1);
                 pthread_mutex_unlock(&sleep_lock);
             }
         }
         seen = g;
-        if (id < job.participants) run_part(&job, id);
-        atomic_fetch_sub(&pending, 1);
+        run_chunks(g);
     }
     return NULL;
 }
@@ -80,7 +94,6 @@ static void after_fork_child(void) {
     pthread_mutex_init(&sleep_lock, NULL);
     pthread_cond_init(&wake, NULL);
     num_workers = 0;
-    atomic_store(&pending, 0);
     atomic_store(&sleepers, 0);
 }
 
@@ -96,31 +109,34 @@ int parallel_for(parallel_fn fn, const void* ctx, size_t n, int num_threads) {
     }
     int rc = 0;
     if (!fork_handler_installed) fork_handler_installed = pthread_atfork(NULL, NULL, after_fork_child) == 0;
+    uint64_t gen = atomic_load(&next_chunk) >> 32;
     while (num_workers < num_threads - 1) {
         pthread_t t;
         pthread_attr_t attr;
         pthread_attr_init(&attr);
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        start_generation[num_workers + 1] = atomic_load(&generation);
-        int ok = pthread_create(&t, &attr, worker, (void*)(intptr_t)(num_workers + 1)) == 0;
+        int ok = pthread_create(&t, &attr, worker, (void*)(uintptr_t)gen) == 0;
         pthread_attr_destroy(&attr);
-        if (!ok) break;
+        if (!ok) {
+            rc = -1;
+            break;
+        }
         num_workers++;
     }
-    if (num_workers < num_threads - 1) {
-        num_threads = num_workers + 1;
-        rc = -1;
-    }
-    job = (job_t){fn, ctx, n, (n + num_threads - 1) / num_threads, num_threads};
-    atomic_store(&pending, num_workers);
-    atomic_fetch_add(&generation, 1); /* publishes job (seq_cst) */
+    size_t chunks = (size_t)(num_workers + 1) * CHUNKS_PER_THREAD;
+    if (chunks > n) chunks = n;
+    size_t chunk = (n + chunks - 1) / chunks;
+    job = (job_t){fn, ctx, n, chunk, (n + chunk - 1) / chunk};
+    atomic_store(&done, 0);
+    gen = (gen + 1) & 0xffffffffu;
+    atomic_store(&next_chunk, gen << 32); /* posts the job (seq_cst: the fields above are visible to a claimer) */
     if (atomic_load(&sleepers) > 0) {
         pthread_mutex_lock(&sleep_lock);
         pthread_cond_broadcast(&wake);
         pthread_mutex_unlock(&sleep_lock);
     }
-    run_part(&job, 0);
-    while (atomic_load(&pending) > 0) _mm_pause();
+    run_chunks(gen);
+    while (atomic_load(&done) < job.chunks) _mm_pause(); /* chunks a worker claimed and still runs */
     pthread_mutex_unlock(&dispatch);
     return rc;
 }

@@ -1,15 +1,17 @@
 /* A persistent worker pool shared by the C kernels of kernels/csrc (one per process).
  *
- * parallel_for(fn, ctx, n, num_threads) splits [0, n) into num_threads
- * contiguous ranges; the caller runs the first, pool workers the others.
- * Workers are started on first use (at most one per online CPU, minus the
- * caller) and kept: starting threads on every call cost ~0.1-0.15 ms, as much
- * as a whole [512, 512] x 32-row product of a decode step. After a job a
- * worker spins for SPIN_US microseconds (a decode step calls the kernels
- * every ~0.05-0.3 ms), then sleeps on a condition variable. One job runs at a
- * time; a caller that finds the pool busy (another Python thread) runs its
- * whole range itself. Results never depend on the split (each kernel makes
- * every output in one place).
+ * parallel_for(fn, ctx, n, num_threads) runs fn over [0, n) in chunks (about
+ * 4 per thread) that the caller and up to num_threads - 1 pool workers claim
+ * one by one, so a worker the OS has not scheduled yet (the cores busy with
+ * another process) only means the caller does more chunks itself. Workers are
+ * started on first use (at most one per online CPU, minus the caller) and
+ * kept: starting threads on every call cost ~0.1-0.15 ms, as much as a whole
+ * [512, 512] x 32-row product of a decode step. After a job a worker spins
+ * for 50 us, yielding the core to any other runnable thread (the OpenMP
+ * workers of torch's next op), then sleeps on a condition variable. One job
+ * runs at a time; a caller that finds the pool busy (another Python thread)
+ * runs its whole range itself. Results never depend on the split (each kernel
+ * computes every output in one place).
  */
 #ifndef ENCDEC_PARALLEL_H
 #define ENCDEC_PARALLEL_H
