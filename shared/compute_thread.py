@@ -37,6 +37,11 @@ PASSIVE / PASSIVE                            8.0-9.5    11.0-12.2
 So both services default to ``GOMP_SPINCOUNT=3000`` (about 30 us of spinning:
 enough to bridge the gap between a step's consecutive ops, asleep on real idle)
 unless the environment sets ``GOMP_SPINCOUNT`` or ``OMP_WAIT_POLICY``.
+
+The C kernels of decode steps (``kernels/csrc``) run on a pool of their own
+(``parallel.h``), sized by the same per-thread count: its idle workers spin
+only 50 us and yield the core while they do, and work is handed out in small
+chunks, so neither pool waits on the other or on a descheduled worker.
 """
 
 from __future__ import annotations
