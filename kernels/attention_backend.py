@@ -83,6 +83,18 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                                                **kwargs)
 
 
+def cpu_decode_kernel_serves(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_seqs: int,
+                             max_query_len: int | None, backend: str = "torch") -> bool:
+    """Whether ``paged_attention`` runs this call on the C decode kernel (``kernels.cpu_paged_attention``).
+
+    It reads the blocks in place, so callers that would otherwise take
+    ``contiguous_cross_attention`` for in-place reads should take
+    ``paged_attention`` then: ~2.4x faster for Whisper's 16 x 1500 cross keys
+    (5.6 vs 13.4 ms per layer).
+    """
+    return backend == "torch" and _cpu_decode.applies(query, k_cache, v_cache, num_seqs, max_query_len)
+
+
 def contiguous_cross_attention(*args, backend: str = "torch", **kwargs) -> torch.Tensor:
     """``kernels.cross_attention.contiguous_cross_attention`` run by ``backend``.
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.attention_backend import contiguous_cross_attention, paged_attention
+from kernels.attention_backend import contiguous_cross_attention, cpu_decode_kernel_serves, paged_attention
 from kernels.paged_attention import write_kv
 from shared.attention_metadata import AttentionMetadata
 from shared.models.ct2_reader import load_ct2_weights
@@ -145,7 +145,9 @@ class DecoderLayer(nn.Module):
                             backend=md.attention_backend, step_cache=md.step_cache)
         x = x + self.self_out(a.reshape(t, d))
         q = self.cross_q(self.cross_attn_norm(x)).view(t, self.h, self.dh)
-        if md.cross_kv_spans is not None:  # every sequence's cross blocks are one run: read them in place
+        if md.cross_kv_spans is not None and not cpu_decode_kernel_serves(q, cross_kv[0], cross_kv[1], md.cross_block_tables.shape[0],
+                                                                         md.max_query_len, md.attention_backend):
+            # every sequence's cross blocks are one run: read them in place (the C decode kernel does so anyway)
             a = contiguous_cross_attention(q, cross_kv[0], cross_kv[1], md.cross_kv_spans, self.scale,
                                            backend=md.attention_backend)
         else:
