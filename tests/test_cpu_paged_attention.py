@@ -113,3 +113,23 @@ def test_backend_sends_decode_steps_here_and_the_rest_to_the_reference(monkeypat
     assert calls == [1]
     torch.testing.assert_close(got, reference(q3, k, v, tables, lens, qsl3, causal=True, scale=0.5, max_query_len=3))
     assert not applies(query, k.half(), v.half(), 2, 1) and not applies(query, k, v, 2, None) and applies(query, k, v, 2, 1)
+
+
+def test_non_finite_scores_as_the_reference():
+    """A NaN key or an infinite query makes that head NaN (not a silently finite answer); a head whose keys a -inf
+    bias masks entirely gives zeros; lengths near INT64_MAX are refused, not overflowed."""
+    query, k, v, tables, lens = _case([3, 6], 2, 8, 4, seed=13)
+    k_nan = k.clone()
+    k_nan[tables[0, 0], 1, 0, 0] = float("nan")
+    q_inf = query.clone()
+    q_inf[1, 1, 0] = float("inf")
+    for q_, k_ in ((query, k_nan), (q_inf, k)):
+        torch.testing.assert_close(paged_decode_attention(q_, k_, v, tables, lens, 0.5),
+                                   _reference(q_, k_, v, tables, lens, 0.5), equal_nan=True, rtol=1e-5, atol=2e-6)
+    assert torch.isnan(paged_decode_attention(query, k_nan, v, tables, lens, 0.5)[0, 0]).all()
+    masked = torch.full((2, 4), float("-inf"))
+    torch.testing.assert_close(paged_decode_attention(query, k, v, tables, lens, 1.0, masked),
+                               _reference(query, k, v, tables, lens, 1.0, masked), rtol=0, atol=0)
+    for huge in (2**63 - 1, 2**63 - 3):
+        with pytest.raises(ValueError, match="fit the block table"):
+            paged_decode_attention(query, k, v, tables, torch.tensor([3, huge]), 1.0)

@@ -38,10 +38,10 @@ int paged_decode_attention_supported(void) {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
-/* exp(x) for x <= 0 (scores minus their max); Cephes expf, max relative error ~2e-7. */
+/* exp(x) for x <= 0 (scores minus their max); Cephes expf, max relative error ~2e-7; NaN gives NaN. */
 TARGET static inline __m256 exp_ps(__m256 x) {
     const __m256 lo = _mm256_set1_ps(-87.3f);
-    x = _mm256_max_ps(x, lo);
+    x = _mm256_max_ps(lo, x); /* max_ps returns its second operand for a NaN: NaN stays NaN, as in the reference */
     __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
     x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
     x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
@@ -118,11 +118,15 @@ TARGET static void run_items(const void* ctx, size_t begin, size_t end) {
             float* s = scores + h * stride;
             float mx = -INFINITY;
             for (int64_t j = 0; j < len; j++) mx = s[j] > mx ? s[j] : mx;
+            if (mx == -INFINITY) { /* every key masked by a -inf bias: zeros, as the reference */
+                memset(s, 0, sizeof(float) * (size_t)len);
+                continue;
+            }
             for (int64_t j = len; j < len + 8; j++) s[j] = -INFINITY;  /* pads the last vector: exp gives 0 */
             __m256 vmx = _mm256_set1_ps(mx), vsum = _mm256_setzero_ps();
             for (int64_t j = 0; j < len; j += 8) {
                 __m256 x = _mm256_loadu_ps(s + j);
-                __m256 e = _mm256_and_ps(exp_ps(_mm256_sub_ps(x, vmx)), _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ));
+                __m256 e = _mm256_and_ps(exp_ps(_mm256_sub_ps(x, vmx)), _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_NEQ_UQ));
                 _mm256_storeu_ps(s + j, e);
                 vsum = _mm256_add_ps(vsum, e);
             }
@@ -159,8 +163,10 @@ int paged_decode_attention(const float* q, const float* k_cache, const float* v_
                            float scale, int num_threads) {
     int64_t max_len = 0;
     for (int64_t b = 0; b < batch; b++) {
-        const int64_t len = context_lens[b], used = (len + block_size - 1) / block_size;
-        if (len < 0 || used > bt_stride) return -2;
+        const int64_t len = context_lens[b];
+        if (len < 0) return -2;
+        const int64_t used = len / block_size + (len % block_size != 0); /* no overflow near INT64_MAX */
+        if (used > bt_stride) return -2;
         for (int64_t i = 0; i < used; i++)
             if (block_tables[b * bt_stride + i] < 0 || block_tables[b * bt_stride + i] >= num_blocks) return -3;
         max_len = len > max_len ? len : max_len;
