@@ -7,8 +7,8 @@ runs for ``pip install -e .``, where the files land in the source tree), an
 ``sdist`` that ships the .proto sources, and, on x86-64 Linux, the C library of
 ``kernels/packed_linear.py``, ``kernels/cpu_paged_attention.py`` and
 ``kernels/cpu_argmax.py`` (``kernels/_cpu_kernels*.so``: plain C loaded with
-ctypes, no Python API, one worker pool for all). It is optional: without a C compiler the install
-still succeeds and the torch code paths run instead.
+ctypes, no Python API, one worker pool for all). It is optional: without a C
+compiler the install still succeeds and the torch code paths run instead.
 
 Why the temporary include root: grpc's generated ``*_pb2_grpc.py`` imports its
 ``*_pb2`` by the .proto's path relative to the include root. Copying the .proto

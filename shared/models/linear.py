@@ -140,7 +140,7 @@ def fused_products(x: torch.Tensor, linears: Iterable[nn.Linear], fused: FusedPa
 
 
 def pack_projection(weight: torch.Tensor) -> PackedWeight | None:
-    """``weight`` (``[vocab, d]``) packed for ``kernels.packed_linear``, or None where that kernel cannot serve it.
+    """``weight`` (``[out, in]``: the vocabulary projection, a decoder linear) packed for ``kernels.packed_linear``.
 
     None unless the weight is a float32 CPU tensor and the kernel is built for
     this CPU (x86-64 with AVX2/FMA). The packed copy costs as much memory as
