@@ -399,6 +399,20 @@ class DecoderEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    @property
+    def num_encoding(self) -> int:
+        """Requests waiting for the encoder to write their cross KV (see ``mark_encoded``)."""
+        return self.scheduler.num_encoding
+
+    def dispatch_encodes(self) -> StepOutput:
+        """A step without the model: only reserves cross blocks for new requests (``to_encode``).
+
+        The engine loop calls this instead of ``step`` while it holds decode
+        steps for pending encodes (``decoder_svc.engine_loop``).
+        """
+        so = self.scheduler.reserve_cross()
+        return StepOutput(to_encode=[(s.request_id, list(s.cross_block_ids)) for s in so.to_encode])
+
     def stats(self) -> dict:
         bm = self.block_manager
         return {

@@ -3,8 +3,21 @@
 The engine is single-threaded: every call into it happens on the engine
 thread, queued here as a command. Between steps the thread drains commands
 (add, mark encoded, abort), so requests join and leave the running batch
-between decode steps. Step results go back to the event loop with
-``call_soon_threadsafe``.
+between decode steps. Step results go back to the event loop with one
+``call_soon_threadsafe`` per step (one per output made the engine and
+event-loop threads trade the GIL 32 times a step at batch 32).
+
+**Decode hold.** While some request waits for its cross KV (handed to the
+encoder, not yet marked encoded), the loop holds model steps for at most
+``max_decode_hold_s`` (new requests still go to the encoder meanwhile), then
+runs one step and may hold again. Like TGI's router, which pauses running
+requests to prefill a queue of new ones (its ``waiting_served_ratio``), this
+trades a bounded pause of running sequences for throughput: a burst of
+requests starts decoding in one batch instead of staggered, and where the
+encoder shares the decoder's cores (CPU, or one GPU) it gets them while it
+encodes. Measured on 2 CPU cores, 32 t5-small requests at once: without it,
+1.1-1.4 s went by with decode steps of 1-30 sequences racing the encoder
+and the last requests finished 1.0-1.4 s after the first. 0 turns it off.
 """
 
 from __future__ import annotations
@@ -13,6 +26,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -37,6 +51,8 @@ class EngineLoop:
             the requests of that step are then failed by the caller.
         num_threads: torch intra-op threads of the engine thread
             (``shared.compute_thread``); None keeps the process setting.
+        max_decode_hold_s: longest hold of model steps while requests wait
+            for their cross KV (seconds; see the module docstring); 0 = never hold.
     """
 
     def __init__(
@@ -47,6 +63,7 @@ class EngineLoop:
         on_output: Callable[[Any], None],
         on_step_error: Callable[[BaseException], None],
         num_threads: int | None = None,
+        max_decode_hold_s: float = 0.0,
     ) -> None:
         self.engine = engine
         self._loop = loop
@@ -54,6 +71,7 @@ class EngineLoop:
         self._on_output = on_output
         self._on_step_error = on_step_error
         self._num_threads = num_threads
+        self.max_decode_hold_s = max_decode_hold_s
         self._commands: queue.Queue[tuple[Callable[[], Any], Future] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
@@ -68,10 +86,11 @@ class EngineLoop:
         self._commands.put(None)
         self._thread.join(timeout=10)
 
-    def _drain(self, block: bool) -> bool:
-        """Runs queued commands; returns False when asked to stop."""
+    def _drain(self, timeout: float | None) -> bool:
+        """Runs queued commands, first waiting up to ``timeout`` seconds for one (None: no wait);
+        returns False when asked to stop."""
         try:
-            item = self._commands.get(timeout=IDLE_POLL_S) if block else self._commands.get_nowait()
+            item = self._commands.get(timeout=timeout) if timeout is not None else self._commands.get_nowait()
         except queue.Empty:
             return True
         while True:
@@ -88,23 +107,46 @@ class EngineLoop:
             except queue.Empty:
                 return True
 
+    def _deliver(self, to_encode: list[tuple[str, list[int]]], outputs: list) -> None:
+        """On the event loop: a step's encode requests, then its outputs, in order."""
+        for request_id, block_ids in to_encode:
+            self._on_encode(request_id, list(block_ids))
+        for output in outputs:
+            self._on_output(output)
+
+    def _hold_left(self, hold_until: float | None) -> tuple[float, float | None]:
+        """(seconds this hold may still last, its end): 0 when the next step should run."""
+        if self.max_decode_hold_s <= 0 or self.engine.num_encoding == 0:
+            return 0.0, None
+        now = time.monotonic()
+        if hold_until is None:
+            hold_until = now + self.max_decode_hold_s
+        return max(0.0, hold_until - now), hold_until
+
     def _run(self) -> None:
         use_threads(self._num_threads)
-        idle = True
-        while self._drain(block=idle):
+        wait: float | None = IDLE_POLL_S
+        hold_until: float | None = None  # end of the current decode hold
+        while self._drain(wait):
+            wait = None
             if not self.engine.has_unfinished_requests():
-                idle = True
+                wait, hold_until = IDLE_POLL_S, None
                 continue
             try:
-                out = self.engine.step()
+                left, hold_until = self._hold_left(hold_until)
+                if left > 0:  # requests are encoding: send new ones to the encoder, run no model step
+                    out = self.engine.dispatch_encodes()
+                    wait = min(left, IDLE_POLL_S)
+                else:
+                    out = self.engine.step()
+                    hold_until = None
             except Exception as exc:  # noqa: BLE001 - fail the requests, keep serving
                 log.exception("engine step failed")
                 self._loop.call_soon_threadsafe(self._on_step_error, exc)
-                idle = True
+                wait, hold_until = IDLE_POLL_S, None
                 continue
-            for request_id, block_ids in out.to_encode:
-                self._loop.call_soon_threadsafe(self._on_encode, request_id, list(block_ids))
-            for output in out.outputs:
-                self._loop.call_soon_threadsafe(self._on_output, output)
-            # Nothing ran: every request waits for its encoder; sleep until a command arrives.
-            idle = not out.outputs and not out.to_encode
+            if out.to_encode or out.outputs:  # one wake-up of the loop per step, not one per request
+                self._loop.call_soon_threadsafe(self._deliver, out.to_encode, out.outputs)
+            if wait is None and not out.outputs and not out.to_encode:
+                # Nothing ran: every request waits for its encoder; sleep until a command arrives.
+                wait = IDLE_POLL_S

@@ -243,12 +243,33 @@ class Scheduler:
                                              if r.priority > seq.priority and r.status is SequenceStatus.RUNNING)
 
     # --- one step -------------------------------------------------------
+    @property
+    def num_encoding(self) -> int:
+        """Requests whose cross KV is being written (handed out, not yet ``mark_encoded``)."""
+        return len(self.encoding)
+
+    def reserve_cross(self) -> SchedulerOutput:
+        """Step (1) alone: reserves cross blocks for waiting requests; only ``to_encode`` is filled.
+
+        For a step that runs no model (the engine loop holding decode steps
+        while encodes are pending, ``decoder_svc.engine_loop``): new requests
+        still go to the encoder.
+        """
+        out = SchedulerOutput()
+        self._reserve_cross(out)
+        return out
+
     def schedule(self) -> SchedulerOutput:
         """Plans one step (see the module docstring); allocates the blocks it plans."""
         bm = self.block_manager
         out = SchedulerOutput()
+        self._reserve_cross(out)
+        self._schedule_running(out)
+        return out
 
-        # (1) cross blocks (or a cached cross KV) + first self blocks must fit; head of line blocks the rest.
+    def _reserve_cross(self, out: SchedulerOutput) -> None:
+        """Step (1): cross blocks (or a cached cross KV) + first self blocks must fit; head of line blocks the rest."""
+        bm = self.block_manager
         handed_out = 0  # first self blocks of the requests handed out below (each ahead of the next)
         while self.waiting_cross:
             seq = self.waiting_cross[0]
@@ -276,6 +297,9 @@ class Scheduler:
             self.encoding[seq.request_id] = seq
             out.to_encode.append(seq)
 
+    def _schedule_running(self, out: SchedulerOutput) -> None:
+        """Steps (2) and (3): decode slots for the running sequences, then admissions (prefill)."""
+        bm = self.block_manager
         # (2) one slot for every running sequence, best first; preempt the worst on shortage.
         budget = self.max_num_batched_tokens
         scheduled: dict[str, int] = {}  # request_id -> tokens, insertion = batch order
@@ -323,7 +347,6 @@ class Scheduler:
         for rid, n in scheduled.items():
             out.scheduled_seqs.append(self.requests[rid])
             out.num_scheduled_tokens.append(n)
-        return out
 
     def _victims_for(self, seq: Sequence, n: int, budget: int, scheduled: dict[str, int]) -> list[Sequence] | None:
         """Running sequences to preempt so ``seq`` can prefill ``n`` tokens: [] if it fits

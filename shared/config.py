@@ -136,6 +136,10 @@ class DecoderServiceConfig:
             ``bfloat16`` (half the bytes; accuracy in docs/kv_transport.md).
         encode_timeout_s: an Encode call slower than this fails the request
             with UNAVAILABLE and frees its blocks (seconds).
+        max_decode_hold_ms: while requests wait for their cross KV, model steps
+            are held for at most this long before one runs (milliseconds), so
+            a burst starts decoding together and the encoder gets the cores it
+            shares with the decoder (``decoder_svc.engine_loop``); 0 = never hold.
         max_audio_s: longest accepted audio (seconds); longer audio gets
             INVALID_ARGUMENT naming both lengths. Audio over Whisper's 30 s
             window is decoded as consecutive 30 s windows in one request
@@ -188,6 +192,7 @@ class DecoderServiceConfig:
     kv_transfer_timeout_s: float = 30.0
     kv_transfer_dtype: str = "float32"
     encode_timeout_s: float = 120.0
+    max_decode_hold_ms: float = 1000.0
     max_audio_s: float = 600.0
     num_threads: int = 0
     quantize: str = "none"
@@ -223,6 +228,8 @@ class DecoderServiceConfig:
             raise ValueError(f"kv_transfer_dtype must be one of: {', '.join(KV_DTYPES)}; got {self.kv_transfer_dtype!r}")
         if self.encode_timeout_s <= 0 or self.max_audio_s <= 0:
             raise ValueError("encode_timeout_s and max_audio_s must be > 0")
+        if not self.max_decode_hold_ms >= 0:  # also refuses NaN
+            raise ValueError(f"max_decode_hold_ms must be >= 0 (0 = never hold), got {self.max_decode_hold_ms}")
         _check_quantize(self.quantize)
         if self.attention_backend != "torch":
             from kernels.attention_backend import check_attention_backend  # imports torch: only off the default

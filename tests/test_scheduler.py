@@ -38,6 +38,20 @@ def step(sched, stop_at=None):
     return so, finished
 
 
+def test_reserve_cross_hands_out_encodes_and_schedules_nothing():
+    sched = Scheduler(BlockManager(16, 8, block_size=4), max_num_seqs=8, max_num_batched_tokens=64)
+    a, b = make_seq("a"), make_seq("b")
+    sched.add(a)
+    assert [s.request_id for s in sched.schedule().to_encode] == ["a"]
+    sched.mark_encoded("a")  # ready to run ...
+    sched.add(b)
+    so = sched.reserve_cross()  # ... but a hold step only reserves b's cross blocks
+    assert [s.request_id for s in so.to_encode] == ["b"] and so.is_empty and sched.num_encoding == 1
+    assert a.status is SequenceStatus.WAITING and not a.block_table
+    so = sched.schedule()
+    assert [s.request_id for s in so.scheduled_seqs] == ["a"] and not so.to_encode
+
+
 def test_cross_blocks_fcfs_then_encoded_admission():
     sched = Scheduler(BlockManager(16, 4, block_size=4), max_num_seqs=8, max_num_batched_tokens=64)
     a, b, c = make_seq("a", encoder_len=8), make_seq("b", encoder_len=12), make_seq("c", encoder_len=4)

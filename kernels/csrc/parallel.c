@@ -99,7 +99,8 @@ static void after_fork_child(void) {
 
 int parallel_for(parallel_fn fn, const void* ctx, size_t n, int num_threads) {
     if (n == 0) return 0;
-    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    static long cpus = 0; /* sysconf reads /sys/devices/system/cpu/online: once, not per call */
+    if (cpus == 0) cpus = sysconf(_SC_NPROCESSORS_ONLN);
     if (num_threads > cpus && cpus > 0) num_threads = (int)cpus;
     if (num_threads > MAX_WORKERS + 1) num_threads = MAX_WORKERS + 1;
     if ((size_t)num_threads > n) num_threads = (int)n;

@@ -27,6 +27,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from kernels.attention_backend import paged_attention
+from kernels.cpu_norm import rms_norm
 from kernels.paged_attention import write_kv
 from shared.attention_metadata import AttentionMetadata
 from shared.models.hf_checkpoint import TextGenerationDefaults, copy_weights, load_hf_weights, max_source_positions, read_json
@@ -102,7 +103,7 @@ def relative_position_bucket(relative_position: torch.Tensor, bidirectional: boo
 
 
 class RMSNorm(nn.Module):
-    """T5 layer norm: ``w * x / sqrt(mean(x^2) + eps)`` (variance in float32)."""
+    """T5 layer norm: ``w * x / sqrt(mean(x^2) + eps)`` (variance in float32; ``kernels.cpu_norm.rms_norm``)."""
 
     def __init__(self, d: int, eps: float) -> None:
         super().__init__()
@@ -110,8 +111,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        var = x.float().pow(2).mean(-1, keepdim=True)
-        return self.weight * (x.float() * torch.rsqrt(var + self.eps)).to(self.weight.dtype)
+        return rms_norm(x, self.weight, self.eps)  # the C kernel for float32 CPU, else HF's formula
 
 
 class Attention(nn.Module):

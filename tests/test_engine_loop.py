@@ -1,0 +1,145 @@
+"""EngineLoop's decode hold on a real DecoderEngine (tiny random T5): while a request waits for its
+cross KV, model steps wait (up to ``max_decode_hold_s``) and new requests still go to the encoder.
+
+The test plays the encoder: it writes a request's cross KV (the model's own ``compute_cross_kv``) at the
+blocks the loop handed out, then marks it encoded through the loop, as decoder_svc.server does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from decoder_svc.engine import DecoderEngine
+from decoder_svc.engine_loop import EngineLoop
+from shared.kv_transport import write_blocks
+from shared.models.registry import load_model, load_tokenizer
+from shared.sampling_params import SamplingParams
+from text_paged import encode_batch
+
+BLOCK = 4
+SOURCES = {"a": [5, 6, 7, 8, 9, 1], "b": [10, 11, 12, 1], "c": [13, 14, 1]}
+NEW = 6
+
+
+@pytest.fixture(scope="module")
+def t5(text_checkpoints):
+    path = text_checkpoints["t5"]
+    model = load_model(str(path))
+    kv = dict(zip(SOURCES, encode_batch(model, list(SOURCES.values()))))
+    return model, load_tokenizer(str(path)), kv
+
+
+class RecordingLoop(EngineLoop):
+    """An EngineLoop that also records each step's output request ids, as the event loop receives them."""
+
+    steps: list[list[str]]
+
+    def _deliver(self, to_encode, outputs) -> None:
+        if outputs:
+            self.steps.append([o.request_id for o in outputs])
+        super()._deliver(to_encode, outputs)
+
+
+class Harness:
+    """A RecordingLoop on a tiny T5 engine: ``steps`` holds each step's output request ids."""
+
+    def __init__(self, t5, max_decode_hold_s: float) -> None:
+        model, tokenizer, self.kv = t5
+        c = model.config
+        self.cross = torch.zeros(c.decoder_layers, 2, 16, BLOCK, c.num_heads, c.head_dim)
+        self.engine = DecoderEngine(model, tokenizer, self.cross, num_self_blocks=16, block_size=BLOCK, max_num_seqs=4)
+        self.blocks: dict[str, list[int]] = {}
+        self.steps: list[list[str]] = []
+        self.finished: set[str] = set()
+        self.errors: list[BaseException] = []
+        self.loop = RecordingLoop(self.engine, asyncio.get_running_loop(), self._on_encode, self._on_output, self.errors.append,
+                                  num_threads=1, max_decode_hold_s=max_decode_hold_s)
+        self.loop.steps = self.steps  # before any request exists, so before any step
+
+    def _on_encode(self, request_id: str, block_ids: list[int]) -> None:
+        self.blocks[request_id] = block_ids
+
+    def _on_output(self, output) -> None:
+        if output.finished:
+            self.finished.add(output.request_id)
+
+    async def add(self, rid: str) -> None:
+        params = SamplingParams(max_tokens=NEW, min_tokens=NEW, ignore_eos=True)
+        await self.loop.call(self.engine.add_request, rid, len(SOURCES[rid]), params)
+        await self.until(lambda: rid in self.blocks)
+
+    async def encode(self, rid: str) -> None:
+        write_blocks(self.cross, self.blocks[rid], self.kv[rid])
+        assert await self.loop.call(self.engine.mark_encoded, rid)
+
+    async def until(self, cond, timeout_s: float = 30.0) -> None:
+        for _ in range(int(timeout_s / 0.01)):
+            if cond():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("condition not met in time")
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_hold_starts_a_burst_together_and_dispatches_new_encodes(t5):
+    async def main():
+        h = Harness(t5, max_decode_hold_s=60.0)
+        try:
+            await h.add("a")
+            await h.add("b")  # handed to the encoder although "a" holds the loop (dispatch_encodes)
+            await h.encode("a")
+            await asyncio.sleep(0.3)
+            assert h.steps == []  # "a" is ready but "b" still encodes: no model step ran
+            await h.add("c")  # a new request still reaches the encoder during the hold
+            await h.encode("b")
+            await h.encode("c")
+            await h.until(lambda: h.finished == {"a", "b", "c"})
+            assert sorted(h.steps[0]) == ["a", "b", "c"]  # the three started in one step ...
+            assert all(sorted(s) == ["a", "b", "c"] for s in h.steps)  # ... and finished together
+            assert len(h.steps) == NEW and not h.errors
+        finally:
+            h.loop.stop()
+
+    run(main())
+
+
+def test_hold_is_bounded_by_max_decode_hold(t5):
+    async def main():
+        h = Harness(t5, max_decode_hold_s=0.05)
+        try:
+            await h.add("a")
+            await h.add("b")
+            await h.encode("a")  # "b" is never encoded: "a" must still finish, one step per expired hold
+            await h.until(lambda: "a" in h.finished)
+            assert all(s == ["a"] for s in h.steps) and len(h.steps) == NEW
+            assert h.engine.num_encoding == 1 and not h.errors
+            assert await h.loop.call(h.engine.abort, "b")
+            assert h.engine.num_encoding == 0 and not h.engine.has_unfinished_requests()
+        finally:
+            h.loop.stop()
+
+    run(main())
+
+
+def test_no_hold_decodes_while_others_encode(t5):
+    async def main():
+        h = Harness(t5, max_decode_hold_s=0.0)
+        try:
+            await h.add("a")
+            await h.add("b")
+            await h.encode("a")
+            await h.until(lambda: "a" in h.finished)  # decoded alone while "b" encodes
+            assert all(s == ["a"] for s in h.steps)
+            await h.encode("b")
+            await h.until(lambda: "b" in h.finished)
+            assert not h.errors
+        finally:
+            h.loop.stop()
+
+    run(main())
