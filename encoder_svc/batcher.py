@@ -62,7 +62,10 @@ class EncodeBatcher:
     """A worker thread that runs the encoder over batches of pending requests.
 
     The first pending request waits at most ``batch_wait_ms`` for others;
-    up to ``max_batch_size`` run in one forward. Per request: log-mel
+    up to ``max_batch_size`` run in one forward, within ``max_batch_tokens``
+    padded encoder positions (requests x the longest: a source's token count,
+    an audio window's ``max_source_positions``, 1500 for Whisper). A request
+    that would overflow the budget opens the next batch. Per request: log-mel
     features (audio) or padded source ids (text), encoder, every decoder layer's cross-attention K/V projection,
     then ``writer.write`` into the decoder's blocks. A failure in one request's
     write fails only that request.
@@ -78,6 +81,8 @@ class EncodeBatcher:
         writer: the KV transport's encoder-side writer.
         max_batch_size: most requests per forward.
         batch_wait_ms: batching window in milliseconds.
+        max_batch_tokens: most padded encoder positions per forward (None: no
+            limit); a single longer request still runs, alone.
         num_threads: torch intra-op threads of the batcher thread
             (``shared.compute_thread``); None keeps the process setting.
         warm_up: run once on the batcher thread before the first batch (first-call
@@ -85,13 +90,16 @@ class EncodeBatcher:
     """
 
     def __init__(self, model, featurize, writer: CrossKVWriter, max_batch_size: int, batch_wait_ms: float,
-                 num_threads: int | None = None, warm_up: Callable[[], None] | None = None) -> None:
+                 num_threads: int | None = None, warm_up: Callable[[], None] | None = None,
+                 max_batch_tokens: int | None = None) -> None:
         self.model = model
         self.device = model_device(model)
         self.featurize = featurize
         self.writer = writer
         self.max_batch_size = max_batch_size
         self.batch_wait_s = batch_wait_ms / 1000.0
+        self.max_batch_tokens = max_batch_tokens
+        self._carried: EncodeItem | None = None  # took the queue's next item, but it opens the next batch
         self._queue: queue.Queue[EncodeItem | None] = queue.Queue()
         self._started: Future = Future()
         self._thread = threading.Thread(target=self._loop, args=(num_threads, warm_up), name="encode-batcher", daemon=True)
@@ -106,11 +114,15 @@ class EncodeBatcher:
         self._queue.put(None)
         self._thread.join(timeout=10)
 
+    def _positions(self, item: EncodeItem) -> int:
+        """Encoder positions ``item`` takes in a padded batch."""
+        return len(item.input_ids) if item.input_ids is not None else self.model.config.max_source_positions
+
     def _next_batch(self) -> list[EncodeItem] | None:
-        first = self._queue.get()
+        first, self._carried = self._carried or self._queue.get(), None
         if first is None:
             return None
-        batch = [first]
+        batch, longest = [first], self._positions(first)
         deadline = time.monotonic() + self.batch_wait_s
         while len(batch) < self.max_batch_size:
             try:
@@ -120,7 +132,12 @@ class EncodeBatcher:
             if item is None:
                 self._queue.put(None)
                 break
+            widest = max(longest, self._positions(item))
+            if self.max_batch_tokens is not None and (len(batch) + 1) * widest > self.max_batch_tokens:
+                self._carried = item
+                break
             batch.append(item)
+            longest = widest
         return batch
 
     def _loop(self, num_threads: int | None, warm_up: Callable[[], None] | None) -> None:

@@ -1,8 +1,8 @@
 """Loads the optional C kernels of ``kernels/csrc`` (built by setup.py as ``kernels/_cpu_kernels*.so``).
 
 One plain C library (no Python API) opened with ctypes: ``packed_linear``,
-``paged_decode_attention``, ``argmax`` and the worker pool they share
-(``parallel.h``).
+``paged_decode_attention``, ``argmax``, ``row_norm`` and the worker pool they
+share (``parallel.h``).
 Each kernel exports a ``<kernel>_supported()`` that says whether this CPU runs
 its code (AVX2/FMA).
 """

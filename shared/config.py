@@ -33,12 +33,16 @@ class EncoderServiceConfig:
         model: model name (``whisper-tiny.en``) or a model directory.
         host: address to listen on.
         port: gRPC port.
-        max_batch_size: most Encode requests run in one encoder forward.
+        max_batch_size: most Encode requests run in one encoder forward (see
+            also ``max_batch_tokens``).
         batch_wait_ms: how long the first pending request waits for company
             before its batch runs (milliseconds).
         num_threads: torch intra-op threads; 0 keeps torch's default.
-        max_batch_tokens: encoder-only models (Embed / Rerank / Classify): most
-            padded tokens (sequences x longest) in one forward.
+        max_batch_tokens: most padded tokens (sequences x longest) in one
+            forward: of Encode requests (a Whisper window counts its 1500
+            encoder positions, so the default is 8 windows; a text source its
+            tokens) and, for encoder-only models, of Embed / Rerank / Classify
+            inputs.
         max_inputs_per_request: encoder-only models: most inputs (or rerank
             documents) in one request; more get RESOURCE_EXHAUSTED.
         kv_transport: comma-separated cross-KV transports this encoder accepts
@@ -65,10 +69,10 @@ class EncoderServiceConfig:
     model: str = DEFAULT_MODEL
     host: str = "127.0.0.1"
     port: int = 50061
-    max_batch_size: int = 8
+    max_batch_size: int = 64
     batch_wait_ms: float = 5.0
     num_threads: int = 0
-    max_batch_tokens: int = 8192
+    max_batch_tokens: int = 12288
     max_inputs_per_request: int = 2048
     quantize: str = "none"
     kv_transport: str = "shm,torch_dist"

@@ -32,6 +32,7 @@ from kernels.paged_attention import write_kv
 from shared.attention_metadata import AttentionMetadata
 from shared.models.hf_checkpoint import TextGenerationDefaults, copy_weights, linear_names, load_hf_weights, read_json
 from shared.models.linear import FusedPacked, Linear, PackedDecodeWeights, fused_products, pack_fused
+from shared.models.norm import LayerNorm
 
 __all__ = ["BartConfig", "BartForConditionalGeneration", "sinusoidal_positions"]
 
@@ -111,7 +112,7 @@ class Block(nn.Module):
 
     def __init__(self, d: int, pre_norm: bool) -> None:
         super().__init__()
-        self.norm, self.pre_norm = nn.LayerNorm(d), pre_norm
+        self.norm, self.pre_norm = LayerNorm(d), pre_norm
 
     def __call__(self, x: torch.Tensor, f) -> torch.Tensor:
         return x + f(self.norm(x)) if self.pre_norm else self.norm(x + f(x))
@@ -189,9 +190,9 @@ class Stack(nn.Module):
         else:
             self.embed_positions = nn.Parameter(torch.zeros(c.max_source_positions + POSITION_OFFSET, c.d_model))
             self.offset = POSITION_OFFSET
-        self.layernorm_embedding = nn.LayerNorm(c.d_model) if c.layernorm_embedding else None
+        self.layernorm_embedding = LayerNorm(c.d_model) if c.layernorm_embedding else None
         self.layers = nn.ModuleList(layer_cls(c) for _ in range(n_layers))
-        self.layer_norm = nn.LayerNorm(c.d_model) if c.final_layer_norm else None
+        self.layer_norm = LayerNorm(c.d_model) if c.final_layer_norm else None
 
     def embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(ids) * self.embed_scale + self.embed_positions[positions + self.offset]

@@ -26,6 +26,7 @@ from kernels.paged_attention import write_kv
 from shared.attention_metadata import AttentionMetadata
 from shared.models.ct2_reader import load_ct2_weights
 from shared.models.linear import Linear, PackedDecodeWeights
+from shared.models.norm import LayerNorm
 from shared.models.whisper_features import load_tokenizer, log_mel_spectrogram, special_token_ids
 
 __all__ = [
@@ -105,10 +106,10 @@ class EncoderLayer(nn.Module):
     def __init__(self, c: WhisperConfig) -> None:
         super().__init__()
         self.h, self.dh = c.num_heads, c.head_dim
-        self.attn_norm = nn.LayerNorm(c.d_model)
+        self.attn_norm = LayerNorm(c.d_model)
         self.qkv = Linear(c.d_model, 3 * c.d_model)  # rows q, k, v
         self.attn_out = Linear(c.d_model, c.d_model)
-        self.ffn_norm = nn.LayerNorm(c.d_model)
+        self.ffn_norm = LayerNorm(c.d_model)
         self.fc1 = Linear(c.d_model, c.ffn_dim)
         self.fc2 = Linear(c.ffn_dim, c.d_model)
 
@@ -125,14 +126,14 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.h, self.dh = c.num_heads, c.head_dim
         self.scale = c.head_dim**-0.5
-        self.self_attn_norm = nn.LayerNorm(c.d_model)
+        self.self_attn_norm = LayerNorm(c.d_model)
         self.self_qkv = Linear(c.d_model, 3 * c.d_model)  # rows q, k, v
         self.self_out = Linear(c.d_model, c.d_model)
-        self.cross_attn_norm = nn.LayerNorm(c.d_model)
+        self.cross_attn_norm = LayerNorm(c.d_model)
         self.cross_q = Linear(c.d_model, c.d_model)
         self.cross_kv = Linear(c.d_model, 2 * c.d_model)  # rows k, v; applied to the encoder output
         self.cross_out = Linear(c.d_model, c.d_model)
-        self.ffn_norm = nn.LayerNorm(c.d_model)
+        self.ffn_norm = LayerNorm(c.d_model)
         self.fc1 = Linear(c.d_model, c.ffn_dim)
         self.fc2 = Linear(c.ffn_dim, c.d_model)
 
@@ -173,11 +174,11 @@ class WhisperForConditionalGeneration(PackedDecodeWeights, nn.Module):
         self.conv2 = nn.Conv1d(c.d_model, c.d_model, kernel_size=3, stride=2, padding=1)
         self.register_buffer("encoder_positions", torch.zeros(c.max_source_positions, c.d_model))
         self.encoder_layers = nn.ModuleList(EncoderLayer(c) for _ in range(c.encoder_layers))
-        self.encoder_norm = nn.LayerNorm(c.d_model)
+        self.encoder_norm = LayerNorm(c.d_model)
         self.embed_tokens = nn.Embedding(c.vocab_size, c.d_model)
         self.decoder_positions = nn.Parameter(torch.zeros(c.max_target_positions, c.d_model))
         self.decoder_layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.decoder_layers))
-        self.decoder_norm = nn.LayerNorm(c.d_model)
+        self.decoder_norm = LayerNorm(c.d_model)
         self.output_projection: nn.Module | None = None  # None: vocab_projection() with embed_tokens (tied)
 
     @classmethod
