@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from kernels._clib import load_library
 
-__all__ = ["MAX_ROWS", "PackedWeight", "is_available", "packed_linear", "reference_linear"]
+__all__ = ["ACTIVATIONS", "MAX_ROWS", "PackedWeight", "is_available", "packed_linear", "reference_linear"]
 
 MAX_ROWS = 64  # from about here on MKL's F.linear (compute-bound, weight reused) is as fast
 _UNAVAILABLE = ("the packed_linear kernel is not available: kernels/_cpu_kernels*.so was not built (no C compiler "
@@ -56,7 +56,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.packed_linear_packed_size.restype = size_t
     lib.packed_linear_pack.argtypes = [ptr, ptr, size_t, size_t]
     lib.packed_linear_pack.restype = None
-    lib.packed_linear.argtypes = [ptr, ptr, ptr, ptr, size_t, size_t, size_t, ctypes.c_int]
+    lib.packed_linear.argtypes = [ptr, ptr, ptr, ptr, size_t, size_t, size_t, ctypes.c_int, ctypes.c_int]
     lib.packed_linear.restype = ctypes.c_int
 
 
@@ -110,9 +110,14 @@ class PackedWeight:
         return cls(data, n, k)
 
 
+ACTIVATIONS = {None: 0, "relu": 1, "gelu": 2}
+"""Activations ``packed_linear`` applies in its epilogue, after the bias: ``relu`` (``torch.relu``) and ``gelu``
+(``F.gelu``, the exact erf form; erf per Abramowitz & Stegun 7.1.26 as ATen's vectorized float erf, |error| <= 1.5e-7)."""
+
+
 def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None,
-                  num_threads: int | None = None) -> torch.Tensor:
-    """``F.linear(x, W, bias)`` for the weight ``W`` that ``weight`` packs.
+                  num_threads: int | None = None, activation: str | None = None) -> torch.Tensor:
+    """``act(F.linear(x, W, bias))`` for the weight ``W`` that ``weight`` packs.
 
     Args:
         x: ``[..., in_features]`` float32 CPU, at most ``MAX_ROWS`` rows in all.
@@ -120,17 +125,22 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | No
         bias: ``[out_features]`` float32 or None.
         num_threads: threads to split the output features over (default
             ``torch.get_num_threads()``).
+        activation: None, ``relu`` or ``gelu`` (``ACTIVATIONS``), applied to
+            each output as it is stored (no second pass over the output).
 
     Returns:
         ``[..., out_features]`` float32, contiguous.
 
     Raises:
         RuntimeError: the kernel is not available (see ``is_available``).
-        ValueError: wrong dtype, device, feature count or more than ``MAX_ROWS`` rows.
+        ValueError: wrong dtype, device, feature count, more than ``MAX_ROWS`` rows
+            or an activation not in ``ACTIVATIONS``.
     """
     lib = _library()
     if lib is None:
         raise RuntimeError(_UNAVAILABLE)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"packed_linear activation must be one of {sorted(a for a in ACTIVATIONS if a)} or None, got {activation!r}")
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != weight.in_features:
         raise ValueError(f"packed_linear takes float32 CPU [..., {weight.in_features}] input, got {x.dtype} {tuple(x.shape)} on {x.device}")
     rows = x.shape[:-1].numel()
@@ -140,15 +150,19 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | No
         raise ValueError(f"bias must be float32 [{weight.out_features}], got {bias.dtype} {tuple(bias.shape)}")
     if weight.in_features == 0:  # empty sums: the bias alone, as F.linear
         out = torch.zeros(rows, weight.out_features) + (bias if bias is not None else 0.0)
-        return out.view(*x.shape[:-1], weight.out_features)
+        return _ACTIVATION_FNS[activation](out).view(*x.shape[:-1], weight.out_features)
     x2 = x.reshape(rows, weight.in_features).contiguous()
     out = torch.empty(rows, weight.out_features, dtype=torch.float32)
     b = bias.contiguous() if bias is not None else None
     lib.packed_linear(x2.data_ptr(), weight.data.data_ptr(), b.data_ptr() if b is not None else None, out.data_ptr(),
-                      rows, weight.out_features, weight.in_features, num_threads or torch.get_num_threads())
+                      rows, weight.out_features, weight.in_features, num_threads or torch.get_num_threads(), ACTIVATIONS[activation])
     return out.view(*x.shape[:-1], weight.out_features)
 
 
-def reference_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The torch reference of ``packed_linear``: ``F.linear`` on the unpacked weight."""
-    return F.linear(x, weight, bias)
+_ACTIVATION_FNS = {None: lambda y: y, "relu": torch.relu, "gelu": F.gelu}
+
+
+def reference_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     activation: str | None = None) -> torch.Tensor:
+    """The torch reference of ``packed_linear``: ``F.linear`` on the unpacked weight, then the activation."""
+    return _ACTIVATION_FNS[activation](F.linear(x, weight, bias))

@@ -70,6 +70,28 @@ def test_bad_inputs_are_refused():
         PackedWeight(torch.empty(0), 100_000, 8)
 
 
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("rows,out_features,in_features", [(1, 15, 7), (7, 17, 33), (32, 3072, 96)])
+def test_fused_activations_match_torch(activation, rows, out_features, in_features):
+    g = torch.Generator().manual_seed(rows + out_features)
+    x, w, b = torch.randn(rows, in_features, generator=g), torch.randn(out_features, in_features, generator=g) * 0.3, torch.randn(out_features, generator=g)
+    packed = PackedWeight.pack(w)
+    for bias in (None, b):  # the partial last panel too (15, 17 features)
+        torch.testing.assert_close(packed_linear(x, packed, bias, activation=activation),
+                                   reference_linear(x, w, bias, activation), rtol=1e-5, atol=1e-5)
+
+
+def test_fused_activations_on_special_values():
+    """relu / gelu of NaN, +-inf, signed zeros and the erf tails, as torch (the outputs are the bias alone)."""
+    b = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-30, -5.0, 40.0, -40.0, 3.0, -3.0, 0.5, -0.5, 1.0, -1.0, 2.0, 7.0])
+    w, x = torch.zeros(len(b), 4), torch.zeros(2, 4)
+    for activation in ("relu", "gelu"):
+        got, ref = packed_linear(x, PackedWeight.pack(w), b, activation=activation), reference_linear(x, w, b, activation)
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7, equal_nan=True)
+    with pytest.raises(ValueError, match="activation"):
+        packed_linear(x, PackedWeight.pack(w), b, activation="silu")
+
+
 def test_empty_dimensions_follow_f_linear():
     g = torch.Generator().manual_seed(2)
     for rows, out_features, in_features in [(0, 5, 8), (3, 0, 8), (3, 17, 0)]:

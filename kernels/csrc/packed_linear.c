@@ -28,10 +28,13 @@
 #include <stddef.h>
 
 #include "parallel.h"
+#include "simd_math.h"
 
 #define PANEL 16 /* output features per panel: two 8-float AVX registers */
 #define MR_MAX 6 /* rows of x per micro-kernel call */
-#define TARGET __attribute__((target("avx2,fma")))
+#define ACT_NONE 0
+#define ACT_RELU 1
+#define ACT_GELU 2 /* exact (erf) GELU */
 
 int packed_linear_supported(void) {
     __builtin_cpu_init();
@@ -80,7 +83,15 @@ typedef struct {
     const float *x, *wp, *bias;
     float* out;
     size_t m, n, k;
+    int activation;
 } job_t;
+
+/* The epilogue's activation (packed_linear's `activation`). */
+TARGET static inline __m256 activate(__m256 v, int activation) {
+    if (activation == ACT_RELU) return _mm256_max_ps(_mm256_setzero_ps(), v); /* a NaN (second operand) stays NaN, as torch.relu */
+    if (activation == ACT_GELU) return gelu_ps(v);
+    return v;
+}
 
 /* Panels [first_panel, end_panel) of the output. */
 TARGET static void run_panels(const void* ctx, size_t first_panel, size_t end_panel) {
@@ -102,23 +113,28 @@ TARGET static void run_panels(const void* ctx, size_t first_panel, size_t end_pa
                 float* o = j->out + (m0 + i) * j->n + n0;
                 __m256 r0 = _mm256_add_ps(acc[2 * i], b0), r1 = _mm256_add_ps(acc[2 * i + 1], b1);
                 if (valid == PANEL) {
-                    _mm256_storeu_ps(o, r0);
-                    _mm256_storeu_ps(o + 8, r1);
-                } else {  /* last, partial panel: bias added per element */
+                    _mm256_storeu_ps(o, activate(r0, j->activation));
+                    _mm256_storeu_ps(o + 8, activate(r1, j->activation));
+                } else {  /* last, partial panel: bias added per element, then the activation */
                     _mm256_storeu_ps(tail, r0);
                     _mm256_storeu_ps(tail + 8, r1);
-                    for (size_t c = 0; c < valid; c++) o[c] = tail[c] + (j->bias ? j->bias[n0 + c] : 0.0f);
+                    for (size_t c = 0; c < PANEL; c++) tail[c] += c < valid && j->bias ? j->bias[n0 + c] : 0.0f;
+                    _mm256_storeu_ps(tail, activate(_mm256_loadu_ps(tail), j->activation));
+                    _mm256_storeu_ps(tail + 8, activate(_mm256_loadu_ps(tail + 8), j->activation));
+                    for (size_t c = 0; c < valid; c++) o[c] = tail[c];
                 }
             }
         }
     }
 }
 
-/* x [m, k], wp packed from w [n, k], bias [n] or NULL, out [m, n]; all contiguous float32.
+/* x [m, k], wp packed from w [n, k], bias [n] or NULL, out [m, n]; all contiguous float32; activation
+ * ACT_NONE / ACT_RELU / ACT_GELU applied to each output after the bias (anything else: -2, nothing done).
  * Returns 0, or -1 if a worker thread could not be started (its panels then run on the caller). */
 int packed_linear(const float* x, const float* wp, const float* bias, float* out, size_t m, size_t n, size_t k,
-                  int num_threads) {
+                  int num_threads, int activation) {
+    if (activation < ACT_NONE || activation > ACT_GELU) return -2;
     if (m == 0) return 0;
-    job_t job = {x, wp, bias, out, m, n, k};
+    job_t job = {x, wp, bias, out, m, n, k, activation};
     return parallel_for(run_panels, &job, (n + PANEL - 1) / PANEL, num_threads);
 }

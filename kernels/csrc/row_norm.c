@@ -21,8 +21,8 @@
 #include <stddef.h>
 
 #include "parallel.h"
+#include "simd_math.h"
 
-#define TARGET __attribute__((target("avx2,fma")))
 #define MIN_PARALLEL_FLOATS 262144 /* below this many floats in all (1 MB), one thread: waking a worker costs more */
 
 int row_norm_supported(void) {
@@ -38,12 +38,6 @@ typedef struct {
     int rms;
 } job_t;
 
-TARGET static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 /* Sum of x[c] (sq = 0) or of (x[c] - m)^2 (sq = 1) over a row: 4 independent 8-lane sums (no add latency chain). */
 TARGET static inline float row_sum(const float* x, size_t d, float m, int sq) {

@@ -31,7 +31,7 @@ from kernels.attention_backend import paged_attention
 from kernels.paged_attention import write_kv
 from shared.attention_metadata import AttentionMetadata
 from shared.models.hf_checkpoint import TextGenerationDefaults, copy_weights, linear_names, load_hf_weights, read_json
-from shared.models.linear import FusedPacked, Linear, PackedDecodeWeights, fused_products, pack_fused
+from shared.models.linear import FusedPacked, Linear, PackedDecodeWeights, fused_products, linear_act, pack_fused
 from shared.models.norm import LayerNorm
 
 __all__ = ["BartConfig", "BartForConditionalGeneration", "sinusoidal_positions"]
@@ -123,7 +123,7 @@ class EncoderLayer(nn.Module):
         super().__init__()
         self.self_attn, self.attn_block = Attention(c.d_model, c.encoder_heads), Block(c.d_model, c.pre_norm)
         self.fc1, self.fc2 = Linear(c.d_model, c.encoder_ffn_dim), Linear(c.encoder_ffn_dim, c.d_model)
-        self.ffn_block, self.act = Block(c.d_model, c.pre_norm), ACT2FN[c.activation]
+        self.ffn_block, self.act, self.act_name = Block(c.d_model, c.pre_norm), ACT2FN[c.activation], c.activation
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """``x`` ``[B, S, d]``; ``mask`` ``[B, 1, 1, S]`` bool (True = real key) or None."""
@@ -135,7 +135,7 @@ class EncoderLayer(nn.Module):
             return a.out_proj(F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(b, s, d))
 
         x = self.attn_block(x, attend)
-        return self.ffn_block(x, lambda h: self.fc2(self.act(self.fc1(h))))
+        return self.ffn_block(x, lambda h: self.fc2(linear_act(self.fc1, h, self.act_name, self.act)))
 
 
 class DecoderLayer(nn.Module):
@@ -144,7 +144,7 @@ class DecoderLayer(nn.Module):
         self.self_attn, self.self_block = Attention(c.d_model, c.num_heads), Block(c.d_model, c.pre_norm)
         self.encoder_attn, self.cross_block = Attention(c.d_model, c.num_heads), Block(c.d_model, c.pre_norm)
         self.fc1, self.fc2 = Linear(c.d_model, c.decoder_ffn_dim), Linear(c.decoder_ffn_dim, c.d_model)
-        self.ffn_block, self.act = Block(c.d_model, c.pre_norm), ACT2FN[c.activation]
+        self.ffn_block, self.act, self.act_name = Block(c.d_model, c.pre_norm), ACT2FN[c.activation], c.activation
 
     def forward(self, x: torch.Tensor, md: AttentionMetadata, self_kv: torch.Tensor, cross_kv: torch.Tensor) -> torch.Tensor:
         t, d = x.shape
@@ -167,7 +167,7 @@ class DecoderLayer(nn.Module):
 
         x = self.self_block(x, self_attend)
         x = self.cross_block(x, cross_attend)
-        return self.ffn_block(x, lambda h: self.fc2(self.act(self.fc1(h))))
+        return self.ffn_block(x, lambda h: self.fc2(linear_act(self.fc1, h, self.act_name, self.act)))
 
     def pack_decode_weights(self) -> int:
         """Packs this layer's decode-step products (self q/k/v fused); returns the bytes added."""

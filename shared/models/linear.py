@@ -89,10 +89,25 @@ class Linear(nn.Linear):
         self.packed = pack_projection(self.weight)
         return self.packed.data.nbytes if self.packed is not None else 0
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, activation: str | None = None) -> torch.Tensor:
+        """``act(x W^T + b)``; ``activation``: None, ``relu`` or ``gelu`` (exact), fused into the packed
+        kernel's epilogue on decode steps (``kernels.packed_linear.ACTIVATIONS``)."""
         if self.packed is not None and decode_rows(x):
-            return packed_linear(x, self.packed, self.bias)
-        return linear(x, self.weight, self.bias)
+            return packed_linear(x, self.packed, self.bias, activation=activation)
+        y = linear(x, self.weight, self.bias)
+        return _ACTIVATIONS[activation](y)
+
+
+_ACTIVATIONS = {None: lambda y: y, "relu": F.relu, "gelu": F.gelu}
+
+
+def linear_act(layer: nn.Module, x: torch.Tensor, name: str, act) -> torch.Tensor:
+    """``act(layer(x))`` where ``act`` is HF's ``ACT2FN[name]``; ``relu`` and ``gelu`` (the exact one) go
+    into a ``Linear``'s packed epilogue on decode steps. Any other activation, or a layer that is no
+    longer our ``Linear`` (``shared.models.quantize`` swaps in torch's int8 ones), applies ``act`` after."""
+    if name in ("relu", "gelu") and isinstance(layer, Linear):
+        return layer(x, activation=name)
+    return act(layer(x))
 
 
 @dataclass(frozen=True)

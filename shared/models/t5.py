@@ -31,7 +31,7 @@ from kernels.cpu_norm import rms_norm
 from kernels.paged_attention import write_kv
 from shared.attention_metadata import AttentionMetadata
 from shared.models.hf_checkpoint import TextGenerationDefaults, copy_weights, load_hf_weights, max_source_positions, read_json
-from shared.models.linear import FusedPacked, Linear, PackedDecodeWeights, fused_products, pack_fused
+from shared.models.linear import FusedPacked, Linear, PackedDecodeWeights, fused_products, linear_act, pack_fused
 
 __all__ = ["T5Config", "T5ForConditionalGeneration", "relative_position_bucket"]
 
@@ -133,13 +133,13 @@ class FeedForward(nn.Module):
     def __init__(self, c: T5Config) -> None:
         super().__init__()
         self.gated = c.gated
-        self.act = ACT2FN[c.activation]
+        self.act_name, self.act = c.activation, ACT2FN[c.activation]
         self.wi_0 = Linear(c.d_model, c.d_ff, bias=False)  # "wi" when not gated
         self.wi_1 = Linear(c.d_model, c.d_ff, bias=False) if c.gated else None
         self.wo = Linear(c.d_ff, c.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.act(self.wi_0(x))
+        h = linear_act(self.wi_0, x, self.act_name, self.act)
         return self.wo(h * self.wi_1(x) if self.gated else h)
 
 

@@ -25,7 +25,7 @@ from kernels.attention_backend import contiguous_cross_attention, cpu_decode_ker
 from kernels.paged_attention import write_kv
 from shared.attention_metadata import AttentionMetadata
 from shared.models.ct2_reader import load_ct2_weights
-from shared.models.linear import Linear, PackedDecodeWeights
+from shared.models.linear import Linear, PackedDecodeWeights, linear_act
 from shared.models.norm import LayerNorm
 from shared.models.whisper_features import load_tokenizer, log_mel_spectrogram, special_token_ids
 
@@ -118,7 +118,7 @@ class EncoderLayer(nn.Module):
         qkv = self.qkv(self.attn_norm(x)).view(b, s, 3, self.h, self.dh).permute(2, 0, 3, 1, 4)  # [3, B, H, S, Dh]
         a = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2])  # [B, H, S, Dh]
         x = x + self.attn_out(a.transpose(1, 2).reshape(b, s, d))
-        return x + self.fc2(F.gelu(self.fc1(self.ffn_norm(x))))
+        return x + self.fc2(linear_act(self.fc1, self.ffn_norm(x), "gelu", F.gelu))
 
 
 class DecoderLayer(nn.Module):
@@ -156,7 +156,7 @@ class DecoderLayer(nn.Module):
                                 causal=False, scale=self.scale, max_query_len=md.max_query_len, max_context_len=md.max_encoder_len,
                                 backend=md.attention_backend, step_cache=md.step_cache)
         x = x + self.cross_out(a.reshape(t, d))
-        return x + self.fc2(F.gelu(self.fc1(self.ffn_norm(x))))
+        return x + self.fc2(linear_act(self.fc1, self.ffn_norm(x), "gelu", F.gelu))
 
     def pack_decode_weights(self) -> int:
         """Packs this layer's decode-step products (not ``cross_kv``: the encoder side); returns the bytes added."""
