@@ -52,12 +52,15 @@ def _serves(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | N
 
 
 def _run(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, rms: bool) -> torch.Tensor:
+    # Named locals: a strided weight's contiguous copy must outlive the C call (a temporary in the
+    # argument list is freed once its data_ptr() is taken, and the kernel would read freed memory).
     x = x.contiguous()
+    w = weight.contiguous() if weight is not None else None
+    b = bias.contiguous() if bias is not None else None
     out = torch.empty_like(x)
     d = x.shape[-1]
-    _library().row_norm(x.data_ptr(), weight.contiguous().data_ptr() if weight is not None else None,
-                        bias.contiguous().data_ptr() if bias is not None else None, out.data_ptr(), x.numel() // d if d else 0,
-                        d, eps, int(rms), torch.get_num_threads())
+    _library().row_norm(x.data_ptr(), w.data_ptr() if w is not None else None, b.data_ptr() if b is not None else None,
+                        out.data_ptr(), x.numel() // d if d else 0, d, eps, int(rms), torch.get_num_threads())
     return out
 
 

@@ -72,3 +72,14 @@ def test_other_dtypes_and_autograd_take_the_reference():
     with pytest.raises(RuntimeError):  # a weight of the wrong size: torch's error
         layer_norm(x, w[:4], None, 1e-5)
     assert rms_norm(torch.empty(0, 8), w, 1e-6).shape == (0, 8)
+
+
+def test_strided_weight_and_bias():
+    """A strided ``[d]`` weight / bias is copied to a contiguous one that must stay alive through the C call."""
+    x, _, _ = _inputs((5, 37), 6)
+    g = torch.Generator().manual_seed(7)
+    w, b = torch.randn(2 * 37, generator=g)[::2], (torch.randn(2 * 37, generator=g) * 10)[::2]  # [37], stride 2
+    assert not w.is_contiguous() and not b.is_contiguous()
+    for _ in range(20):  # freed copies are reused by the next allocation: once is not always enough
+        torch.testing.assert_close(layer_norm(x, w, b, 1e-5), F.layer_norm(x, (37,), w, b, 1e-5))
+        torch.testing.assert_close(rms_norm(x, w, 1e-6), reference_rms_norm(x, w, 1e-6))
