@@ -404,6 +404,10 @@ class DecoderEngine:
         """Requests waiting for the encoder to write their cross KV (see ``mark_encoded``)."""
         return self.scheduler.num_encoding
 
+    def is_encoding(self, request_id: str) -> bool:
+        """True while ``request_id`` waits for the encoder to write its cross KV."""
+        return request_id in self.scheduler.encoding
+
     def dispatch_encodes(self) -> StepOutput:
         """A step without the model: only reserves cross blocks for new requests (``to_encode``).
 

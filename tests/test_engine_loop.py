@@ -143,3 +143,23 @@ def test_no_hold_decodes_while_others_encode(t5):
             h.loop.stop()
 
     run(main())
+
+
+def test_a_hold_that_ran_out_does_not_come_back_for_the_same_encode(t5):
+    """An Encode that never lands (hung encoder, up to encode_timeout_s) pauses the others once, not every step."""
+    async def main():
+        h = Harness(t5, max_decode_hold_s=1.0)
+        try:
+            await h.add("a")
+            await h.add("b")  # never encoded
+            await h.encode("a")
+            start = asyncio.get_running_loop().time()
+            await h.until(lambda: "a" in h.finished)
+            # One hold (<= 1 s) then NEW free steps; a hold per step would take NEW s.
+            assert asyncio.get_running_loop().time() - start < 1.0 + (NEW - 1) / 2
+            assert len(h.steps) == NEW and not h.errors
+            assert await h.loop.call(h.engine.abort, "b")
+        finally:
+            h.loop.stop()
+
+    run(main())
