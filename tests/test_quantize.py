@@ -23,6 +23,7 @@ def test_int8_model_transcribes_like_hf(whisper_model_dir, whisper_features, hf_
     assert isinstance(model.decoder_layers[0].fc1, DynamicQuantizedLinear)
     assert isinstance(model.encoder_layers[0].fc1, DynamicQuantizedLinear)
     assert model.output_projection is not None
+    assert not model.decoder_layers[0].ffn_norm.use_kernel  # int8 keeps torch's norms (shared.models.quantize)
     names = sorted(whisper_features)
     with torch.inference_mode():
         ours = paged_greedy_decode(model, torch.stack([whisper_features[n] for n in names]))

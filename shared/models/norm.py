@@ -14,9 +14,14 @@ from kernels.cpu_norm import layer_norm
 
 
 class LayerNorm(nn.LayerNorm):
-    """``nn.LayerNorm`` over the last dim (Ba et al., 2016) with the CPU row kernel; takes ``[..., d]``, returns a new tensor."""
+    """``nn.LayerNorm`` over the last dim (Ba et al., 2016) with the CPU row kernel; takes ``[..., d]``, returns a new tensor.
+
+    ``use_kernel = False`` keeps torch's own (``shared.models.quantize`` sets it for int8 models).
+    """
+
+    use_kernel = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if len(self.normalized_shape) != 1:
+        if len(self.normalized_shape) != 1 or not self.use_kernel:
             return super().forward(x)
         return layer_norm(x, self.weight, self.bias, self.eps)

@@ -27,7 +27,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from kernels.attention_backend import paged_attention
-from kernels.cpu_norm import rms_norm
+from kernels.cpu_norm import reference_rms_norm, rms_norm
 from kernels.paged_attention import write_kv
 from shared.attention_metadata import AttentionMetadata
 from shared.models.hf_checkpoint import TextGenerationDefaults, copy_weights, load_hf_weights, max_source_positions, read_json
@@ -110,7 +110,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(d))
         self.eps = eps
 
+    use_kernel = True  # False: HF's formula in torch (shared.models.quantize sets it for int8 models)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.use_kernel:
+            return reference_rms_norm(x, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)  # the C kernel for float32 CPU, else HF's formula
 
 
