@@ -124,7 +124,8 @@ def run(config: EncoderServiceConfig) -> None:
         {"torch_dist": dict(backend=config.kv_dist_backend, device=config.kv_device, timeout_s=config.kv_transfer_timeout_s)},
     )
     batcher = EncodeBatcher(model, log_mel_spectrogram, writer, max_batch_size, config.batch_wait_ms, threads,
-                            warm_up=lambda: _warm_up(model, device), max_batch_tokens=config.max_batch_tokens)
+                            warm_up=lambda: _warm_up(model, device), max_batch_tokens=config.max_batch_tokens,
+                            max_batch_wait_ms=config.max_batch_wait_ms)
     servicer = EncoderServicer(config, model, batcher)
     start_metrics_server(config.metrics_port, config.host, servicer.metrics.registry)
 

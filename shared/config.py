@@ -35,8 +35,10 @@ class EncoderServiceConfig:
         port: gRPC port.
         max_batch_size: most Encode requests run in one encoder forward (see
             also ``max_batch_tokens``).
-        batch_wait_ms: how long the first pending request waits for company
-            before its batch runs (milliseconds).
+        batch_wait_ms: how long a forming batch waits for the next request
+            (milliseconds); each arrival restarts the wait, up to ``max_batch_wait_ms``.
+        max_batch_wait_ms: the longest the first request of a batch waits for
+            company in all (milliseconds).
         num_threads: torch intra-op threads; 0 keeps torch's default.
         max_batch_tokens: most padded tokens (sequences x longest) in one
             forward: of Encode requests (a Whisper window counts its 1500
@@ -70,7 +72,8 @@ class EncoderServiceConfig:
     host: str = "127.0.0.1"
     port: int = 50061
     max_batch_size: int = 64
-    batch_wait_ms: float = 5.0
+    batch_wait_ms: float = 20.0
+    max_batch_wait_ms: float = 200.0
     num_threads: int = 0
     max_batch_tokens: int = 12288
     max_inputs_per_request: int = 2048
@@ -96,8 +99,8 @@ class EncoderServiceConfig:
         _check_kv_dist(self.kv_dist_backend, self.kv_device, self.kv_transfer_timeout_s, "torch_dist" in names)
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
-        if self.batch_wait_ms < 0:
-            raise ValueError(f"batch_wait_ms must be >= 0, got {self.batch_wait_ms}")
+        if not (self.batch_wait_ms >= 0 and self.max_batch_wait_ms >= 0):  # also refuses NaN
+            raise ValueError(f"batch_wait_ms and max_batch_wait_ms must be >= 0, got {self.batch_wait_ms} and {self.max_batch_wait_ms}")
         if self.max_batch_tokens < 1 or self.max_inputs_per_request < 1:
             raise ValueError("max_batch_tokens and max_inputs_per_request must be >= 1")
         _check_quantize(self.quantize)

@@ -55,3 +55,31 @@ def test_max_batch_size_still_caps_a_batch(t5):
     sources = [[5, 6, 1]] * 5
     sizes, _, _ = _run(t5, sources, max_batch_size=2, batch_wait_ms=300, max_batch_tokens=1000)
     assert sizes == [2, 2, 2, 2, 1]
+
+
+def test_each_arrival_extends_the_window_up_to_max_batch_wait(t5):
+    """Arrivals 0.3 s apart keep a 0.4 s window open; the 0.7 s cap closes the batch before the fourth."""
+    import threading
+    import time
+
+    c = t5.config
+    pool = create_pool("shm", (c.decoder_layers, 2, 8, 4, c.num_heads, c.head_dim))
+    writer = create_writer("shm")
+    batcher = EncodeBatcher(t5, None, writer, max_batch_size=8, batch_wait_ms=400, max_batch_wait_ms=700)
+    futures = []
+
+    def arrive() -> None:
+        for i in range(4):
+            if i:
+                time.sleep(0.3)
+            futures.append(batcher.submit(EncodeItem(f"r{i}", None, pool.spec, [i], input_ids=[5, 6, 1])))
+
+    try:
+        sender = threading.Thread(target=arrive)
+        sender.start()
+        sender.join()
+        assert [f.result(timeout=60)[2] for f in futures] == [3, 3, 3, 1]
+    finally:
+        batcher.stop()
+        writer.close()
+        pool.close()
