@@ -19,9 +19,10 @@ which pauses running requests to prefill a queue of new ones (its
 ``waiting_served_ratio``), this trades a bounded pause of running
 sequences for throughput: a burst of requests starts decoding in one batch
 instead of staggered, and where the encoder shares the decoder's cores
-(CPU, or one GPU) it gets them while it encodes. Measured on 2 CPU cores, 32 t5-small requests at once: without it,
-1.1-1.4 s went by with decode steps of 1-30 sequences racing the encoder
-and the last requests finished 1.0-1.4 s after the first. 0 turns it off.
+(CPU, or one GPU) it gets them while it encodes. Measured on 2 CPU cores,
+32 t5-small requests at once: without it, 1.1-1.4 s went by with decode
+steps of 1-30 sequences racing the encoder and the last requests finished
+1.0-1.4 s after the first. 0 turns it off.
 """
 
 from __future__ import annotations

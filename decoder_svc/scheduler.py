@@ -261,7 +261,6 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Plans one step (see the module docstring); allocates the blocks it plans."""
-        bm = self.block_manager
         out = SchedulerOutput()
         self._reserve_cross(out)
         self._schedule_running(out)

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from kernels._clib import load_library
 
-__all__ = ["ACTIVATIONS", "MAX_ROWS", "PackedWeight", "is_available", "packed_linear", "reference_linear"]
+__all__ = ["ACTIVATIONS", "MAX_ROWS", "PackedWeight", "activate", "is_available", "packed_linear", "reference_linear"]
 
 MAX_ROWS = 64  # from about here on MKL's F.linear (compute-bound, weight reused) is as fast
 _UNAVAILABLE = ("the packed_linear kernel is not available: kernels/_cpu_kernels*.so was not built (no C compiler "
@@ -150,7 +150,7 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | No
         raise ValueError(f"bias must be float32 [{weight.out_features}], got {bias.dtype} {tuple(bias.shape)}")
     if weight.in_features == 0:  # empty sums: the bias alone, as F.linear
         out = torch.zeros(rows, weight.out_features) + (bias if bias is not None else 0.0)
-        return _ACTIVATION_FNS[activation](out).view(*x.shape[:-1], weight.out_features)
+        return activate(out, activation).view(*x.shape[:-1], weight.out_features)
     x2 = x.reshape(rows, weight.in_features).contiguous()
     out = torch.empty(rows, weight.out_features, dtype=torch.float32)
     b = bias.contiguous() if bias is not None else None
@@ -162,7 +162,12 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | No
 _ACTIVATION_FNS = {None: lambda y: y, "relu": torch.relu, "gelu": F.gelu}
 
 
+def activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
+    """The torch reference of the epilogue: ``activation`` (a key of ``ACTIVATIONS``) applied to ``y``."""
+    return _ACTIVATION_FNS[activation](y)
+
+
 def reference_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                      activation: str | None = None) -> torch.Tensor:
     """The torch reference of ``packed_linear``: ``F.linear`` on the unpacked weight, then the activation."""
-    return _ACTIVATION_FNS[activation](F.linear(x, weight, bias))
+    return activate(F.linear(x, weight, bias), activation)

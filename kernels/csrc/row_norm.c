@@ -38,7 +38,6 @@ typedef struct {
     int rms;
 } job_t;
 
-
 /* Sum of x[c] (sq = 0) or of (x[c] - m)^2 (sq = 1) over a row: 4 independent 8-lane sums (no add latency chain). */
 TARGET static inline float row_sum(const float* x, size_t d, float m, int sq) {
     __m256 vm = _mm256_set1_ps(m), a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;

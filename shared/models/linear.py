@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.packed_linear import MAX_ROWS, PackedWeight, is_available, packed_linear
+from kernels.packed_linear import ACTIVATIONS, MAX_ROWS, PackedWeight, activate, is_available, packed_linear
 
 __all__ = ["FusedPacked", "Linear", "PackedDecodeWeights", "SMALL_ROWS", "decode_rows", "fused_products", "linear",
            "pack_fused", "pack_projection", "vocab_projection"]
@@ -94,18 +94,14 @@ class Linear(nn.Linear):
         kernel's epilogue on decode steps (``kernels.packed_linear.ACTIVATIONS``)."""
         if self.packed is not None and decode_rows(x):
             return packed_linear(x, self.packed, self.bias, activation=activation)
-        y = linear(x, self.weight, self.bias)
-        return _ACTIVATIONS[activation](y)
-
-
-_ACTIVATIONS = {None: lambda y: y, "relu": F.relu, "gelu": F.gelu}
+        return activate(linear(x, self.weight, self.bias), activation)
 
 
 def linear_act(layer: nn.Module, x: torch.Tensor, name: str, act) -> torch.Tensor:
     """``act(layer(x))`` where ``act`` is HF's ``ACT2FN[name]``; ``relu`` and ``gelu`` (the exact one) go
     into a ``Linear``'s packed epilogue on decode steps. Any other activation, or a layer that is no
     longer our ``Linear`` (``shared.models.quantize`` swaps in torch's int8 ones), applies ``act`` after."""
-    if name in ("relu", "gelu") and isinstance(layer, Linear):
+    if name in ACTIVATIONS and isinstance(layer, Linear):
         return layer(x, activation=name)
     return act(layer(x))
 
