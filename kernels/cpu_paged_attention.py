@@ -8,7 +8,9 @@ machines. With one query per sequence, this C kernel reads each key and value
 where it lies, once, through the block table. ``kernels.attention_backend``
 sends decode steps of float32 CPU caches here (backend ``torch``) and every
 other case (prefill, half-precision caches, other devices) to the reference;
-tests/test_cpu_paged_attention.py compares the two.
+tests/test_cpu_paged_attention.py compares the two. ``write_kv`` is the C
+scatter of the reference's ``write_kv`` (torch's ``index_copy_`` plus its
+padding check cost ~200 us per layer of such a step, the scatter ~50 us).
 
 The C library is built by ``pip install`` (setup.py, x86-64 Linux only);
 where it is missing or the CPU lacks AVX2/FMA, ``is_available()`` is False
@@ -24,7 +26,7 @@ import torch
 
 from kernels._clib import load_library
 
-__all__ = ["applies", "is_available", "paged_decode_attention"]
+__all__ = ["applies", "is_available", "paged_decode_attention", "write_applies", "write_kv"]
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -32,6 +34,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.paged_decode_attention.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64,
                                            ctypes.c_float, ctypes.c_int]
     lib.paged_decode_attention.restype = ctypes.c_int
+    lib.paged_write_kv.argtypes = [ptr, ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64]
+    lib.paged_write_kv.restype = ctypes.c_int
 
 
 @lru_cache(maxsize=1)
@@ -122,3 +126,52 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if rc == -3:
         raise ValueError(f"block_tables holds a block id outside the cache's {k.shape[0]} blocks")
     return out
+
+
+def write_applies(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether ``write_kv`` can serve this call of the reference ``kernels.paged_attention.write_kv``: float32 CPU
+    contiguous caches and float32 CPU keys/values, when the kernel is available."""
+    return (k_cache.dtype == torch.float32 and v_cache.dtype == torch.float32 and key.dtype == torch.float32
+            and value.dtype == torch.float32 and k_cache.device.type == "cpu" and v_cache.device.type == "cpu"
+            and key.device.type == "cpu" and value.device.type == "cpu" and k_cache.is_contiguous()
+            and v_cache.is_contiguous() and is_available())
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """``kernels.paged_attention.write_kv`` (one ``memcpy`` per token and cache instead of torch's ``index_copy_``).
+
+    Args:
+        k_cache: ``[num_blocks, block_size, H, D]`` float32 CPU, contiguous, written in place.
+        v_cache: same shape as ``k_cache``.
+        key: ``[T, H, D]`` float32 CPU.
+        value: ``[T, H, D]`` float32 CPU.
+        slot_mapping: ``[T]`` integer slot of each token (``block * block_size + offset``); negative slots
+            (padding tokens) are skipped.
+
+    Raises:
+        RuntimeError: the kernel is not available (see ``is_available``).
+        ValueError: wrong dtypes, devices or shapes, or a slot past the cache (nothing is written then).
+    """
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("the paged_decode_attention kernel is not available: kernels/_cpu_kernels*.so was "
+                           "not built (no C compiler when the package was installed, or not x86-64 Linux) or this CPU "
+                           "lacks AVX2/FMA")
+    if not write_applies(k_cache, v_cache, key, value):
+        raise ValueError("write_kv takes float32 CPU keys, values and contiguous caches, got "
+                         f"{key.dtype}/{value.dtype}/{k_cache.dtype}/{v_cache.dtype}")
+    t = key.shape[0]
+    if (k_cache.dim() != 4 or k_cache.shape != v_cache.shape or key.shape != value.shape or key.dim() != 3
+            or tuple(key.shape[1:]) != tuple(k_cache.shape[2:]) or tuple(slot_mapping.shape) != (t,)):
+        raise ValueError(f"write_kv takes [T, H, D] keys and values, [num_blocks, block_size, H, D] caches and [T] slots, "
+                         f"got {tuple(key.shape)}, {tuple(value.shape)}, {tuple(k_cache.shape)}, {tuple(slot_mapping.shape)}")
+    if t == 0:
+        return
+    row = k_cache.shape[2] * k_cache.shape[3]
+    k, v = (x if x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] else x.contiguous() for x in (key, value))  # rows as they lie
+    slots = slot_mapping if slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() else slot_mapping.to(torch.int64).contiguous()
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    if lib.paged_write_kv(k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                          slots.data_ptr(), t, row, num_slots) == -3:
+        raise ValueError(f"slot_mapping holds a slot past the cache's {num_slots} slots")

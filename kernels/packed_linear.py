@@ -56,7 +56,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.packed_linear_packed_size.restype = size_t
     lib.packed_linear_pack.argtypes = [ptr, ptr, size_t, size_t]
     lib.packed_linear_pack.restype = None
-    lib.packed_linear.argtypes = [ptr, ptr, ptr, ptr, size_t, size_t, size_t, ctypes.c_int, ctypes.c_int]
+    lib.packed_linear.argtypes = [ptr, ptr, ptr, ptr, ptr, size_t, size_t, size_t, ctypes.c_int, ctypes.c_int]
     lib.packed_linear.restype = ctypes.c_int
 
 
@@ -116,8 +116,9 @@ ACTIVATIONS = {None: 0, "relu": 1, "gelu": 2}
 
 
 def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None,
-                  num_threads: int | None = None, activation: str | None = None) -> torch.Tensor:
-    """``act(F.linear(x, W, bias))`` for the weight ``W`` that ``weight`` packs.
+                  num_threads: int | None = None, activation: str | None = None,
+                  residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``residual + act(F.linear(x, W, bias))`` for the weight ``W`` that ``weight`` packs.
 
     Args:
         x: ``[..., in_features]`` float32 CPU, at most ``MAX_ROWS`` rows in all.
@@ -127,36 +128,45 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | No
             ``torch.get_num_threads()``).
         activation: None, ``relu`` or ``gelu`` (``ACTIVATIONS``), applied to
             each output as it is stored (no second pass over the output).
+        residual: None, or ``[..., out_features]`` float32 CPU (the shape of
+            the result) added after the activation: a transformer layer's
+            residual connection without a separate add (bit-identical to
+            ``residual + packed_linear(x, ...)``: one float32 rounding).
 
     Returns:
         ``[..., out_features]`` float32, contiguous.
 
     Raises:
         RuntimeError: the kernel is not available (see ``is_available``).
-        ValueError: wrong dtype, device, feature count, more than ``MAX_ROWS`` rows
-            or an activation not in ``ACTIVATIONS``.
+        ValueError: wrong dtype, device, feature count, more than ``MAX_ROWS`` rows,
+            an activation not in ``ACTIVATIONS`` or a residual of another shape.
     """
     lib = _library()
     if lib is None:
         raise RuntimeError(_UNAVAILABLE)
     if activation not in ACTIVATIONS:
         raise ValueError(f"packed_linear activation must be one of {sorted(a for a in ACTIVATIONS if a)} or None, got {activation!r}")
-    if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != weight.in_features:
+    if x.dtype != torch.float32 or not x.is_cpu or x.shape[-1] != weight.in_features:
         raise ValueError(f"packed_linear takes float32 CPU [..., {weight.in_features}] input, got {x.dtype} {tuple(x.shape)} on {x.device}")
-    rows = x.shape[:-1].numel()
+    rows = x.numel() // weight.in_features if weight.in_features else x.shape[:-1].numel()
     if rows > MAX_ROWS:
         raise ValueError(f"packed_linear takes at most {MAX_ROWS} rows, got {rows}; use F.linear")
-    if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (weight.out_features,)):
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (weight.out_features,)):
         raise ValueError(f"bias must be float32 [{weight.out_features}], got {bias.dtype} {tuple(bias.shape)}")
+    out_shape = (*x.shape[:-1], weight.out_features)
+    if residual is not None and (residual.dtype != torch.float32 or not residual.is_cpu or residual.shape != out_shape):
+        raise ValueError(f"residual must be float32 CPU {list(out_shape)}, got {residual.dtype} {tuple(residual.shape)} on {residual.device}")
     if weight.in_features == 0:  # empty sums: the bias alone, as F.linear
-        out = torch.zeros(rows, weight.out_features) + (bias if bias is not None else 0.0)
-        return activate(out, activation).view(*x.shape[:-1], weight.out_features)
-    x2 = x.reshape(rows, weight.in_features).contiguous()
-    out = torch.empty(rows, weight.out_features, dtype=torch.float32)
-    b = bias.contiguous() if bias is not None else None
-    lib.packed_linear(x2.data_ptr(), weight.data.data_ptr(), b.data_ptr() if b is not None else None, out.data_ptr(),
-                      rows, weight.out_features, weight.in_features, num_threads or torch.get_num_threads(), ACTIVATIONS[activation])
-    return out.view(*x.shape[:-1], weight.out_features)
+        out = activate(torch.zeros(out_shape) + (bias if bias is not None else 0.0), activation)
+        return out + residual if residual is not None else out
+    x2 = x if x.is_contiguous() else x.contiguous()
+    out = torch.empty(out_shape, dtype=torch.float32)
+    b = bias if bias is None or bias.is_contiguous() else bias.contiguous()
+    r = residual if residual is None or residual.is_contiguous() else residual.contiguous()
+    lib.packed_linear(x2.data_ptr(), weight.data.data_ptr(), b.data_ptr() if b is not None else None,
+                      r.data_ptr() if r is not None else None, out.data_ptr(), rows, weight.out_features,
+                      weight.in_features, num_threads or torch.get_num_threads(), ACTIVATIONS[activation])
+    return out
 
 
 _ACTIVATION_FNS = {None: lambda y: y, "relu": torch.relu, "gelu": F.gelu}

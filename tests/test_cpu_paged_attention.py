@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from kernels import attention_backend
-from kernels.cpu_paged_attention import applies, is_available, paged_decode_attention
+from kernels.cpu_paged_attention import applies, is_available, paged_decode_attention, write_kv
 from kernels.paged_attention import paged_attention as reference
+from kernels.paged_attention import write_kv as write_kv_reference
 
 pytestmark = pytest.mark.skipif(not is_available(), reason="kernels/_cpu_kernels*.so not built (no C compiler at "
                                 "install, not x86-64 Linux) or no AVX2/FMA")
@@ -32,7 +33,7 @@ def _reference(query, k_cache, v_cache, tables, lens, scale, bias=None):
 
 # lengths under / at / over a block, 1, and past the 8-lane vectors; head dims under / at / past 8 lanes
 @pytest.mark.parametrize("lens", [[1], [3, 16, 17, 40], [7, 1, 33, 8, 9, 64]])
-@pytest.mark.parametrize("heads,head_dim", [(1, 8), (2, 5), (3, 20), (8, 64)])
+@pytest.mark.parametrize("heads,head_dim", [(1, 8), (2, 5), (3, 20), (8, 64), (2, 128)])  # % 64 == 0: the head-major path
 @pytest.mark.parametrize("block_size", [1, 5, 16])
 def test_matches_reference(lens, heads, head_dim, block_size):
     query, k, v, tables, lens_t = _case(lens, heads, head_dim, block_size, seed=len(lens) * 100 + heads * 10 + block_size)
@@ -42,10 +43,11 @@ def test_matches_reference(lens, heads, head_dim, block_size):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("head_dim", [16, 64])
 @pytest.mark.parametrize("bias_len", [1, 6, 200])
-def test_t5_position_bias_by_distance(bias_len):
+def test_t5_position_bias_by_distance(bias_len, head_dim):
     """T5: bias[h, min(query_pos - key_pos, N - 1)] added to the (unscaled) scores; distances past N clamp."""
-    query, k, v, tables, lens = _case([1, 9, 30], 4, 16, 4, seed=bias_len)
+    query, k, v, tables, lens = _case([1, 9, 30], 4, head_dim, 4, seed=bias_len)
     bias = torch.randn(4, bias_len, generator=torch.Generator().manual_seed(3)) * 3
     torch.testing.assert_close(paged_decode_attention(query, k, v, tables, lens, 1.0, bias),
                                _reference(query, k, v, tables, lens, 1.0, bias), rtol=1e-5, atol=2e-6)
@@ -60,17 +62,19 @@ def test_long_context_and_large_scores_stay_finite():
     torch.testing.assert_close(got, _reference(query, k, v, tables, lens, 64**-0.5), rtol=1e-4, atol=1e-5)
 
 
-def test_empty_context_gives_zeros_and_others_are_unharmed():
-    query, k, v, tables, lens = _case([0, 5, 0], 2, 8, 4, seed=11)
+@pytest.mark.parametrize("head_dim", [8, 64])
+def test_empty_context_gives_zeros_and_others_are_unharmed(head_dim):
+    query, k, v, tables, lens = _case([0, 5, 0], 2, head_dim, 4, seed=11)
     got = paged_decode_attention(query, k, v, tables, lens, 0.3)
     assert (got[0] == 0).all() and (got[2] == 0).all()
     torch.testing.assert_close(got, _reference(query, k, v, tables, lens, 0.3), rtol=1e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("head_dim", [16, 64])
 @pytest.mark.parametrize("num_threads", [1, 2, 3, 64])
-def test_thread_split_is_bitwise_the_same(num_threads):
+def test_thread_split_is_bitwise_the_same(num_threads, head_dim):
     """Work items are whole (sequence, head group) pairs: any split computes every output the same way."""
-    query, k, v, tables, lens = _case([5, 20, 1, 33, 2], 4, 16, 4, seed=5)
+    query, k, v, tables, lens = _case([5, 20, 1, 33, 2], 4, head_dim, 4, seed=5)
     one = paged_decode_attention(query, k, v, tables, lens, 0.25, num_threads=1)
     assert torch.equal(paged_decode_attention(query, k, v, tables, lens, 0.25, num_threads=num_threads), one)
 
@@ -115,10 +119,11 @@ def test_backend_sends_decode_steps_here_and_the_rest_to_the_reference(monkeypat
     assert not applies(query, k.half(), v.half(), 2, 1) and not applies(query, k, v, 2, None) and applies(query, k, v, 2, 1)
 
 
-def test_non_finite_scores_as_the_reference():
+@pytest.mark.parametrize("head_dim", [8, 64])
+def test_non_finite_scores_as_the_reference(head_dim):
     """A NaN key or an infinite query makes that head NaN (not a silently finite answer); a head whose keys a -inf
     bias masks entirely gives zeros; lengths near INT64_MAX are refused, not overflowed."""
-    query, k, v, tables, lens = _case([3, 6], 2, 8, 4, seed=13)
+    query, k, v, tables, lens = _case([3, 6], 2, head_dim, 4, seed=13)
     k_nan = k.clone()
     k_nan[tables[0, 0], 1, 0, 0] = float("nan")
     q_inf = query.clone()
@@ -133,3 +138,43 @@ def test_non_finite_scores_as_the_reference():
     for huge in (2**63 - 1, 2**63 - 3):
         with pytest.raises(ValueError, match="fit the block table"):
             paged_decode_attention(query, k, v, tables, torch.tensor([3, huge]), 1.0)
+
+
+def test_write_kv_matches_the_reference():
+    """The C scatter writes what ``kernels.paged_attention.write_kv`` writes: strided key/value views (the split of
+    a fused q/k/v product), padding slots (-1) skipped, every other slot untouched."""
+    g = torch.Generator().manual_seed(21)
+    caches = [torch.randn(6, 4, 3, 64, generator=g) for _ in range(2)]
+    kv = torch.randn(5, 3 * 3 * 64, generator=g).split(3 * 64, dim=-1)[1:]  # strided [5, 192] views
+    key, value = (t.view(5, 3, 64) for t in kv)
+    assert not key.is_contiguous()
+    slots = torch.tensor([9, -1, 2, 23, 0])
+    want = [c.clone() for c in caches]
+    write_kv_reference(want[0], want[1], key, value, slots)
+    got = [c.clone() for c in caches]
+    write_kv(got[0], got[1], key, value, slots)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_write_kv_refuses_a_slot_past_the_cache_before_writing():
+    k_cache, v_cache = torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8)
+    key = value = torch.ones(2, 1, 8)
+    with pytest.raises(ValueError, match="past the cache"):
+        write_kv(k_cache, v_cache, key, value, torch.tensor([3, 8]))
+    assert not k_cache.any() and not v_cache.any()  # slot 3 was valid but nothing was written
+    with pytest.raises(ValueError, match=r"\[T, H, D\]"):
+        write_kv(k_cache, v_cache, key, value, torch.tensor([3]))
+    with pytest.raises(ValueError, match="float32"):
+        write_kv(k_cache.half(), v_cache.half(), key.half(), value.half(), torch.tensor([0, 1]))
+
+
+def test_backend_write_kv_sends_half_caches_to_the_reference(monkeypatch):
+    calls = []
+    real = attention_backend._cpu_decode.write_kv
+    monkeypatch.setattr(attention_backend._cpu_decode, "write_kv", lambda *a: calls.append(1) or real(*a))
+    key = value = torch.randn(2, 1, 8)
+    for dtype, expect in ((torch.float32, [1]), (torch.float16, [1])):
+        k_cache, v_cache = torch.zeros(2, 4, 1, 8, dtype=dtype), torch.zeros(2, 4, 1, 8, dtype=dtype)
+        attention_backend.write_kv(k_cache, v_cache, key, value, torch.tensor([5, 0]))
+        assert calls == expect
+        assert torch.equal(k_cache.view(8, 1, 8)[[5, 0]], key.to(dtype))

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.packed_linear import MAX_ROWS, PackedWeight, is_available, packed_linear, reference_linear
-from shared.models.linear import Linear, fused_products, linear, pack_fused, pack_projection, vocab_projection
+from shared.models.linear import Linear, fused_products, linear, linear_add, pack_fused, pack_projection, vocab_projection
 
 pytestmark = pytest.mark.skipif(not is_available(), reason="kernels/_cpu_kernels*.so not built (no C compiler at install, not x86-64 Linux) or no AVX2/FMA")
 
@@ -146,3 +146,30 @@ def test_models_pack_decode_weights_beside_the_originals():
                                 layer.cross_attn.o.packed, layer.ffn.wi_0.packed, layer.ffn.wo.packed))
     assert added == expect
     assert layer.cross_attn.k.packed is None and model.encoder_layers[0].attn.q.packed is None  # encoder side
+
+
+@pytest.mark.parametrize("activation", [None, "relu", "gelu"])
+@pytest.mark.parametrize("rows,out_features,in_features", [(1, 15, 7), (7, 17, 33), (32, 512, 96)])
+def test_fused_residual_is_the_unfused_sum_bit_for_bit(activation, rows, out_features, in_features):
+    """``residual=`` adds in the epilogue exactly what ``residual + packed_linear(...)`` adds (one float32 rounding),
+    the partial last panel (15, 17 features) included; ``Linear`` and ``linear_add`` take it on decode steps only."""
+    g = torch.Generator().manual_seed(rows * 7 + out_features)
+    x, w, b = torch.randn(rows, in_features, generator=g), torch.randn(out_features, in_features, generator=g), torch.randn(out_features, generator=g)
+    r = torch.randn(rows, out_features, generator=g) * 5
+    packed = PackedWeight.pack(w)
+    for bias in (None, b):
+        want = r + packed_linear(x, packed, bias, activation=activation)
+        assert torch.equal(packed_linear(x, packed, bias, activation=activation, residual=r), want)
+    r_strided = torch.randn(out_features, rows, generator=g).t()  # non-contiguous residual
+    assert torch.equal(packed_linear(x, packed, b, residual=r_strided), r_strided + packed_linear(x, packed, b))
+    with pytest.raises(ValueError, match="residual"):
+        packed_linear(x, packed, b, residual=r[:, :-1])
+    with pytest.raises(ValueError, match="residual"):
+        packed_linear(x, packed, b, residual=r.double())
+    m = Linear(in_features, out_features)
+    m.pack()
+    many, r_many = torch.randn(MAX_ROWS + 1, in_features, generator=g), torch.randn(MAX_ROWS + 1, out_features, generator=g)
+    assert torch.equal(linear_add(m, x, r), r + m(x))
+    assert torch.equal(linear_add(m, many, r_many), r_many + m(many))  # prefill-sized: MKL, then the add
+    plain = nn.Linear(in_features, out_features)  # e.g. torch's int8 layers after shared.models.quantize
+    assert torch.equal(linear_add(plain, x, r), r + plain(x))

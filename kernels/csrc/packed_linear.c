@@ -80,7 +80,7 @@ static const micro_kernel_t MICRO_KERNELS[MR_MAX + 1] = {0, micro_kernel_1, micr
                                                          micro_kernel_4, micro_kernel_5, micro_kernel_6};
 
 typedef struct {
-    const float *x, *wp, *bias;
+    const float *x, *wp, *bias, *residual;
     float* out;
     size_t m, n, k;
     int activation;
@@ -111,30 +111,38 @@ TARGET static void run_panels(const void* ctx, size_t first_panel, size_t end_pa
             MICRO_KERNELS[mr](pw, j->x + m0 * j->k, j->k, acc);
             for (size_t i = 0; i < mr; i++) {
                 float* o = j->out + (m0 + i) * j->n + n0;
+                const float* res = j->residual ? j->residual + (m0 + i) * j->n + n0 : NULL;
                 __m256 r0 = _mm256_add_ps(acc[2 * i], b0), r1 = _mm256_add_ps(acc[2 * i + 1], b1);
                 if (valid == PANEL) {
-                    _mm256_storeu_ps(o, activate(r0, j->activation));
-                    _mm256_storeu_ps(o + 8, activate(r1, j->activation));
-                } else {  /* last, partial panel: bias added per element, then the activation */
+                    r0 = activate(r0, j->activation);
+                    r1 = activate(r1, j->activation);
+                    if (res) {
+                        r0 = _mm256_add_ps(_mm256_loadu_ps(res), r0);
+                        r1 = _mm256_add_ps(_mm256_loadu_ps(res + 8), r1);
+                    }
+                    _mm256_storeu_ps(o, r0);
+                    _mm256_storeu_ps(o + 8, r1);
+                } else {  /* last, partial panel: bias added per element, then the activation and the residual */
                     _mm256_storeu_ps(tail, r0);
                     _mm256_storeu_ps(tail + 8, r1);
                     for (size_t c = 0; c < PANEL; c++) tail[c] += c < valid && j->bias ? j->bias[n0 + c] : 0.0f;
                     _mm256_storeu_ps(tail, activate(_mm256_loadu_ps(tail), j->activation));
                     _mm256_storeu_ps(tail + 8, activate(_mm256_loadu_ps(tail + 8), j->activation));
-                    for (size_t c = 0; c < valid; c++) o[c] = tail[c];
+                    for (size_t c = 0; c < valid; c++) o[c] = res ? res[c] + tail[c] : tail[c];
                 }
             }
         }
     }
 }
 
-/* x [m, k], wp packed from w [n, k], bias [n] or NULL, out [m, n]; all contiguous float32; activation
- * ACT_NONE / ACT_RELU / ACT_GELU applied to each output after the bias (anything else: -2, nothing done).
- * Returns 0, or -1 if a worker thread could not be started (its panels then run on the caller). */
-int packed_linear(const float* x, const float* wp, const float* bias, float* out, size_t m, size_t n, size_t k,
-                  int num_threads, int activation) {
+/* x [m, k], wp packed from w [n, k], bias [n] or NULL, residual [m, n] or NULL, out [m, n]; all contiguous float32;
+ * out = act(x w^T + bias) + residual, activation ACT_NONE / ACT_RELU / ACT_GELU (anything else: -2, nothing done);
+ * the residual is added as torch adds two float32 tensors (one rounding), so the fused sum equals the unfused one
+ * bit for bit. Returns 0, or -1 if a worker thread could not be started (its panels then run on the caller). */
+int packed_linear(const float* x, const float* wp, const float* bias, const float* residual, float* out, size_t m,
+                  size_t n, size_t k, int num_threads, int activation) {
     if (activation < ACT_NONE || activation > ACT_GELU) return -2;
     if (m == 0) return 0;
-    job_t job = {x, wp, bias, out, m, n, k, activation};
+    job_t job = {x, wp, bias, residual, out, m, n, k, activation};
     return parallel_for(run_panels, &job, (n + PANEL - 1) / PANEL, num_threads);
 }

@@ -27,11 +27,10 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from kernels.attention_backend import paged_attention
-from kernels.paged_attention import write_kv
+from kernels.attention_backend import paged_attention, write_kv
 from shared.attention_metadata import AttentionMetadata
 from shared.models.hf_checkpoint import TextGenerationDefaults, copy_weights, linear_names, load_hf_weights, read_json
-from shared.models.linear import FusedPacked, Linear, PackedDecodeWeights, fused_products, linear_act, pack_fused
+from shared.models.linear import FusedPacked, Linear, PackedDecodeWeights, fused_products, linear_act, linear_add, pack_fused
 from shared.models.norm import LayerNorm
 
 __all__ = ["BartConfig", "BartForConditionalGeneration", "sinusoidal_positions"]
@@ -108,14 +107,15 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    """Residual wrapper: pre-norm ``x + f(ln(x))`` or post-norm ``ln(x + f(x))``."""
+    """Residual wrapper: pre-norm ``x + f(ln(x))`` or post-norm ``ln(x + f(x))``; ``f(h, residual)`` returns
+    ``residual + f(h)`` (its last projection adds it: ``linear_add``)."""
 
     def __init__(self, d: int, pre_norm: bool) -> None:
         super().__init__()
         self.norm, self.pre_norm = LayerNorm(d), pre_norm
 
     def __call__(self, x: torch.Tensor, f) -> torch.Tensor:
-        return x + f(self.norm(x)) if self.pre_norm else self.norm(x + f(x))
+        return f(self.norm(x), x) if self.pre_norm else self.norm(f(x, x))
 
 
 class EncoderLayer(nn.Module):
@@ -130,12 +130,16 @@ class EncoderLayer(nn.Module):
         b, s, d = x.shape
         a = self.self_attn
 
-        def attend(h: torch.Tensor) -> torch.Tensor:
+        def attend(h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
             q, k, v = (p(h).view(b, s, a.h, a.dh).transpose(1, 2) for p in (a.q_proj, a.k_proj, a.v_proj))  # [B, H, S, Dh]
-            return a.out_proj(F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(b, s, d))
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(b, s, d)
+            return linear_add(a.out_proj, out, residual)
 
         x = self.attn_block(x, attend)
-        return self.ffn_block(x, lambda h: self.fc2(linear_act(self.fc1, h, self.act_name, self.act)))
+        return self.ffn_block(x, self._ffn)
+
+    def _ffn(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return linear_add(self.fc2, linear_act(self.fc1, h, self.act_name, self.act), residual)
 
 
 class DecoderLayer(nn.Module):
@@ -149,25 +153,28 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, md: AttentionMetadata, self_kv: torch.Tensor, cross_kv: torch.Tensor) -> torch.Tensor:
         t, d = x.shape
 
-        def self_attend(h: torch.Tensor) -> torch.Tensor:
+        def self_attend(h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
             a = self.self_attn
             q, k, v = (p.view(t, a.h, a.dh) for p in a.qkv(h))  # [T, H, Dh]
             write_kv(self_kv[0], self_kv[1], k, v, md.slot_mapping)
             out = paged_attention(q, self_kv[0], self_kv[1], md.block_tables, md.seq_lens, md.query_start_loc, causal=True,
                                   scale=a.dh**-0.5, max_query_len=md.max_query_len, max_context_len=md.max_seq_len,
                                   backend=md.attention_backend, step_cache=md.step_cache)
-            return a.out_proj(out.reshape(t, d))
+            return linear_add(a.out_proj, out.reshape(t, d), residual)
 
-        def cross_attend(h: torch.Tensor) -> torch.Tensor:
+        def cross_attend(h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
             a = self.encoder_attn
             out = paged_attention(a.q_proj(h).view(t, a.h, a.dh), cross_kv[0], cross_kv[1], md.cross_block_tables, md.encoder_lens,
                                   md.query_start_loc, causal=False, scale=a.dh**-0.5, max_query_len=md.max_query_len,
                                   max_context_len=md.max_encoder_len, backend=md.attention_backend, step_cache=md.step_cache)
-            return a.out_proj(out.reshape(t, d))
+            return linear_add(a.out_proj, out.reshape(t, d), residual)
 
         x = self.self_block(x, self_attend)
         x = self.cross_block(x, cross_attend)
-        return self.ffn_block(x, lambda h: self.fc2(linear_act(self.fc1, h, self.act_name, self.act)))
+        return self.ffn_block(x, self._ffn)
+
+    def _ffn(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return linear_add(self.fc2, linear_act(self.fc1, h, self.act_name, self.act), residual)
 
     def pack_decode_weights(self) -> int:
         """Packs this layer's decode-step products (self q/k/v fused); returns the bytes added."""

@@ -40,7 +40,7 @@ from torch import nn
 from kernels.packed_linear import ACTIVATIONS, MAX_ROWS, PackedWeight, activate, is_available, packed_linear
 
 __all__ = ["FusedPacked", "Linear", "PackedDecodeWeights", "SMALL_ROWS", "decode_rows", "fused_products", "linear",
-           "pack_fused", "pack_projection", "vocab_projection"]
+           "linear_act", "linear_add", "pack_fused", "pack_projection", "vocab_projection"]
 
 SMALL_ROWS = 64
 CHUNK = 2048  # output features per product when transposing a large output back (fits in L2)
@@ -89,12 +89,14 @@ class Linear(nn.Linear):
         self.packed = pack_projection(self.weight)
         return self.packed.data.nbytes if self.packed is not None else 0
 
-    def forward(self, x: torch.Tensor, activation: str | None = None) -> torch.Tensor:
-        """``act(x W^T + b)``; ``activation``: None, ``relu`` or ``gelu`` (exact), fused into the packed
-        kernel's epilogue on decode steps (``kernels.packed_linear.ACTIVATIONS``)."""
+    def forward(self, x: torch.Tensor, activation: str | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``residual + act(x W^T + b)``; ``activation``: None, ``relu`` or ``gelu`` (exact); ``residual``: None or
+        a tensor of the output's shape. Both go into the packed kernel's epilogue on decode steps
+        (``kernels.packed_linear``); the result is the same bit for bit either way."""
         if self.packed is not None and decode_rows(x):
-            return packed_linear(x, self.packed, self.bias, activation=activation)
-        return activate(linear(x, self.weight, self.bias), activation)
+            return packed_linear(x, self.packed, self.bias, activation=activation, residual=residual)
+        y = activate(linear(x, self.weight, self.bias), activation)
+        return y if residual is None else residual + y
 
 
 def linear_act(layer: nn.Module, x: torch.Tensor, name: str, act) -> torch.Tensor:
@@ -104,6 +106,15 @@ def linear_act(layer: nn.Module, x: torch.Tensor, name: str, act) -> torch.Tenso
     if name in ACTIVATIONS and isinstance(layer, Linear):
         return layer(x, activation=name)
     return act(layer(x))
+
+
+def linear_add(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """``residual + layer(x)`` (a residual connection); a ``Linear`` adds it in the packed kernel's epilogue on
+    decode steps (no separate add: one op less per connection). Any other layer (torch's int8 ones swapped in by
+    ``shared.models.quantize``) adds after."""
+    if isinstance(layer, Linear):
+        return layer(x, residual=residual)
+    return residual + layer(x)
 
 
 @dataclass(frozen=True)

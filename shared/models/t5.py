@@ -26,12 +26,11 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from kernels.attention_backend import paged_attention
+from kernels.attention_backend import paged_attention, write_kv
 from kernels.cpu_norm import reference_rms_norm, rms_norm
-from kernels.paged_attention import write_kv
 from shared.attention_metadata import AttentionMetadata
 from shared.models.hf_checkpoint import TextGenerationDefaults, copy_weights, load_hf_weights, max_source_positions, read_json
-from shared.models.linear import FusedPacked, Linear, PackedDecodeWeights, fused_products, linear_act, pack_fused
+from shared.models.linear import FusedPacked, Linear, PackedDecodeWeights, fused_products, linear_act, linear_add, pack_fused
 
 __all__ = ["T5Config", "T5ForConditionalGeneration", "relative_position_bucket"]
 
@@ -142,9 +141,10 @@ class FeedForward(nn.Module):
         self.wi_1 = Linear(c.d_model, c.d_ff, bias=False) if c.gated else None
         self.wo = Linear(c.d_ff, c.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + FFN(x)``."""
         h = linear_act(self.wi_0, x, self.act_name, self.act)
-        return self.wo(h * self.wi_1(x) if self.gated else h)
+        return linear_add(self.wo, h * self.wi_1(x) if self.gated else h, residual)
 
 
 class EncoderLayer(nn.Module):
@@ -159,8 +159,8 @@ class EncoderLayer(nn.Module):
         a, h = self.attn, self.attn_norm(x)
         q, k, v = (p(h).view(b, s, a.h, a.dh).transpose(1, 2) for p in (a.q, a.k, a.v))  # [B, H, S, Dh]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1.0)  # [B, H, S, Dh]
-        x = x + a.o(out.transpose(1, 2).reshape(b, s, a.h * a.dh))
-        return x + self.ffn(self.ffn_norm(x))
+        x = linear_add(a.o, out.transpose(1, 2).reshape(b, s, a.h * a.dh), x)
+        return self.ffn(self.ffn_norm(x), x)
 
 
 class DecoderLayer(nn.Module):
@@ -178,14 +178,14 @@ class DecoderLayer(nn.Module):
         out = paged_attention(q, self_kv[0], self_kv[1], md.block_tables, md.seq_lens, md.query_start_loc, causal=True, scale=1.0,
                               max_query_len=md.max_query_len, max_context_len=md.max_seq_len, position_bias=bias,
                               backend=md.attention_backend, step_cache=md.step_cache)
-        x = x + a.o(out.reshape(t, -1))
+        x = linear_add(a.o, out.reshape(t, -1), x)
         a = self.cross_attn
         q = a.q(self.cross_norm(x)).view(t, a.h, a.dh)
         out = paged_attention(q, cross_kv[0], cross_kv[1], md.cross_block_tables, md.encoder_lens, md.query_start_loc, causal=False,
                               scale=1.0, max_query_len=md.max_query_len, max_context_len=md.max_encoder_len,
                               backend=md.attention_backend, step_cache=md.step_cache)
-        x = x + a.o(out.reshape(t, -1))
-        return x + self.ffn(self.ffn_norm(x))
+        x = linear_add(a.o, out.reshape(t, -1), x)
+        return self.ffn(self.ffn_norm(x), x)
 
     def pack_decode_weights(self) -> int:
         """Packs this layer's decode-step products (self q/k/v fused); returns the bytes added."""

@@ -21,11 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.attention_backend import contiguous_cross_attention, cpu_decode_kernel_serves, paged_attention
-from kernels.paged_attention import write_kv
+from kernels.attention_backend import contiguous_cross_attention, cpu_decode_kernel_serves, paged_attention, write_kv
 from shared.attention_metadata import AttentionMetadata
 from shared.models.ct2_reader import load_ct2_weights
-from shared.models.linear import Linear, PackedDecodeWeights, linear_act
+from shared.models.linear import Linear, PackedDecodeWeights, linear_act, linear_add
 from shared.models.norm import LayerNorm
 from shared.models.whisper_features import load_tokenizer, log_mel_spectrogram, special_token_ids
 
@@ -117,8 +116,8 @@ class EncoderLayer(nn.Module):
         b, s, d = x.shape
         qkv = self.qkv(self.attn_norm(x)).view(b, s, 3, self.h, self.dh).permute(2, 0, 3, 1, 4)  # [3, B, H, S, Dh]
         a = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2])  # [B, H, S, Dh]
-        x = x + self.attn_out(a.transpose(1, 2).reshape(b, s, d))
-        return x + self.fc2(linear_act(self.fc1, self.ffn_norm(x), "gelu", F.gelu))
+        x = linear_add(self.attn_out, a.transpose(1, 2).reshape(b, s, d), x)
+        return linear_add(self.fc2, linear_act(self.fc1, self.ffn_norm(x), "gelu", F.gelu), x)
 
 
 class DecoderLayer(nn.Module):
@@ -144,7 +143,7 @@ class DecoderLayer(nn.Module):
         a = paged_attention(q, self_kv[0], self_kv[1], md.block_tables, md.seq_lens, md.query_start_loc,
                             causal=True, scale=self.scale, max_query_len=md.max_query_len, max_context_len=md.max_seq_len,
                             backend=md.attention_backend, step_cache=md.step_cache)
-        x = x + self.self_out(a.reshape(t, d))
+        x = linear_add(self.self_out, a.reshape(t, d), x)
         q = self.cross_q(self.cross_attn_norm(x)).view(t, self.h, self.dh)
         if md.cross_kv_spans is not None and not cpu_decode_kernel_serves(q, cross_kv[0], cross_kv[1], md.cross_block_tables.shape[0],
                                                                          md.max_query_len, md.attention_backend):
@@ -155,8 +154,8 @@ class DecoderLayer(nn.Module):
             a = paged_attention(q, cross_kv[0], cross_kv[1], md.cross_block_tables, md.encoder_lens, md.query_start_loc,
                                 causal=False, scale=self.scale, max_query_len=md.max_query_len, max_context_len=md.max_encoder_len,
                                 backend=md.attention_backend, step_cache=md.step_cache)
-        x = x + self.cross_out(a.reshape(t, d))
-        return x + self.fc2(linear_act(self.fc1, self.ffn_norm(x), "gelu", F.gelu))
+        x = linear_add(self.cross_out, a.reshape(t, d), x)
+        return linear_add(self.fc2, linear_act(self.fc1, self.ffn_norm(x), "gelu", F.gelu), x)
 
     def pack_decode_weights(self) -> int:
         """Packs this layer's decode-step products (not ``cross_kv``: the encoder side); returns the bytes added."""
