@@ -31,7 +31,7 @@ __all__ = ["applies", "is_available", "paged_decode_attention", "write_applies",
 
 def _declare(lib: ctypes.CDLL) -> None:
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.paged_decode_attention.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64,
+    lib.paged_decode_attention.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64,
                                            ctypes.c_float, ctypes.c_int]
     lib.paged_decode_attention.restype = ctypes.c_int
     lib.paged_write_kv.argtypes = [ptr, ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64]
@@ -109,14 +109,15 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                          f"{tuple(context_lens.shape)}")
     if position_bias is not None and (position_bias.dim() != 2 or position_bias.shape[0] != h or position_bias.shape[1] < 1):
         raise ValueError(f"position_bias must be [{h}, N] with N >= 1, got {tuple(position_bias.shape)}")
-    q, k, v = query.contiguous(), k_cache, v_cache
-    tables = block_tables.to(torch.int64).contiguous()
-    lens = context_lens.to(torch.int64).contiguous()
-    bias = position_bias.to(torch.float32).contiguous() if position_bias is not None else None
+    k, v = k_cache, v_cache
+    q = query if query.stride(2) == 1 and query.stride(1) == d else query.contiguous()  # each row's heads as they lie
+    tables = _as(block_tables, torch.int64)
+    lens = _as(context_lens, torch.int64)
+    bias = _as(position_bias, torch.float32) if position_bias is not None else None
     out = torch.empty(b, h, d, dtype=torch.float32)
     if b == 0 or h == 0 or d == 0:
         return out.zero_()
-    rc = lib.paged_decode_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), tables.data_ptr(), tables.shape[1],
+    rc = lib.paged_decode_attention(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), tables.data_ptr(), tables.shape[1],
                                     lens.data_ptr(), bias.data_ptr() if bias is not None else None,
                                     bias.shape[1] if bias is not None else 0, out.data_ptr(), b, h, d, k.shape[0],
                                     k.shape[1], float(scale), num_threads or torch.get_num_threads())
@@ -126,6 +127,11 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if rc == -3:
         raise ValueError(f"block_tables holds a block id outside the cache's {k.shape[0]} blocks")
     return out
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` as a contiguous ``dtype`` tensor (itself when it already is one)."""
+    return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
 
 
 def write_applies(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
@@ -170,7 +176,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, va
         return
     row = k_cache.shape[2] * k_cache.shape[3]
     k, v = (x if x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] else x.contiguous() for x in (key, value))  # rows as they lie
-    slots = slot_mapping if slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() else slot_mapping.to(torch.int64).contiguous()
+    slots = _as(slot_mapping, torch.int64)
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     if lib.paged_write_kv(k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                           slots.data_ptr(), t, row, num_slots) == -3:

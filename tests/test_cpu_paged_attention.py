@@ -178,3 +178,13 @@ def test_backend_write_kv_sends_half_caches_to_the_reference(monkeypatch):
         attention_backend.write_kv(k_cache, v_cache, key, value, torch.tensor([5, 0]))
         assert calls == expect
         assert torch.equal(k_cache.view(8, 1, 8)[[5, 0]], key.to(dtype))
+
+
+@pytest.mark.parametrize("head_dim", [8, 64])
+def test_strided_query_rows_are_read_in_place(head_dim):
+    """The query of a decode step is a view of the fused q/k/v product (rows 3 x H x D apart): same result as a copy."""
+    _, k, v, tables, lens = _case([3, 17, 40], 2, head_dim, 4, seed=31)
+    qkv = torch.randn(3, 3 * 2 * head_dim, generator=torch.Generator().manual_seed(5))
+    query = qkv[:, : 2 * head_dim].view(3, 2, head_dim)
+    assert not query.is_contiguous()
+    assert torch.equal(paged_decode_attention(query, k, v, tables, lens, 0.5), paged_decode_attention(query.contiguous(), k, v, tables, lens, 0.5))

@@ -58,7 +58,7 @@ typedef struct {
     const float *q, *k_cache, *v_cache, *bias;
     const int64_t *block_tables, *context_lens;
     float* out;
-    int64_t num_heads, head_dim, block_size, bt_stride, bias_len, max_len, head_groups;
+    int64_t num_heads, head_dim, block_size, bt_stride, bias_len, max_len, head_groups, q_stride;
     float scale;
 } attn_t;
 
@@ -165,7 +165,7 @@ TARGET static void run_items(const void* ctx, size_t begin, size_t end) {
     for (size_t it = begin; it < end; it++) {
         const int64_t b = (int64_t)it / G, g = (int64_t)it % G, h0 = g * H / G, h1 = (g + 1) * H / G;
         const int64_t len = a->context_lens[b], *table = a->block_tables + b * a->bt_stride;
-        const float* q = a->q + b * H * D;
+        const float* q = a->q + b * a->q_stride;
         float* out = a->out + b * H * D;
         if (len <= 0) {
             memset(out + h0 * D, 0, sizeof(float) * (size_t)((h1 - h0) * D));
@@ -203,12 +203,13 @@ TARGET static void run_items(const void* ctx, size_t begin, size_t end) {
     free(rows);
 }
 
-/* q [B, H, D]; k_cache, v_cache [num_blocks, block_size, H, D]; block_tables [B, bt_stride];
- * context_lens [B]; bias [H, bias_len] or NULL; out [B, H, D]. All contiguous; float32 / int64.
+/* q [B, H, D] with sequence b's H * D floats contiguous at q + b * q_stride (a row of a fused q/k/v product);
+ * k_cache, v_cache [num_blocks, block_size, H, D]; block_tables [B, bt_stride]; context_lens [B];
+ * bias [H, bias_len] or NULL; out [B, H, D]. All else contiguous; float32 / int64.
  * Returns 0; -1 if a worker thread could not be started (its pairs then ran on the caller);
  * -2 if a length is negative or needs more than bt_stride blocks; -3 if a block id that would
  * be read is outside [0, num_blocks). Nothing is read or written on -2 / -3. */
-int paged_decode_attention(const float* q, const float* k_cache, const float* v_cache, const int64_t* block_tables,
+int paged_decode_attention(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache, const int64_t* block_tables,
                            int64_t bt_stride, const int64_t* context_lens, const float* bias, int64_t bias_len, float* out,
                            int64_t batch, int64_t num_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size,
                            float scale, int num_threads) {
@@ -226,7 +227,7 @@ int paged_decode_attention(const float* q, const float* k_cache, const float* v_
     int64_t groups = num_threads < 1 ? 1 : (2 * (int64_t)num_threads + batch - 1) / (batch > 0 ? batch : 1);
     groups = groups < 1 ? 1 : groups > num_heads ? num_heads : groups;
     attn_t a = {q, k_cache, v_cache, bias, block_tables, context_lens, out,
-                num_heads, head_dim, block_size, bt_stride, bias_len, max_len, groups, scale};
+                num_heads, head_dim, block_size, bt_stride, bias_len, max_len, groups, q_stride, scale};
     return parallel_for(run_items, &a, (size_t)(batch * groups), num_threads);
 }
 
