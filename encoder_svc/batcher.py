@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 # The decoder frees the reserved blocks at the deadline; a write has this long to finish (an 18 MB shm write
 # takes ~10 ms). A write stalled longer than this (e.g. the process stopped mid-copy) is not covered.
 WRITE_MARGIN_S = 0.5
+ANSWER_HOLD_S = 0.02  # longest a written item's answer waits for the batch's next writes
 
 
 @dataclass
@@ -187,6 +188,20 @@ class EncodeBatcher:
                 lens = [encoder_out.shape[1]] * len(batch)
             return self.model.compute_cross_kv(encoder_out), lens  # [L, 2, B, S, H, D]
 
+    def _write(self, item: EncodeItem, cross_kv: torch.Tensor, encoder_len: int, start: float,
+               batch_size: int) -> tuple | BaseException:
+        """Writes one item's cross KV (``[L, 2, encoder_len, H, D]``); returns its future's result, or the error."""
+        try:
+            if item.past_write_deadline():
+                raise _too_late(item)
+            stats = self.writer.write(item.spec, item.block_ids, cross_kv, item.transfer_id)
+        except Exception as exc:  # noqa: BLE001 - fail this request only
+            log.info("cross KV for %s not delivered (%s): %s", item.request_id, item.spec.transport, exc)
+            return exc
+        log.info("cross KV for %s: %d bytes in %.2f ms (%.2f GB/s, %s)", item.request_id, stats.nbytes, stats.ms,
+                 stats.gb_per_s, item.spec.transport)
+        return encoder_len, (time.perf_counter() - start) * 1000.0, batch_size, stats
+
     def _run(self, batch: list[EncodeItem]) -> None:
         start = time.perf_counter()
         for item in [item for item in batch if item.past_write_deadline()]:  # its decoder gave up: skip the forward
@@ -201,28 +216,34 @@ class EncodeBatcher:
             for item in batch:
                 item.future.set_exception(exc)
             return
-        # Every write first, then every answer: each answer wakes the event loop thread, which then competed with
-        # the remaining writes for the GIL (32 t5-small writes took ~50-70 ms interleaved with their answers).
-        results: list[tuple | BaseException] = []
-        for i, item in enumerate(batch):
-            encoder_len = lens[i]
-            try:
-                if item.past_write_deadline():
-                    raise _too_late(item)
-                stats = self.writer.write(item.spec, item.block_ids, cross_kv[:, :, i, :encoder_len], item.transfer_id)
-            except Exception as exc:  # noqa: BLE001 - fail this request only
-                log.info("cross KV for %s not delivered (%s): %s", item.request_id, item.spec.transport, exc)
-                results.append(exc)
-                continue
-            log.info("cross KV for %s: %d bytes in %.2f ms (%.2f GB/s, %s)", item.request_id, stats.nbytes, stats.ms,
-                     stats.gb_per_s, item.spec.transport)
-            results.append((encoder_len, (time.perf_counter() - start) * 1000.0, len(batch), stats))
-        for item, result in zip(batch, results):
-            if isinstance(result, BaseException):
-                item.future.set_exception(result)
-            else:
-                item.future.set_result(result)
+        # Answers are held while the next writes run, up to ANSWER_HOLD_S: each answer wakes the event loop thread,
+        # which then competed with the remaining writes for the GIL (32 t5-small writes took ~50-70 ms interleaved
+        # with their answers). A slow target (torch_dist) therefore delays the others' answers by at most the hold.
+        held: list[tuple[EncodeItem, tuple | BaseException]] = []
+        held_since = time.perf_counter()
+        try:
+            for i, item in enumerate(batch):
+                held.append((item, self._write(item, cross_kv[:, :, i, : lens[i]], lens[i], start, len(batch))))
+                if time.perf_counter() - held_since > ANSWER_HOLD_S:
+                    _answer(held)
+                    held_since = time.perf_counter()
+        except Exception as exc:  # noqa: BLE001 - an error outside a write: every request not yet answered hears of it
+            log.exception("cross KV delivery failed")
+            answered = {id(item) for item, _ in held} | {id(item) for item in batch if item.future.done()}
+            held += [(item, exc) for item in batch if id(item) not in answered]
+        finally:
+            _answer(held)
         log.debug("encoded %d requests in %.1f ms", len(batch), (time.perf_counter() - start) * 1000.0)
+
+
+def _answer(held: list[tuple[EncodeItem, tuple | BaseException]]) -> None:
+    """Sets each held future to its result or exception, and empties ``held``."""
+    for item, result in held:
+        if isinstance(result, BaseException):
+            item.future.set_exception(result)
+        else:
+            item.future.set_result(result)
+    held.clear()
 
 
 def _too_late(item: EncodeItem) -> UnavailableError:

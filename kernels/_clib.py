@@ -11,18 +11,36 @@ from __future__ import annotations
 
 import ctypes
 import glob
+import logging
 import os
 from collections.abc import Callable
 from functools import lru_cache
 
 
+ABI_VERSION = 2  # ENCDEC_KERNELS_ABI of kernels/csrc/parallel.h: the C signatures the wrappers declare
+
+log = logging.getLogger(__name__)
+
+
 @lru_cache(maxsize=1)
 def _open() -> ctypes.CDLL | None:
-    for path in sorted(glob.glob(os.path.join(os.path.dirname(__file__), "_cpu_kernels*.so"))):
+    return open_first(sorted(glob.glob(os.path.join(os.path.dirname(__file__), "_cpu_kernels*.so"))))
+
+
+def open_first(paths: list[str]) -> ctypes.CDLL | None:
+    """The first of ``paths`` that opens and reports ``ABI_VERSION`` (``encdec_kernels_abi()``), or None."""
+    for path in paths:
         try:
-            return ctypes.CDLL(path)
+            lib = ctypes.CDLL(path)
         except OSError:
             continue
+        abi = getattr(lib, "encdec_kernels_abi", None)
+        found = abi() if abi is not None else 1
+        if found == ABI_VERSION:
+            return lib
+        log.warning("%s was built from other kernel sources (C signatures version %d, these wrappers need %d): "
+                    "torch runs instead; rebuild it with `pip install -e .` or `python setup.py build_ext --inplace`",
+                    path, found, ABI_VERSION)
     return None
 
 

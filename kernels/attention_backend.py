@@ -88,7 +88,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, va
     """``kernels.paged_attention.write_kv`` (same arguments): float32 CPU caches take the C scatter
     (``kernels.cpu_paged_attention.write_kv``, ~10 us instead of ~200 us per layer of a t5-small batch-32 step);
     every other case (half precision, CUDA, the kernel not built) the torch reference."""
-    if _cpu_decode.write_applies(k_cache, v_cache, key, value):
+    if _cpu_decode.write_applies(k_cache, v_cache, key, value, slot_mapping):
         _cpu_decode.write_kv(k_cache, v_cache, key, value, slot_mapping)
     else:
         _torch_paged.write_kv(k_cache, v_cache, key, value, slot_mapping)

@@ -107,6 +107,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if block_tables.dim() != 2 or block_tables.shape[0] != b or tuple(context_lens.shape) != (b,):
         raise ValueError(f"block_tables must be [{b}, M] and context_lens [{b}], got {tuple(block_tables.shape)} and "
                          f"{tuple(context_lens.shape)}")
+    if not block_tables.is_cpu or not context_lens.is_cpu or (position_bias is not None and not position_bias.is_cpu):
+        raise ValueError("paged_decode_attention takes CPU block_tables, context_lens and position_bias")
     if position_bias is not None and (position_bias.dim() != 2 or position_bias.shape[0] != h or position_bias.shape[1] < 1):
         raise ValueError(f"position_bias must be [{h}, N] with N >= 1, got {tuple(position_bias.shape)}")
     k, v = k_cache, v_cache
@@ -134,13 +136,13 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
 
 
-def write_applies(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+def write_applies(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> bool:
     """Whether ``write_kv`` can serve this call of the reference ``kernels.paged_attention.write_kv``: float32 CPU
-    contiguous caches and float32 CPU keys/values, when the kernel is available."""
+    contiguous caches, float32 CPU keys/values and CPU slots, when the kernel is available."""
     return (k_cache.dtype == torch.float32 and v_cache.dtype == torch.float32 and key.dtype == torch.float32
-            and value.dtype == torch.float32 and k_cache.device.type == "cpu" and v_cache.device.type == "cpu"
-            and key.device.type == "cpu" and value.device.type == "cpu" and k_cache.is_contiguous()
-            and v_cache.is_contiguous() and is_available())
+            and value.dtype == torch.float32 and k_cache.is_cpu and v_cache.is_cpu and key.is_cpu and value.is_cpu
+            and slot_mapping.is_cpu and k_cache.is_contiguous() and v_cache.is_contiguous() and is_available())
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -164,14 +166,14 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, va
         raise RuntimeError("the paged_decode_attention kernel is not available: kernels/_cpu_kernels*.so was "
                            "not built (no C compiler when the package was installed, or not x86-64 Linux) or this CPU "
                            "lacks AVX2/FMA")
-    if not write_applies(k_cache, v_cache, key, value):
-        raise ValueError("write_kv takes float32 CPU keys, values and contiguous caches, got "
-                         f"{key.dtype}/{value.dtype}/{k_cache.dtype}/{v_cache.dtype}")
-    t = key.shape[0]
+    if not write_applies(k_cache, v_cache, key, value, slot_mapping):
+        raise ValueError("write_kv takes float32 CPU keys, values and contiguous caches and CPU slots, got "
+                         f"{key.dtype}/{value.dtype}/{k_cache.dtype}/{v_cache.dtype} on {key.device}/{slot_mapping.device}")
     if (k_cache.dim() != 4 or k_cache.shape != v_cache.shape or key.shape != value.shape or key.dim() != 3
-            or tuple(key.shape[1:]) != tuple(k_cache.shape[2:]) or tuple(slot_mapping.shape) != (t,)):
+            or tuple(key.shape[1:]) != tuple(k_cache.shape[2:]) or tuple(slot_mapping.shape) != (key.shape[0],)):
         raise ValueError(f"write_kv takes [T, H, D] keys and values, [num_blocks, block_size, H, D] caches and [T] slots, "
                          f"got {tuple(key.shape)}, {tuple(value.shape)}, {tuple(k_cache.shape)}, {tuple(slot_mapping.shape)}")
+    t = key.shape[0]
     if t == 0:
         return
     row = k_cache.shape[2] * k_cache.shape[3]

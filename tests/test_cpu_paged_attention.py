@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels import attention_backend
-from kernels.cpu_paged_attention import applies, is_available, paged_decode_attention, write_kv
+from kernels.cpu_paged_attention import applies, is_available, paged_decode_attention, write_applies, write_kv
 from kernels.paged_attention import paged_attention as reference
 from kernels.paged_attention import write_kv as write_kv_reference
 
@@ -188,3 +188,17 @@ def test_strided_query_rows_are_read_in_place(head_dim):
     query = qkv[:, : 2 * head_dim].view(3, 2, head_dim)
     assert not query.is_contiguous()
     assert torch.equal(paged_decode_attention(query, k, v, tables, lens, 0.5), paged_decode_attention(query.contiguous(), k, v, tables, lens, 0.5))
+
+
+def test_index_tensors_off_the_cpu_are_refused_not_read():
+    """The C kernels read slots / block tables / lengths through host pointers: tensors on another device (``meta``
+    stands in for CUDA here) never reach them."""
+    query, k, v, tables, lens = _case([3, 6], 2, 8, 4, seed=17)
+    meta = torch.empty(2, dtype=torch.long, device="meta")
+    assert not write_applies(k, v, query, query, meta)
+    with pytest.raises(ValueError, match="CPU slots"):
+        write_kv(k, v, query, query, meta)
+    with pytest.raises(ValueError, match="CPU block_tables"):
+        paged_decode_attention(query, k, v, tables.to("meta"), lens, 1.0)
+    with pytest.raises(ValueError, match="CPU block_tables"):
+        paged_decode_attention(query, k, v, tables, lens, 1.0, torch.zeros(2, 3, device="meta"))

@@ -83,3 +83,37 @@ def test_each_arrival_extends_the_window_up_to_max_batch_wait(t5):
         batcher.stop()
         writer.close()
         pool.close()
+
+
+def test_every_future_is_answered_when_delivery_breaks_mid_batch(t5):
+    """Answers are held while the batch's writes run; an error outside a write (here a writer returning junk for the
+    second item) must still answer every request: the first with its result, the rest with the error; and the
+    batcher keeps serving."""
+    c = t5.config
+    pool = create_pool("shm", (c.decoder_layers, 2, 6, 4, c.num_heads, c.head_dim))
+    real = create_writer("shm")
+
+    class Flaky:
+        calls = 0
+
+        def write(self, *args):
+            Flaky.calls += 1
+            return real.write(*args) if Flaky.calls != 2 else None  # None has no .nbytes
+
+        def close(self):
+            real.close()
+
+    batcher = EncodeBatcher(t5, None, Flaky(), max_batch_size=8, batch_wait_ms=300)
+    try:
+        futures = [batcher.submit(EncodeItem(f"r{i}", None, pool.spec, [i], input_ids=[5, 6, 1]))
+                   for i in range(3)]
+        assert futures[0].result(timeout=60)[0] == 3
+        for f in futures[1:]:
+            with pytest.raises(AttributeError):
+                f.result(timeout=60)
+        again = batcher.submit(EncodeItem("r3", None, pool.spec, [0], input_ids=[5, 1]))
+        assert again.result(timeout=60)[0] == 2
+    finally:
+        batcher.stop()
+        real.close()
+        pool.close()

@@ -97,6 +97,8 @@ static void after_fork_child(void) {
     atomic_store(&sleepers, 0);
 }
 
+int encdec_kernels_abi(void) { return ENCDEC_KERNELS_ABI; }
+
 int parallel_for(parallel_fn fn, const void* ctx, size_t n, int num_threads) {
     if (n == 0) return 0;
     static long cpus = 0; /* sysconf reads /sys/devices/system/cpu/online: once, not per call */

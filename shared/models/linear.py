@@ -93,9 +93,9 @@ class Linear(nn.Linear):
         """``residual + act(x W^T + b)``; ``activation``: None, ``relu`` or ``gelu`` (exact); ``residual``: None or
         a tensor of the output's shape. Both go into the packed kernel's epilogue on decode steps
         (``kernels.packed_linear``); the result is the same bit for bit either way."""
-        if self.packed is not None and decode_rows(x):
+        if self.packed is not None and decode_rows(x) and (residual is None or residual.shape == (*x.shape[:-1], self.out_features)):
             return packed_linear(x, self.packed, self.bias, activation=activation, residual=residual)
-        y = activate(linear(x, self.weight, self.bias), activation)
+        y = activate(linear(x, self.weight, self.bias), activation)  # a residual of another shape broadcasts here
         return y if residual is None else residual + y
 
 
