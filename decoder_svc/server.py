@@ -132,6 +132,43 @@ class _Active:
         return text
 
 
+class _Coalescer:
+    """``--stream-interval``: one request's GenerateResponse messages merged until ``interval`` new tokens are held.
+
+    A sample's first message and its final one go out at once (time to first token and the finish are never
+    delayed); in between, messages are merged (text concatenated, token ids and logprobs appended, the rest
+    from the newest) per sample index. ``interval`` 1 sends every message as it comes.
+    """
+
+    def __init__(self, interval: int) -> None:
+        self.interval = interval
+        self.held: dict[int, decoder_pb2.GenerateResponse] = {}
+        self.held_tokens: dict[int, int] = {}
+        self.started: set[int] = set()
+
+    def add(self, message, new_tokens: int, final: bool):
+        """The message to send now (``message`` merged into what was held for its index), or None (held)."""
+        index = message.index
+        held = self.held.pop(index, None)
+        if held is not None:
+            text = held.text + message.text
+            held.MergeFrom(message)  # appends repeated fields; the newest set scalars win
+            held.text, message = text, held
+        tokens = self.held_tokens.pop(index, 0) + new_tokens
+        if self.interval <= 1 or final or index not in self.started or tokens >= self.interval:
+            self.started.add(index)
+            return message
+        self.held[index], self.held_tokens[index] = message, tokens
+        return None
+
+    def drain(self, except_index: int):
+        """Every held message but ``except_index``'s (which its final message carries), emptied."""
+        out = [m for i, m in self.held.items() if i != except_index]
+        for i in [i for i in self.held if i != except_index]:
+            del self.held[i], self.held_tokens[i]
+        return out
+
+
 class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
     """Thin servicer: convert, call the engine loop, convert back."""
 
@@ -293,6 +330,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             windows = inp.windows()
             await self._start_window(request_id, active, windows[0], params, request.priority)
             finished_indices: set[int] = set()  # n > 1 / beams: the request ends with its last index (or an abort)
+            coalesce = _Coalescer(self.config.stream_interval if params.num_beams == 1 else 1)
             while True:
                 item = await active.stream.get()
                 if isinstance(item, BaseException):
@@ -324,8 +362,12 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
                     message.applied_generation_defaults.extend(inp.applied)
                     state = RequestState.ABORTED if reason == "abort" else RequestState.FINISHED
                     fields = {"finish_reason": reason, **active.usage()}
+                if request_done:
+                    for held in coalesce.drain(except_index=item.index):  # other samples' held tokens (an abort)
+                        yield held
                 if text or item.new_token_ids or final:
-                    yield message
+                    if (out := coalesce.add(message, len(item.new_token_ids), final)) is not None:
+                        yield out
                 if request_done:
                     return
                 if item.finished and reason is None and not active.abort_requested:  # the next window follows (unless the Abort RPC's output is queued next)

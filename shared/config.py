@@ -147,6 +147,10 @@ class DecoderServiceConfig:
             are held for at most this long before one runs (milliseconds), so
             a burst starts decoding together and the encoder gets the cores it
             shares with the decoder (``decoder_svc.engine_loop``); 0 = never hold.
+        stream_interval: Generate streams a message per new token (1, the default), or, for a
+            larger value, merges a request's messages until this many new tokens are held: its first
+            token and its finish are sent at once. Fewer messages cost less CPU on both ends on busy
+            hosts (SGLang's and vLLM's ``--stream-interval``); beam search always streams per message.
         max_audio_s: longest accepted audio (seconds); longer audio gets
             INVALID_ARGUMENT naming both lengths. Audio over Whisper's 30 s
             window is decoded as consecutive 30 s windows in one request
@@ -200,6 +204,7 @@ class DecoderServiceConfig:
     kv_transfer_dtype: str = "float32"
     encode_timeout_s: float = 120.0
     max_decode_hold_ms: float = 1000.0
+    stream_interval: int = 1
     max_audio_s: float = 600.0
     num_threads: int = 0
     quantize: str = "none"
@@ -216,7 +221,7 @@ class DecoderServiceConfig:
         parse_memory_size(self.kv_cache_memory)  # ValueError names the accepted forms
         if self.encoder_cache not in (0, 1):
             raise ValueError(f"encoder_cache must be 0 (off) or 1 (on), got {self.encoder_cache}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "stream_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("num_self_blocks", "num_cross_blocks"):
