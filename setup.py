@@ -104,7 +104,7 @@ def c_kernels() -> list[Extension]:
     """The optional C kernels: x86-64 Linux only (AVX2/FMA code is chosen per function, checked at run time)."""
     if not sys.platform.startswith("linux") or platform.machine().lower() not in ("x86_64", "amd64"):
         return []
-    sources = [f"kernels/csrc/{name}.c" for name in ("packed_linear", "paged_decode_attention", "argmax", "row_norm", "parallel")]
+    sources = [f"kernels/csrc/{name}.c" for name in ("packed_linear", "paged_decode_attention", "decode_layer", "argmax", "row_norm", "parallel")]
     return [Extension("kernels._cpu_kernels", sources, depends=["kernels/csrc/parallel.h", "kernels/csrc/simd_math.h"],
                       extra_compile_args=["-O3", "-std=gnu11"], libraries=["pthread", "m"], optional=True)]
 

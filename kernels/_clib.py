@@ -17,7 +17,7 @@ from collections.abc import Callable
 from functools import lru_cache
 
 
-ABI_VERSION = 2  # ENCDEC_KERNELS_ABI of kernels/csrc/parallel.h: the C signatures the wrappers declare
+ABI_VERSION = 3  # ENCDEC_KERNELS_ABI of kernels/csrc/parallel.h: the C signatures the wrappers declare
 
 log = logging.getLogger(__name__)
 

@@ -25,8 +25,8 @@ int parallel_for(parallel_fn fn, const void* ctx, size_t n, int num_threads);
 
 /* The version of the library's C signatures, bumped whenever one changes; kernels/_clib.py (ABI_VERSION) refuses
  * a library built from other sources (an editable install not rebuilt after a pull) instead of calling it with
- * shifted arguments. 2: packed_linear's residual, paged_decode_attention's q_stride, paged_write_kv. */
-#define ENCDEC_KERNELS_ABI 2
+ * shifted arguments. 2: packed_linear's residual, paged_decode_attention's q_stride, paged_write_kv; 3: decode_layer. */
+#define ENCDEC_KERNELS_ABI 3
 int encdec_kernels_abi(void);
 
 #endif

@@ -27,7 +27,10 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
+from kernels import decode_layer
 from kernels.attention_backend import paged_attention, write_kv
+from kernels.decode_layer import FusedDecodeLayer, LayerWeights
+from kernels.packed_linear import ACTIVATIONS
 from shared.attention_metadata import AttentionMetadata
 from shared.models.hf_checkpoint import TextGenerationDefaults, copy_weights, linear_names, load_hf_weights, read_json
 from shared.models.linear import FusedPacked, Linear, PackedDecodeWeights, fused_products, linear_act, linear_add, pack_fused
@@ -150,7 +153,11 @@ class DecoderLayer(nn.Module):
         self.fc1, self.fc2 = Linear(c.d_model, c.decoder_ffn_dim), Linear(c.decoder_ffn_dim, c.d_model)
         self.ffn_block, self.act, self.act_name = Block(c.d_model, c.pre_norm), ACT2FN[c.activation], c.activation
 
+    fused: FusedDecodeLayer | None = None  # set by pack_decode_weights where kernels.decode_layer serves this layer
+
     def forward(self, x: torch.Tensor, md: AttentionMetadata, self_kv: torch.Tensor, cross_kv: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None and (y := self.fused.run(x, md, self_kv, cross_kv)) is not None:
+            return y  # a CPU decode step in one C call, equal to the rest of this method bit for bit
         t, d = x.shape
 
         def self_attend(h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -181,7 +188,28 @@ class DecoderLayer(nn.Module):
         a, c = self.self_attn, self.encoder_attn
         a.packed_qkv = pack_fused((a.q_proj, a.k_proj, a.v_proj))
         fused = a.packed_qkv.weight.data.nbytes if a.packed_qkv is not None else 0
-        return fused + sum(m.pack() for m in (a.out_proj, c.q_proj, c.out_proj, self.fc1, self.fc2))
+        added = fused + sum(m.pack() for m in (a.out_proj, c.q_proj, c.out_proj, self.fc1, self.fc2))
+        self.fused = self._fused_decode_layer()
+        return added
+
+    def _fused_decode_layer(self) -> FusedDecodeLayer | None:
+        """The C decode layer for this layer, or None (unpacked or int8 layers, an activation the kernel lacks)."""
+        a, c = self.self_attn, self.encoder_attn
+        blocks = (self.self_block, self.cross_block, self.ffn_block)
+        products = (a.out_proj, c.q_proj, c.out_proj, self.fc1, self.fc2)
+        if (self.act_name not in ACTIVATIONS or a.packed_qkv is None or not all(isinstance(m, Linear) and m.packed is not None for m in products)
+                or not all(b.norm.use_kernel and b.norm.weight is not None for b in blocks) or len({b.norm.eps for b in blocks}) != 1
+                or len({b.pre_norm for b in blocks}) != 1 or not decode_layer.is_available()):
+            return None
+
+        def product(m: Linear):
+            return m.packed, m.bias.detach() if m.bias is not None else None
+
+        return FusedDecodeLayer(LayerWeights(
+            norms=tuple((b.norm.weight.detach(), b.norm.bias.detach() if b.norm.bias is not None else None) for b in blocks),
+            eps=blocks[0].norm.eps, rms=False, pre_norm=blocks[0].pre_norm, qkv=(a.packed_qkv.weight, a.packed_qkv.bias),
+            o=product(a.out_proj), cross_q=product(c.q_proj), cross_o=product(c.out_proj), fc1=product(self.fc1), fc2=product(self.fc2),
+            activation=self.act_name, heads=a.h, head_dim=a.dh, scale=a.dh**-0.5))
 
 
 class Stack(nn.Module):

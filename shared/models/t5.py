@@ -26,8 +26,11 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
+from kernels import decode_layer
 from kernels.attention_backend import paged_attention, write_kv
 from kernels.cpu_norm import reference_rms_norm, rms_norm
+from kernels.decode_layer import FusedDecodeLayer, LayerWeights
+from kernels.packed_linear import ACTIVATIONS
 from shared.attention_metadata import AttentionMetadata
 from shared.models.hf_checkpoint import TextGenerationDefaults, copy_weights, load_hf_weights, max_source_positions, read_json
 from shared.models.linear import FusedPacked, Linear, PackedDecodeWeights, fused_products, linear_act, linear_add, pack_fused
@@ -170,7 +173,11 @@ class DecoderLayer(nn.Module):
         self.cross_norm, self.cross_attn = RMSNorm(c.d_model, c.eps), Attention(c)
         self.ffn_norm, self.ffn = RMSNorm(c.d_model, c.eps), FeedForward(c)
 
+    fused: FusedDecodeLayer | None = None  # set by pack_decode_weights where kernels.decode_layer serves this layer
+
     def forward(self, x: torch.Tensor, md: AttentionMetadata, self_kv: torch.Tensor, cross_kv: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None and (y := self.fused.run(x, md, self_kv, cross_kv, bias)) is not None:
+            return y  # a CPU decode step in one C call, equal to the rest of this method bit for bit
         t = x.shape[0]
         a, h = self.self_attn, self.self_norm(x)
         q, k, v = (p.view(t, a.h, a.dh) for p in a.qkv(h))  # [T, H, Dh]
@@ -188,11 +195,26 @@ class DecoderLayer(nn.Module):
         return self.ffn(self.ffn_norm(x), x)
 
     def pack_decode_weights(self) -> int:
-        """Packs this layer's decode-step products (self q/k/v fused); returns the bytes added."""
+        """Packs this layer's decode-step products (self q/k/v fused) and sets ``fused``; returns the bytes added."""
         a, c, f = self.self_attn, self.cross_attn, self.ffn
         a.packed_qkv = pack_fused((a.q, a.k, a.v))
         fused = a.packed_qkv.weight.data.nbytes if a.packed_qkv is not None else 0
-        return fused + sum(m.pack() for m in (a.o, c.q, c.o, f.wi_0, f.wi_1, f.wo) if m is not None)
+        added = fused + sum(m.pack() for m in (a.o, c.q, c.o, f.wi_0, f.wi_1, f.wo) if m is not None)
+        self.fused = self._fused_decode_layer()
+        return added
+
+    def _fused_decode_layer(self) -> FusedDecodeLayer | None:
+        """The C decode layer for this layer, or None: gated FFNs (T5 v1.1) and unpacked or int8 layers stay in Python."""
+        a, c, f = self.self_attn, self.cross_attn, self.ffn
+        norms = (self.self_norm, self.cross_norm, self.ffn_norm)
+        products = (a.o, c.q, c.o, f.wi_0, f.wo)
+        if (f.gated or f.act_name not in ACTIVATIONS or a.packed_qkv is None or not all(isinstance(m, Linear) and m.packed is not None for m in products)
+                or not all(n.use_kernel for n in norms) or len({n.eps for n in norms}) != 1 or not decode_layer.is_available()):
+            return None
+        return FusedDecodeLayer(LayerWeights(
+            norms=tuple((n.weight.detach(), None) for n in norms), eps=norms[0].eps, rms=True, pre_norm=True,
+            qkv=(a.packed_qkv.weight, a.packed_qkv.bias), o=(a.o.packed, None), cross_q=(c.q.packed, None), cross_o=(c.o.packed, None),
+            fc1=(f.wi_0.packed, None), fc2=(f.wo.packed, None), activation=f.act_name, heads=a.h, head_dim=a.dh, scale=1.0))
 
 
 class T5ForConditionalGeneration(PackedDecodeWeights, nn.Module):

@@ -21,7 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import decode_layer
 from kernels.attention_backend import contiguous_cross_attention, cpu_decode_kernel_serves, paged_attention, write_kv
+from kernels.decode_layer import FusedDecodeLayer, LayerWeights
 from shared.attention_metadata import AttentionMetadata
 from shared.models.ct2_reader import load_ct2_weights
 from shared.models.linear import Linear, PackedDecodeWeights, linear_act, linear_add
@@ -136,7 +138,11 @@ class DecoderLayer(nn.Module):
         self.fc1 = Linear(c.d_model, c.ffn_dim)
         self.fc2 = Linear(c.ffn_dim, c.d_model)
 
+    fused: FusedDecodeLayer | None = None  # set by pack_decode_weights where kernels.decode_layer serves this layer
+
     def forward(self, x: torch.Tensor, md: AttentionMetadata, self_kv: torch.Tensor, cross_kv: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None and (y := self.fused.run(x, md, self_kv, cross_kv)) is not None:
+            return y  # a CPU decode step in one C call, equal to the rest of this method bit for bit
         t, d = x.shape
         q, k, v = self.self_qkv(self.self_attn_norm(x)).view(t, 3, self.h, self.dh).unbind(1)  # [T, H, Dh] each
         write_kv(self_kv[0], self_kv[1], k, v, md.slot_mapping)
@@ -158,8 +164,26 @@ class DecoderLayer(nn.Module):
         return linear_add(self.fc2, linear_act(self.fc1, self.ffn_norm(x), "gelu", F.gelu), x)
 
     def pack_decode_weights(self) -> int:
-        """Packs this layer's decode-step products (not ``cross_kv``: the encoder side); returns the bytes added."""
-        return sum(m.pack() for m in (self.self_qkv, self.self_out, self.cross_q, self.cross_out, self.fc1, self.fc2))
+        """Packs this layer's decode-step products (not ``cross_kv``: the encoder side) and sets ``fused``; returns the bytes added."""
+        added = sum(m.pack() for m in (self.self_qkv, self.self_out, self.cross_q, self.cross_out, self.fc1, self.fc2))
+        self.fused = self._fused_decode_layer()
+        return added
+
+    def _fused_decode_layer(self) -> FusedDecodeLayer | None:
+        """The C decode layer for this layer, or None (unpacked or int8 layers)."""
+        products = (self.self_qkv, self.self_out, self.cross_q, self.cross_out, self.fc1, self.fc2)
+        norms = (self.self_attn_norm, self.cross_attn_norm, self.ffn_norm)
+        if (not all(isinstance(m, Linear) and m.packed is not None for m in products) or not all(n.use_kernel for n in norms)
+                or len({n.eps for n in norms}) != 1 or not decode_layer.is_available()):
+            return None
+
+        def product(m: Linear):
+            return m.packed, m.bias.detach() if m.bias is not None else None
+
+        return FusedDecodeLayer(LayerWeights(
+            norms=tuple((n.weight.detach(), n.bias.detach()) for n in norms), eps=norms[0].eps, rms=False, pre_norm=True,
+            qkv=product(self.self_qkv), o=product(self.self_out), cross_q=product(self.cross_q), cross_o=product(self.cross_out),
+            fc1=product(self.fc1), fc2=product(self.fc2), activation="gelu", heads=self.h, head_dim=self.dh, scale=self.scale))
 
 
 class WhisperForConditionalGeneration(PackedDecodeWeights, nn.Module):

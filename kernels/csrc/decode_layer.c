@@ -1,0 +1,131 @@
+/* One decoder layer of a CPU decode step (one new token per sequence) as a single call.
+ *
+ * The Python layers (shared/models/t5.py, bart.py, whisper.py) run a decode step as ~12 kernel calls per layer
+ * (norms, the fused q/k/v product, write_kv, paged self-attention, the output product with its residual,
+ * cross-attention, the FFN), each behind a Python wrapper. On our 2-core machines that Python costs ~1 ms per
+ * layer inside a step (the weights streamed by the products evict the interpreter's caches, so every bytecode
+ * is slow): ~6 ms of a t5-small batch-32 step of ~45 ms. decode_layer runs the same kernels, in the same order
+ * and with the same arguments, from C: its output equals the Python layer's bit for bit
+ * (tests/test_decode_layer.py), so the Python layer stays the reference and runs everything else (prefill,
+ * GPUs, int8, activations the packed epilogue lacks).
+ *
+ * Pre-norm layers (T5, mBART, Whisper):  x += Attn(norm0(x)); x += Cross(norm1(x)); x += FFN(norm2(x)).
+ * Post-norm layers (BART, Marian):       x = norm0(x + Attn(x)); x = norm1(x + Cross(x)); x = norm2(x + FFN(x)).
+ * Attn: fused q/k/v product, the new k/v written to the self cache (paged_write_kv), paged self-attention
+ * (with T5's position bias when given), output product; Cross: q product, paged cross-attention over the
+ * encoder's blocks, output product; FFN: act(x W1 + b1) W2 + b2 with act relu / exact GELU / none.
+ */
+#include <stdint.h>
+#include <string.h>
+
+int packed_linear(const float* x, const float* wp, const float* bias, const float* residual, float* out, size_t m,
+                  size_t n, size_t k, int num_threads, int activation);
+int paged_decode_attention(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache,
+                           const int64_t* block_tables, int64_t bt_stride, const int64_t* context_lens, const float* bias,
+                           int64_t bias_len, float* out, int64_t batch, int64_t num_heads, int64_t head_dim,
+                           int64_t num_blocks, int64_t block_size, float scale, int num_threads);
+int paged_write_kv(const float* key, const float* value, int64_t key_stride, int64_t value_stride, float* k_cache,
+                   float* v_cache, const int64_t* slots, int64_t t, int64_t row, int64_t num_slots);
+int row_norm(const float* x, const float* w, const float* b, float* out, size_t rows, size_t d, float eps, int rms,
+             int num_threads);
+
+/* A layer's weights (packed with packed_linear_pack) and shape; set once at load (kernels/decode_layer.py). */
+typedef struct {
+    const float *norm_w[3], *norm_b[3]; /* self, cross, FFN norms: weight, bias or NULL */
+    float eps;
+    int rms;      /* 1: RMS norm (T5), 0: LayerNorm */
+    int pre_norm; /* 1: pre-norm, 0: post-norm */
+    const float *qkv_wp, *qkv_b; /* [3 H D, d]: q, k, v */
+    const float *o_wp, *o_b;     /* [d, H D] */
+    const float *cq_wp, *cq_b;   /* [H D, d] */
+    const float *co_wp, *co_b;   /* [d, H D] */
+    const float *f1_wp, *f1_b;   /* [ffn, d] */
+    const float *f2_wp, *f2_b;   /* [d, ffn] */
+    int activation;              /* of the first FFN product: packed_linear's ACT_* */
+    int64_t d, heads, head_dim, ffn;
+    float scale; /* on q . k (T5: 1) */
+} decode_layer_t;
+
+/* What one decode step's layers share (kernels/decode_layer.py builds it once per step). */
+typedef struct {
+    int64_t t; /* sequences, one new token each */
+    const int64_t* slots;        /* [t] self-cache slot of each new token */
+    const int64_t* block_tables; /* [t, bt_stride] */
+    int64_t bt_stride;
+    const int64_t* seq_lens; /* [t] keys including the new one */
+    const int64_t* cross_tables; /* [t, cross_stride] */
+    int64_t cross_stride;
+    const int64_t* encoder_lens;  /* [t] */
+    const float* position_bias;   /* [H, bias_len] or NULL */
+    int64_t bias_len;
+    int64_t num_self_blocks, num_cross_blocks, block_size;
+    int num_threads;
+} decode_step_t;
+
+/* Scratch floats decode_layer needs for t rows. */
+int64_t decode_layer_scratch(const decode_layer_t* L, int64_t t) {
+    const int64_t hd = L->heads * L->head_dim;
+    return t * (3 * L->d + 3 * hd + hd + L->ffn);
+}
+
+/* x [t, d] -> out [t, d] (out != x); self_k / self_v [num_self_blocks, block_size, H, D] (written at the new
+ * tokens' slots); cross_k / cross_v [num_cross_blocks, block_size, H, D]; scratch: decode_layer_scratch floats.
+ * Returns 0; or the first kernel error (-2 / -3 of the attention kernels: a bad length or block id; -3 of
+ * paged_write_kv: a slot past the cache), with the layer left half done. */
+int decode_layer(const decode_layer_t* L, const decode_step_t* S, const float* x, float* out, float* self_k, float* self_v,
+                 const float* cross_k, const float* cross_v, float* scratch) {
+    const int64_t t = S->t, d = L->d, H = L->heads, D = L->head_dim, hd = H * D;
+    const int nt = S->num_threads;
+    float *h = scratch, *a = h + t * d, *b = a + t * d, *qkv = b + t * d, *attn = qkv + t * 3 * hd, *f = attn + t * hd;
+    int rc;
+    if (t == 0) return 0;
+#define CHECK(call)          \
+    if ((rc = (call)) < -1) \
+        return rc;
+    /* self-attention: r = x + Attn(n(x)) (pre) or x = n(x + Attn(x)) (post) */
+    const float* in = x;
+    if (L->pre_norm) {
+        row_norm(x, L->norm_w[0], L->norm_b[0], h, t, d, L->eps, L->rms, nt);
+        in = h;
+    }
+    packed_linear(in, L->qkv_wp, L->qkv_b, NULL, qkv, t, 3 * hd, d, nt, 0);
+    CHECK(paged_write_kv(qkv + hd, qkv + 2 * hd, 3 * hd, 3 * hd, self_k, self_v, S->slots, t, hd,
+                         S->num_self_blocks * S->block_size));
+    CHECK(paged_decode_attention(qkv, 3 * hd, self_k, self_v, S->block_tables, S->bt_stride, S->seq_lens,
+                                 S->position_bias, S->bias_len, attn, t, H, D, S->num_self_blocks, S->block_size,
+                                 L->scale, nt));
+    packed_linear(attn, L->o_wp, L->o_b, x, a, t, d, hd, nt, 0); /* a = x + attn Wo */
+    if (!L->pre_norm) {
+        row_norm(a, L->norm_w[0], L->norm_b[0], b, t, d, L->eps, L->rms, nt);
+        memcpy(a, b, sizeof(float) * (size_t)(t * d));
+    }
+    /* cross-attention over the encoder's blocks */
+    in = a;
+    if (L->pre_norm) {
+        row_norm(a, L->norm_w[1], L->norm_b[1], h, t, d, L->eps, L->rms, nt);
+        in = h;
+    }
+    packed_linear(in, L->cq_wp, L->cq_b, NULL, qkv, t, hd, d, nt, 0);
+    CHECK(paged_decode_attention(qkv, hd, cross_k, cross_v, S->cross_tables, S->cross_stride, S->encoder_lens, NULL, 0,
+                                 attn, t, H, D, S->num_cross_blocks, S->block_size, L->scale, nt));
+    packed_linear(attn, L->co_wp, L->co_b, a, b, t, d, hd, nt, 0); /* b = a + attn Wco */
+    if (!L->pre_norm) {
+        row_norm(b, L->norm_w[1], L->norm_b[1], a, t, d, L->eps, L->rms, nt);
+        memcpy(b, a, sizeof(float) * (size_t)(t * d));
+    }
+    /* FFN */
+    in = b;
+    if (L->pre_norm) {
+        row_norm(b, L->norm_w[2], L->norm_b[2], h, t, d, L->eps, L->rms, nt);
+        in = h;
+    }
+    packed_linear(in, L->f1_wp, L->f1_b, NULL, f, t, L->ffn, d, nt, L->activation);
+    if (L->pre_norm) {
+        packed_linear(f, L->f2_wp, L->f2_b, b, out, t, d, L->ffn, nt, 0); /* out = b + FFN */
+    } else {
+        packed_linear(f, L->f2_wp, L->f2_b, b, a, t, d, L->ffn, nt, 0);
+        row_norm(a, L->norm_w[2], L->norm_b[2], out, t, d, L->eps, L->rms, nt);
+    }
+    return 0;
+#undef CHECK
+}
