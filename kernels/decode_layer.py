@@ -121,7 +121,7 @@ class FusedDecodeLayer:
             if t is not None and (t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous() or t.dim() != 1):
                 raise ValueError(f"decode_layer takes float32 CPU contiguous [n] norm weights and biases, got {t.dtype} {tuple(t.shape)}")
         self.weights = w  # keeps every tensor the struct points at alive
-        self.d, self.hd = d, hd
+        self.d, self.hd, self.heads_dims = d, hd, (w.heads, w.head_dim)
         s = self._layer = _Layer()
         for i, (nw, nb) in enumerate(w.norms):
             s.norm_w[i], s.norm_b[i] = _ptr(nw), _ptr(nb)
@@ -167,20 +167,22 @@ class FusedDecodeLayer:
                 or x.dtype != torch.float32 or not x.is_cpu or not x.is_contiguous()):
             return None
         if (self_kv.dtype != torch.float32 or cross_kv.dtype != torch.float32 or not self_kv.is_cpu or not cross_kv.is_cpu
-                or not self_kv.is_contiguous() or not cross_kv.is_contiguous() or self_kv.shape[-2] * self_kv.shape[-1] != self.hd
-                or cross_kv.shape[-2:] != self_kv.shape[-2:] or cross_kv.shape[2] != self_kv.shape[2]):
-            return None
+                or not self_kv.is_contiguous() or not cross_kv.is_contiguous() or self_kv.dim() != 5 or cross_kv.dim() != 5
+                or self_kv.shape[0] != 2 or cross_kv.shape[0] != 2 or tuple(self_kv.shape[-2:]) != self.heads_dims
+                or tuple(cross_kv.shape[-2:]) != self.heads_dims or cross_kv.shape[2] != self_kv.shape[2]):
+            return None  # [2 (K, V), num_blocks, block_size, H, D] caches of this layer's heads, one block size
         cache = md.step_cache if md.step_cache is not None else {}
         key = ("decode_layer", t, id(position_bias), self_kv.shape[1], cross_kv.shape[1])
         if key in cache:
             return cache[key]
         index = [cpu_paged_attention._as(v, torch.int64) for v in (md.slot_mapping, md.block_tables, md.seq_lens,
                                                                      md.cross_block_tables, md.encoder_lens)]
-        if any(not v.is_cpu for v in index) or index[1].shape[0] != t or index[3].shape[0] != t or index[0].shape != (t,):
+        if (any(not v.is_cpu for v in index) or index[1].dim() != 2 or index[3].dim() != 2 or index[1].shape[0] != t
+                or index[3].shape[0] != t or any(index[i].shape != (t,) for i in (0, 2, 4))):
             cache[key] = None
             return None
         bias = cpu_paged_attention._as(position_bias, torch.float32) if position_bias is not None else None
-        if bias is not None and (not bias.is_cpu or bias.dim() != 2 or bias.shape[0] != self.hd // self_kv.shape[-1] or bias.shape[1] < 1):
+        if bias is not None and (not bias.is_cpu or bias.dim() != 2 or bias.shape[0] != self.heads_dims[0] or bias.shape[1] < 1):
             cache[key] = None
             return None
         s = _Step(t, index[0].data_ptr(), index[1].data_ptr(), index[1].shape[1], index[2].data_ptr(), index[3].data_ptr(),

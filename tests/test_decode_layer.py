@@ -103,6 +103,11 @@ def test_prefill_and_bad_block_ids_are_not_run(text_checkpoints):
     x = torch.randn(5, c.d_model)
     md.max_query_len = 2  # a prefill: the Python layer runs it
     assert layer.fused.run(x, md, self_kv, cross_kv) is None
+    md.max_query_len, md.step_cache = 1, {}
+    md.seq_lens = md.seq_lens[:4]  # metadata that does not describe 5 sequences is never handed to C
+    assert layer.fused.run(x, md, self_kv, cross_kv) is None
+    md, self_kv, cross_kv = _step(c.num_heads, c.d_model // c.num_heads, seed=3)
+    assert layer.fused.run(x, md, self_kv.transpose(-1, -2).contiguous(), cross_kv) is None  # [.., D, H]: not this layout
     md, self_kv, cross_kv = _step(c.num_heads, c.d_model // c.num_heads, seed=3)
     md.cross_block_tables[1, 0] = cross_kv.shape[1]  # one block past the cross cache
     with pytest.raises(ValueError, match="outside the KV caches"):
