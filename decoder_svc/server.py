@@ -332,46 +332,47 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             finished_indices: set[int] = set()  # n > 1 / beams: the request ends with its last index (or an abort)
             coalesce = _Coalescer(self.config.stream_interval if params.num_beams == 1 else 1)
             while True:
-                item = await active.stream.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if not active.decoding_recorded and active.encoding is None and item.finish_reason != "abort":
-                    # An encoder-cache hit decodes over another request's cross KV without an Encode of its own.
-                    active.decoding_recorded = True
-                    await asyncio.to_thread(self.store.set_state, request_id, RequestState.DECODING)
-                active.count(item)
-                self._observe_tokens(active, len(item.new_token_ids))
-                text = active.stream_text(item.text)
-                reason = self._request_finish_reason(active, item, params, len(windows)) if item.finished else None
-                final = item.finished and reason is not None  # this index's last message
-                if final:
-                    finished_indices.add(item.index)
-                request_done = final and (reason == "abort" or len(finished_indices) >= params.n)
-                message = decoder_pb2.GenerateResponse(request_id=request_id, text=text, token_ids=item.new_token_ids,
-                                                       index=item.index, score=item.score)
-                if item.logprobs:
-                    message.logprobs.extend(_logprobs_pb(lp) for lp in item.logprobs)
-                if final:
-                    message.finish_reason = FINISH_REASONS[reason]
-                    if isinstance(item.stop_reason, str):
-                        message.stop_str = item.stop_reason
-                    elif item.stop_reason is not None:
-                        message.stop_token_id = item.stop_reason
-                if request_done:
-                    message.usage.CopyFrom(decoder_pb2.Usage(encoder_tokens=active.encoder_tokens, **active.usage()))
-                    message.applied_generation_defaults.extend(inp.applied)
-                    state = RequestState.ABORTED if reason == "abort" else RequestState.FINISHED
-                    fields = {"finish_reason": reason, **active.usage()}
-                if request_done:
-                    for held in coalesce.drain(except_index=item.index):  # other samples' held tokens (an abort)
-                        yield held
-                if text or item.new_token_ids or final:
-                    if (out := coalesce.add(message, len(item.new_token_ids), final)) is not None:
-                        yield out
-                if request_done:
-                    return
-                if item.finished and reason is None and not active.abort_requested:  # the next window follows (unless the Abort RPC's output is queued next)
-                    await self._start_window(request_id, active, windows[active.window + 1], params, request.priority)
+                got = await active.stream.get()
+                if isinstance(got, BaseException):
+                    raise got
+                for item in _each_unfinished_sample(got, params.n, finished_indices):
+                    if not active.decoding_recorded and active.encoding is None and item.finish_reason != "abort":
+                        # An encoder-cache hit decodes over another request's cross KV without an Encode of its own.
+                        active.decoding_recorded = True
+                        await asyncio.to_thread(self.store.set_state, request_id, RequestState.DECODING)
+                    active.count(item)
+                    self._observe_tokens(active, len(item.new_token_ids))
+                    text = active.stream_text(item.text)
+                    reason = self._request_finish_reason(active, item, params, len(windows)) if item.finished else None
+                    final = item.finished and reason is not None  # this index's last message
+                    if final:
+                        finished_indices.add(item.index)
+                    request_done = final and len(finished_indices) >= params.n
+                    message = decoder_pb2.GenerateResponse(request_id=request_id, text=text, token_ids=item.new_token_ids,
+                                                           index=item.index, score=item.score)
+                    if item.logprobs:
+                        message.logprobs.extend(_logprobs_pb(lp) for lp in item.logprobs)
+                    if final:
+                        message.finish_reason = FINISH_REASONS[reason]
+                        if isinstance(item.stop_reason, str):
+                            message.stop_str = item.stop_reason
+                        elif item.stop_reason is not None:
+                            message.stop_token_id = item.stop_reason
+                    if request_done:
+                        message.usage.CopyFrom(decoder_pb2.Usage(encoder_tokens=active.encoder_tokens, **active.usage()))
+                        message.applied_generation_defaults.extend(inp.applied)
+                        state = RequestState.ABORTED if reason == "abort" else RequestState.FINISHED
+                        fields = {"finish_reason": reason, **active.usage()}
+                    if request_done:
+                        for held in coalesce.drain(except_index=item.index):  # other samples' held tokens (an abort)
+                            yield held
+                    if text or item.new_token_ids or final:
+                        if (out := coalesce.add(message, len(item.new_token_ids), final)) is not None:
+                            yield out
+                    if request_done:
+                        return
+                    if item.finished and reason is None and not active.abort_requested:  # the next window follows (unless the Abort RPC's output is queued next)
+                        await self._start_window(request_id, active, windows[active.window + 1], params, request.priority)
         except (asyncio.CancelledError, GeneratorExit):  # client went away (GeneratorExit: cancelled while paused at a yield)
             state, fields = RequestState.ABORTED, {"finish_reason": "abort", **active.usage()}
             raise
@@ -486,6 +487,14 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         stats = await self.loop.call(self.engine.stats)
         stats["max_concurrent_requests"] = self.max_concurrent_requests
         return decoder_pb2.DecoderStats(**{k: int(v) for k, v in stats.items() if k in decoder_pb2.DecoderStats.DESCRIPTOR.fields_by_name})
+
+
+def _each_unfinished_sample(item, n: int, finished: set[int]) -> list:
+    """``[item]``; the Abort RPC's one output (index 0) becomes one per sample still running, so each of
+    ``n > 1`` samples ends with its own ABORT and a sample that already finished gets no second final message."""
+    if item.finish_reason != "abort" or n <= 1:
+        return [item]
+    return [dataclasses.replace(item, index=i) for i in range(n) if i not in finished] or [item]
 
 
 def _logprobs_pb(lp) -> decoder_pb2.Logprobs:

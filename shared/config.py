@@ -151,6 +151,8 @@ class DecoderServiceConfig:
             larger value, merges a request's messages until this many new tokens are held: its first
             token and its finish are sent at once. Fewer messages cost less CPU on both ends on busy
             hosts (SGLang's and vLLM's ``--stream-interval``); beam search always streams per message.
+            Tokens held when the client goes away are never sent, yet count in the request's usage
+            (Redis ``completion_tokens``), as everything generated does.
         max_audio_s: longest accepted audio (seconds); longer audio gets
             INVALID_ARGUMENT naming both lengths. Audio over Whisper's 30 s
             window is decoded as consecutive 30 s windows in one request

@@ -78,17 +78,20 @@ def test_n2_request_streams_two_indexed_samples(served):
     assert_all_blocks_free(stub)
 
 
-def test_abort_of_n2_request_mid_stream_frees_every_block(served):
+def test_abort_of_n3_request_mid_stream_ends_every_sample_and_frees_every_block(served):
     _, tok, stub = served
-    rid = f"abort-n2-{uuid.uuid4().hex[:8]}"
-    call = stub.Generate(request(src(tok, 1), rid, temperature=1.0, n=2, max_tokens=240, ignore_eos=True), timeout=120)
+    rid = f"abort-n3-{uuid.uuid4().hex[:8]}"
+    call = stub.Generate(request(src(tok, 1), rid, temperature=1.0, n=3, max_tokens=240, ignore_eos=True), timeout=120)
     first = next(call)
     assert first.token_ids
     assert stub.Abort(decoder_pb2.AbortRequest(request_id=rid)).aborted
     rest = list(call)
     assert rest[-1].finish_reason == decoder_pb2.FINISH_REASON_ABORT
+    samples = by_index([first, *rest])  # (no message of an index after its final one)
+    assert sorted(samples) == [0, 1, 2]  # each sample ends with its own ABORT, not only index 0
+    assert all(r["finals"] == 1 and r["finish_reason"] == decoder_pb2.FINISH_REASON_ABORT for r in samples.values())
     streamed = sum(len(m.token_ids) for m in [first, *rest])
-    assert streamed < 2 * 240  # ended by the abort
+    assert streamed < 3 * 240  # ended by the abort
     assert rest[-1].usage.completion_tokens == streamed
     record = wait_state(stub, rid, decoder_pb2.REQUEST_STATE_ABORTED)
     assert record.finish_reason == "abort" and record.completion_tokens == streamed
