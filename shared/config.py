@@ -363,15 +363,15 @@ def config_from(cls: type[C], args: argparse.Namespace | None = None, env: dict[
     for f in dataclasses.fields(cls):
         convert = _field_type(f)
         raw = getattr(args, f.name, None) if args is not None else None
-        if raw is None and f"ENCDEC_{f.name.upper()}" in env:
-            raw = env[f"ENCDEC_{f.name.upper()}"]
-        if raw is None and f.name == "redis_url" and "REDIS_URL" in env:
-            raw = env["REDIS_URL"]
+        source = f"--{f.name.replace('_', '-')}"
+        for var in (f"ENCDEC_{f.name.upper()}",) + (("REDIS_URL",) if f.name == "redis_url" else ()):
+            if raw is None and var in env:
+                raw, source = env[var], var
         if raw is not None:
             try:
                 values[f.name] = convert(raw)
             except ValueError as exc:
-                raise ValueError(f"{f.name}: cannot parse {raw!r} as {convert.__name__}") from exc
+                raise ValueError(f"{f.name}: cannot parse {raw!r} (from {source}) as {convert.__name__}") from exc
     return cls(**values)
 
 
