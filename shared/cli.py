@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import os
+import shlex
 import signal
 import sys
 import time
@@ -51,6 +52,8 @@ def _services(args: argparse.Namespace, log_level: str = "INFO"):
         redis_url=args.redis_url or os.environ.get("REDIS_URL"),
         encoder_port=args.encoder_port,
         decoder_port=args.decoder_port,
+        extra_encoder_args=shlex.split(args.encoder_args),
+        extra_decoder_args=shlex.split(args.decoder_args),
     )
 
 
@@ -203,6 +206,8 @@ def _add_services(p: argparse.ArgumentParser, encoder_port: int, decoder_port: i
     p.add_argument("--redis-url", default=None, help="external Redis (default: $REDIS_URL, else start a local redis-server)")
     p.add_argument("--encoder-port", type=int, default=encoder_port, help="0 picks a free port")
     p.add_argument("--decoder-port", type=int, default=decoder_port, help="0 picks a free port")
+    p.add_argument("--encoder-args", default="", help="more serve-encoder flags, one string: --encoder-args='--max-batch-wait-ms 100'")
+    p.add_argument("--decoder-args", default="", help="more serve-decoder flags, one string: --decoder-args='--stream-interval 4 --max-num-seqs 32'")
 
 
 def build_parser() -> argparse.ArgumentParser:
