@@ -15,8 +15,8 @@
  * (with T5's position bias when given), output product; Cross: q product, paged cross-attention over the
  * encoder's blocks, output product; FFN: act(x W1 + b1) W2 + b2 with act relu / exact GELU / none.
  */
+#include <stddef.h>
 #include <stdint.h>
-#include <string.h>
 
 int packed_linear(const float* x, const float* wp, const float* bias, const float* residual, float* out, size_t m,
                   size_t n, size_t k, int num_threads, int activation);
@@ -68,6 +68,18 @@ int64_t decode_layer_scratch(const decode_layer_t* L, int64_t t) {
     return t * (3 * L->d + 3 * hd + hd + L->ffn);
 }
 
+/* Pre-norm: sublayer i reads norm_i(r) (written to h); post-norm: r itself. */
+static const float* sublayer_input(const decode_layer_t* L, int i, const float* r, float* h, int64_t t, int nt) {
+    if (!L->pre_norm) return r;
+    row_norm(r, L->norm_w[i], L->norm_b[i], h, t, L->d, L->eps, L->rms, nt);
+    return h;
+}
+
+/* Post-norm: r := norm_i(r + sublayer), in place (row_norm allows out == x); pre-norm: nothing. */
+static void post_norm(const decode_layer_t* L, int i, float* r, int64_t t, int nt) {
+    if (!L->pre_norm) row_norm(r, L->norm_w[i], L->norm_b[i], r, t, L->d, L->eps, L->rms, nt);
+}
+
 /* x [t, d] -> out [t, d] (out != x); self_k / self_v [num_self_blocks, block_size, H, D] (written at the new
  * tokens' slots); cross_k / cross_v [num_cross_blocks, block_size, H, D]; scratch: decode_layer_scratch floats.
  * Returns 0; or the first kernel error (-2 / -3 of the attention kernels: a bad length or block id; -3 of
@@ -82,50 +94,25 @@ int decode_layer(const decode_layer_t* L, const decode_step_t* S, const float* x
 #define CHECK(call)          \
     if ((rc = (call)) < -1) \
         return rc;
-    /* self-attention: r = x + Attn(n(x)) (pre) or x = n(x + Attn(x)) (post) */
-    const float* in = x;
-    if (L->pre_norm) {
-        row_norm(x, L->norm_w[0], L->norm_b[0], h, t, d, L->eps, L->rms, nt);
-        in = h;
-    }
-    packed_linear(in, L->qkv_wp, L->qkv_b, NULL, qkv, t, 3 * hd, d, nt, 0);
+    /* self-attention: a = x + Attn(...) */
+    packed_linear(sublayer_input(L, 0, x, h, t, nt), L->qkv_wp, L->qkv_b, NULL, qkv, t, 3 * hd, d, nt, 0);
     CHECK(paged_write_kv(qkv + hd, qkv + 2 * hd, 3 * hd, 3 * hd, self_k, self_v, S->slots, t, hd,
                          S->num_self_blocks * S->block_size));
     CHECK(paged_decode_attention(qkv, 3 * hd, self_k, self_v, S->block_tables, S->bt_stride, S->seq_lens,
                                  S->position_bias, S->bias_len, attn, t, H, D, S->num_self_blocks, S->block_size,
                                  L->scale, nt));
-    packed_linear(attn, L->o_wp, L->o_b, x, a, t, d, hd, nt, 0); /* a = x + attn Wo */
-    if (!L->pre_norm) {
-        row_norm(a, L->norm_w[0], L->norm_b[0], b, t, d, L->eps, L->rms, nt);
-        memcpy(a, b, sizeof(float) * (size_t)(t * d));
-    }
-    /* cross-attention over the encoder's blocks */
-    in = a;
-    if (L->pre_norm) {
-        row_norm(a, L->norm_w[1], L->norm_b[1], h, t, d, L->eps, L->rms, nt);
-        in = h;
-    }
-    packed_linear(in, L->cq_wp, L->cq_b, NULL, qkv, t, hd, d, nt, 0);
+    packed_linear(attn, L->o_wp, L->o_b, x, a, t, d, hd, nt, 0);
+    post_norm(L, 0, a, t, nt);
+    /* cross-attention over the encoder's blocks: b = a + Cross(...) */
+    packed_linear(sublayer_input(L, 1, a, h, t, nt), L->cq_wp, L->cq_b, NULL, qkv, t, hd, d, nt, 0);
     CHECK(paged_decode_attention(qkv, hd, cross_k, cross_v, S->cross_tables, S->cross_stride, S->encoder_lens, NULL, 0,
                                  attn, t, H, D, S->num_cross_blocks, S->block_size, L->scale, nt));
-    packed_linear(attn, L->co_wp, L->co_b, a, b, t, d, hd, nt, 0); /* b = a + attn Wco */
-    if (!L->pre_norm) {
-        row_norm(b, L->norm_w[1], L->norm_b[1], a, t, d, L->eps, L->rms, nt);
-        memcpy(b, a, sizeof(float) * (size_t)(t * d));
-    }
-    /* FFN */
-    in = b;
-    if (L->pre_norm) {
-        row_norm(b, L->norm_w[2], L->norm_b[2], h, t, d, L->eps, L->rms, nt);
-        in = h;
-    }
-    packed_linear(in, L->f1_wp, L->f1_b, NULL, f, t, L->ffn, d, nt, L->activation);
-    if (L->pre_norm) {
-        packed_linear(f, L->f2_wp, L->f2_b, b, out, t, d, L->ffn, nt, 0); /* out = b + FFN */
-    } else {
-        packed_linear(f, L->f2_wp, L->f2_b, b, a, t, d, L->ffn, nt, 0);
-        row_norm(a, L->norm_w[2], L->norm_b[2], out, t, d, L->eps, L->rms, nt);
-    }
+    packed_linear(attn, L->co_wp, L->co_b, a, b, t, d, hd, nt, 0);
+    post_norm(L, 1, b, t, nt);
+    /* FFN: out = b + FFN(...) */
+    packed_linear(sublayer_input(L, 2, b, h, t, nt), L->f1_wp, L->f1_b, NULL, f, t, L->ffn, d, nt, L->activation);
+    packed_linear(f, L->f2_wp, L->f2_b, b, out, t, d, L->ffn, nt, 0);
+    post_norm(L, 2, out, t, nt);
     return 0;
 #undef CHECK
 }
