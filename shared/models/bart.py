@@ -33,7 +33,7 @@ from kernels.decode_layer import FusedDecodeLayer, LayerWeights
 from kernels.packed_linear import ACTIVATIONS
 from shared.attention_metadata import AttentionMetadata
 from shared.models.hf_checkpoint import TextGenerationDefaults, copy_weights, linear_names, load_hf_weights, read_json
-from shared.models.linear import FusedPacked, Linear, PackedDecodeWeights, fused_products, linear_act, linear_add, pack_fused
+from shared.models.linear import FusedPacked, Linear, PackedDecodeWeights, fused_products, linear_act, linear_add, pack_fused, packed_product
 from shared.models.norm import LayerNorm
 
 __all__ = ["BartConfig", "BartForConditionalGeneration", "sinusoidal_positions"]
@@ -121,7 +121,15 @@ class Block(nn.Module):
         return f(self.norm(x), x) if self.pre_norm else self.norm(f(x, x))
 
 
-class EncoderLayer(nn.Module):
+class _FeedForward(nn.Module):
+    """What BART's encoder and decoder layers share: ``fc1``, ``fc2``, ``act`` / ``act_name`` (set by the layer)."""
+
+    def _ffn(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + fc2(act(fc1(h)))`` (the FFN block's ``f``)."""
+        return linear_add(self.fc2, linear_act(self.fc1, h, self.act_name, self.act), residual)
+
+
+class EncoderLayer(_FeedForward):
     def __init__(self, c: BartConfig) -> None:
         super().__init__()
         self.self_attn, self.attn_block = Attention(c.d_model, c.encoder_heads), Block(c.d_model, c.pre_norm)
@@ -141,11 +149,8 @@ class EncoderLayer(nn.Module):
         x = self.attn_block(x, attend)
         return self.ffn_block(x, self._ffn)
 
-    def _ffn(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return linear_add(self.fc2, linear_act(self.fc1, h, self.act_name, self.act), residual)
 
-
-class DecoderLayer(nn.Module):
+class DecoderLayer(_FeedForward):
     def __init__(self, c: BartConfig) -> None:
         super().__init__()
         self.self_attn, self.self_block = Attention(c.d_model, c.num_heads), Block(c.d_model, c.pre_norm)
@@ -180,9 +185,6 @@ class DecoderLayer(nn.Module):
         x = self.cross_block(x, cross_attend)
         return self.ffn_block(x, self._ffn)
 
-    def _ffn(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return linear_add(self.fc2, linear_act(self.fc1, h, self.act_name, self.act), residual)
-
     def pack_decode_weights(self) -> int:
         """Packs this layer's decode-step products (self q/k/v fused); returns the bytes added."""
         a, c = self.self_attn, self.encoder_attn
@@ -196,20 +198,16 @@ class DecoderLayer(nn.Module):
         """The C decode layer for this layer, or None (unpacked or int8 layers, an activation the kernel lacks)."""
         a, c = self.self_attn, self.encoder_attn
         blocks = (self.self_block, self.cross_block, self.ffn_block)
-        products = (a.out_proj, c.q_proj, c.out_proj, self.fc1, self.fc2)
-        if (self.act_name not in ACTIVATIONS or a.packed_qkv is None or not all(isinstance(m, Linear) and m.packed is not None for m in products)
+        o, cross_q, cross_o, fc1, fc2 = products = [packed_product(m) for m in (a.out_proj, c.q_proj, c.out_proj, self.fc1, self.fc2)]
+        if (self.act_name not in ACTIVATIONS or a.packed_qkv is None or None in products
                 or not all(b.norm.use_kernel and b.norm.weight is not None for b in blocks) or len({b.norm.eps for b in blocks}) != 1
                 or len({b.pre_norm for b in blocks}) != 1 or not decode_layer.is_available()):
             return None
-
-        def product(m: Linear):
-            return m.packed, m.bias.detach() if m.bias is not None else None
-
         return FusedDecodeLayer(LayerWeights(
             norms=tuple((b.norm.weight.detach(), b.norm.bias.detach() if b.norm.bias is not None else None) for b in blocks),
             eps=blocks[0].norm.eps, rms=False, pre_norm=blocks[0].pre_norm, qkv=(a.packed_qkv.weight, a.packed_qkv.bias),
-            o=product(a.out_proj), cross_q=product(c.q_proj), cross_o=product(c.out_proj), fc1=product(self.fc1), fc2=product(self.fc2),
-            activation=self.act_name, heads=a.h, head_dim=a.dh, scale=a.dh**-0.5))
+            o=o, cross_q=cross_q, cross_o=cross_o, fc1=fc1, fc2=fc2, activation=self.act_name, heads=a.h, head_dim=a.dh,
+            scale=a.dh**-0.5))
 
 
 class Stack(nn.Module):

@@ -40,7 +40,7 @@ from torch import nn
 from kernels.packed_linear import ACTIVATIONS, MAX_ROWS, PackedWeight, activate, is_available, packed_linear
 
 __all__ = ["FusedPacked", "Linear", "PackedDecodeWeights", "SMALL_ROWS", "decode_rows", "fused_products", "linear",
-           "linear_act", "linear_add", "pack_fused", "pack_projection", "vocab_projection"]
+           "linear_act", "linear_add", "pack_fused", "packed_product", "pack_projection", "vocab_projection"]
 
 SMALL_ROWS = 64
 CHUNK = 2048  # output features per product when transposing a large output back (fits in L2)
@@ -115,6 +115,14 @@ def linear_add(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tor
     if isinstance(layer, Linear):
         return layer(x, residual=residual)
     return residual + layer(x)
+
+
+def packed_product(layer: nn.Module) -> tuple[PackedWeight, torch.Tensor | None] | None:
+    """``(packed weight, bias or None)`` of a packed ``Linear`` (what ``kernels.decode_layer.LayerWeights`` takes), or
+    None: not packed, or no longer our ``Linear`` (``shared.models.quantize`` swaps in torch's int8 ones)."""
+    if not isinstance(layer, Linear) or layer.packed is None:
+        return None
+    return layer.packed, layer.bias.detach() if layer.bias is not None else None
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from kernels.decode_layer import FusedDecodeLayer, LayerWeights
 from kernels.packed_linear import ACTIVATIONS
 from shared.attention_metadata import AttentionMetadata
 from shared.models.hf_checkpoint import TextGenerationDefaults, copy_weights, load_hf_weights, max_source_positions, read_json
-from shared.models.linear import FusedPacked, Linear, PackedDecodeWeights, fused_products, linear_act, linear_add, pack_fused
+from shared.models.linear import FusedPacked, Linear, PackedDecodeWeights, fused_products, linear_act, linear_add, pack_fused, packed_product
 
 __all__ = ["T5Config", "T5ForConditionalGeneration", "relative_position_bucket"]
 
@@ -207,14 +207,14 @@ class DecoderLayer(nn.Module):
         """The C decode layer for this layer, or None: gated FFNs (T5 v1.1) and unpacked or int8 layers stay in Python."""
         a, c, f = self.self_attn, self.cross_attn, self.ffn
         norms = (self.self_norm, self.cross_norm, self.ffn_norm)
-        products = (a.o, c.q, c.o, f.wi_0, f.wo)
-        if (f.gated or f.act_name not in ACTIVATIONS or a.packed_qkv is None or not all(isinstance(m, Linear) and m.packed is not None for m in products)
+        o, cross_q, cross_o, fc1, fc2 = products = [packed_product(m) for m in (a.o, c.q, c.o, f.wi_0, f.wo)]
+        if (f.gated or f.act_name not in ACTIVATIONS or a.packed_qkv is None or None in products
                 or not all(n.use_kernel for n in norms) or len({n.eps for n in norms}) != 1 or not decode_layer.is_available()):
             return None
         return FusedDecodeLayer(LayerWeights(
             norms=tuple((n.weight.detach(), None) for n in norms), eps=norms[0].eps, rms=True, pre_norm=True,
-            qkv=(a.packed_qkv.weight, a.packed_qkv.bias), o=(a.o.packed, None), cross_q=(c.q.packed, None), cross_o=(c.o.packed, None),
-            fc1=(f.wi_0.packed, None), fc2=(f.wo.packed, None), activation=f.act_name, heads=a.h, head_dim=a.dh, scale=1.0))
+            qkv=(a.packed_qkv.weight, a.packed_qkv.bias), o=o, cross_q=cross_q, cross_o=cross_o, fc1=fc1, fc2=fc2,
+            activation=f.act_name, heads=a.h, head_dim=a.dh, scale=1.0))
 
 
 class T5ForConditionalGeneration(PackedDecodeWeights, nn.Module):

@@ -26,7 +26,7 @@ from kernels.attention_backend import contiguous_cross_attention, cpu_decode_ker
 from kernels.decode_layer import FusedDecodeLayer, LayerWeights
 from shared.attention_metadata import AttentionMetadata
 from shared.models.ct2_reader import load_ct2_weights
-from shared.models.linear import Linear, PackedDecodeWeights, linear_act, linear_add
+from shared.models.linear import Linear, PackedDecodeWeights, linear_act, linear_add, packed_product
 from shared.models.norm import LayerNorm
 from shared.models.whisper_features import load_tokenizer, log_mel_spectrogram, special_token_ids
 
@@ -171,19 +171,15 @@ class DecoderLayer(nn.Module):
 
     def _fused_decode_layer(self) -> FusedDecodeLayer | None:
         """The C decode layer for this layer, or None (unpacked or int8 layers)."""
-        products = (self.self_qkv, self.self_out, self.cross_q, self.cross_out, self.fc1, self.fc2)
+        qkv, o, cross_q, cross_o, fc1, fc2 = products = [
+            packed_product(m) for m in (self.self_qkv, self.self_out, self.cross_q, self.cross_out, self.fc1, self.fc2)]
         norms = (self.self_attn_norm, self.cross_attn_norm, self.ffn_norm)
-        if (not all(isinstance(m, Linear) and m.packed is not None for m in products) or not all(n.use_kernel for n in norms)
-                or len({n.eps for n in norms}) != 1 or not decode_layer.is_available()):
+        if None in products or not all(n.use_kernel for n in norms) or len({n.eps for n in norms}) != 1 or not decode_layer.is_available():
             return None
-
-        def product(m: Linear):
-            return m.packed, m.bias.detach() if m.bias is not None else None
-
         return FusedDecodeLayer(LayerWeights(
             norms=tuple((n.weight.detach(), n.bias.detach()) for n in norms), eps=norms[0].eps, rms=False, pre_norm=True,
-            qkv=product(self.self_qkv), o=product(self.self_out), cross_q=product(self.cross_q), cross_o=product(self.cross_out),
-            fc1=product(self.fc1), fc2=product(self.fc2), activation="gelu", heads=self.h, head_dim=self.dh, scale=self.scale))
+            qkv=qkv, o=o, cross_q=cross_q, cross_o=cross_o, fc1=fc1, fc2=fc2, activation="gelu", heads=self.h, head_dim=self.dh,
+            scale=self.scale))
 
 
 class WhisperForConditionalGeneration(PackedDecodeWeights, nn.Module):
