@@ -161,13 +161,6 @@ class _Coalescer:
         self.held[index], self.held_tokens[index] = message, tokens
         return None
 
-    def drain(self, except_index: int):
-        """Every held message but ``except_index``'s (which its final message carries), emptied."""
-        out = [m for i, m in self.held.items() if i != except_index]
-        for i in [i for i in self.held if i != except_index]:
-            del self.held[i], self.held_tokens[i]
-        return out
-
 
 class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
     """Thin servicer: convert, call the engine loop, convert back."""
@@ -363,9 +356,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
                         message.applied_generation_defaults.extend(inp.applied)
                         state = RequestState.ABORTED if reason == "abort" else RequestState.FINISHED
                         fields = {"finish_reason": reason, **active.usage()}
-                    if request_done:
-                        for held in coalesce.drain(except_index=item.index):  # other samples' held tokens (an abort)
-                            yield held
+                    # Every sample's final message flushes what the coalescer held for it (an abort ends each one).
                     if text or item.new_token_ids or final:
                         if (out := coalesce.add(message, len(item.new_token_ids), final)) is not None:
                             yield out

@@ -2,7 +2,7 @@
 
 Through a real encoder + decoder + Redis with ``--stream-interval 4`` on a tiny T5: the first token and the finish
 go out at once, the middle in messages of 4 tokens, and the tokens and text are those of HF greedy decoding;
-``n = 2`` samples are merged per index. ``_Coalescer`` itself: merging and the abort drain.
+``n = 2`` samples are merged per index. ``_Coalescer`` itself: merging, and each sample's final message flushing it.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def test_samples_are_merged_per_index(served):
     assert by_index == {0: [1, 4, 4], 1: [1, 4, 4]}
 
 
-def test_coalescer_merges_and_drains_on_abort():
+def test_coalescer_merges_and_flushes_on_each_final():
     c = _Coalescer(3)
     msg = lambda i, text, ids, **kw: decoder_pb2.GenerateResponse(request_id="r", index=i, text=text, token_ids=ids, **kw)
     assert c.add(msg(0, "a", [1]), 1, False).token_ids == [1]  # a sample's first message goes out at once
@@ -68,9 +68,10 @@ def test_coalescer_merges_and_drains_on_abort():
     assert c.add(msg(0, "c", [3], score=-1.5), 1, False) is None
     out = c.add(msg(0, "d", [4]), 1, False)  # 3 held tokens: merged text, ids appended, the newest set score kept
     assert (out.text, list(out.token_ids), out.score) == ("bcd", [2, 3, 4], -1.5)
-    # index 0 aborts: index 1's held tokens come out first, then index 0's final carries its own
-    drained = c.drain(except_index=0)
-    assert [(m.index, m.text, list(m.token_ids)) for m in drained] == [(1, "y", [8])]
+    # an abort ends each sample with its own final message (decoder_svc.server._each_unfinished_sample), which
+    # carries what was held for it: index 1's "y"
+    final = c.add(msg(1, "", [], finish_reason=decoder_pb2.FINISH_REASON_ABORT), 0, True)
+    assert (final.index, final.text, list(final.token_ids), final.finish_reason) == (1, "y", [8], decoder_pb2.FINISH_REASON_ABORT)
     final = c.add(msg(0, "", [], finish_reason=decoder_pb2.FINISH_REASON_ABORT), 0, True)
     assert final.finish_reason == decoder_pb2.FINISH_REASON_ABORT and c.held == {}
     assert _Coalescer(1).add(msg(0, "a", [1]), 1, False) is not None
