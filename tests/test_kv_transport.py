@@ -176,3 +176,36 @@ def test_encoder_writes_nothing_past_the_callers_deadline(tmp_path):
         batcher.stop()
         writer.close()
         pool.close()
+
+
+def _views_outlive_close(kind: str) -> None:
+    """Child process: a view taken before the close is read and written after it, under fresh mappings."""
+    import mmap
+
+    pool = create_pool("shm", SHAPE)
+    pool.tensor.fill_(3.0)
+    if kind == "pool":
+        view = pool.tensor[1]
+        expected = view.clone()
+        pool.close()
+    else:  # the encoder drops a mapping (decoder restarted: segment unlinked) while a write still holds its tensor
+        writer = create_writer("shm")
+        writer.write(pool.spec, [0], reference(3, 0))
+        view = writer._maps[pool.spec.segment][1][1]  # what a concurrent write holds
+        expected = view.clone()
+        pool.close()
+        writer.close()
+    others = [mmap.mmap(-1, view.numel() * 4 + 4096) for _ in range(64)]  # would land at the unmapped address
+    assert torch.equal(view, expected)
+    view.fill_(5.0)  # into the segment's own pages, not into anyone else's mapping
+    assert all(m[:8] == b"\0" * 8 and m.find(b"\0\0\xa0\x40") == -1 for m in others)
+
+
+@pytest.mark.parametrize("kind", ["pool", "writer"])
+def test_views_stay_valid_after_close(kind):
+    """Closing a pool (or the encoder dropping a mapping) while a tensor view lives must not unmap its pages:
+    torch.frombuffer would let mmap.close() unmap them (a later read segfaults, a later mapping gets the writes)."""
+    proc = mp.get_context("spawn").Process(target=_views_outlive_close, args=(kind,))
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode == 0, f"the child died with exit code {proc.exitcode} (negative: a signal, e.g. -11 SIGSEGV)"

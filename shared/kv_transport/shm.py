@@ -5,6 +5,14 @@ The decoder creates the segment (name unguessable, mode 0600 as
 encoder maps each segment once, caches the mapping, and writes blocks in
 place: no pickling and no copy through gRPC.
 
+A mapping is never unmapped under a live tensor: ``torch.frombuffer`` keeps
+the mmap object alive but not its buffer export, so ``mmap.close()`` would
+unmap the pages while a view of the pool (the engine's cross cache, a
+concurrent ``write``) still points at them, and a later mapping at the same
+address would receive that view's writes. The tensors here are made through a
+NumPy array, which holds the export: ``close()`` then raises ``BufferError``
+(caught) and the pages go when the last view does.
+
 Segment layout: a 64-byte header (int64 ``[MAGIC, dtype code, *shape]``) and
 then the pool tensor. The encoder checks a target's shape and dtype against
 the header, so a target that merely has the pool's byte count (another dtype
@@ -22,8 +30,9 @@ import secrets
 import struct
 import threading
 import time
-from multiprocessing import shared_memory
+from multiprocessing import resource_tracker
 
+import numpy as np
 import torch
 
 from shared.errors import InvalidRequestError, UnavailableError
@@ -41,8 +50,9 @@ def _layout(spec: KVTargetSpec) -> tuple[int, ...]:
 
 
 def _tensor_over(buf, spec: KVTargetSpec) -> torch.Tensor:
-    count = spec.nbytes // DTYPES[spec.dtype].itemsize
-    return torch.frombuffer(buf, dtype=DTYPES[spec.dtype], count=count, offset=HEADER.size).view(spec.shape)
+    """The pool tensor over ``buf`` (an mmap) after the header; it holds ``buf``'s buffer export (see module docstring)."""
+    raw = np.frombuffer(buf, dtype=np.uint8, count=spec.nbytes, offset=HEADER.size)  # NumPy has no bfloat16: bytes, then a view
+    return torch.from_numpy(raw).view(DTYPES[spec.dtype]).view(spec.shape)
 
 
 class ShmCrossKVPool(CrossKVPool):
@@ -64,20 +74,34 @@ class ShmCrossKVPool(CrossKVPool):
         self.spec = KVTargetSpec("shm", f"encdec-kv-{instance_id}", tuple(int(s) for s in shape), dtype, instance_id)
         if self.spec.nbytes <= 0:
             raise ValueError(f"pool shape {shape} is empty")
-        self._shm = shared_memory.SharedMemory(name=self.spec.segment, create=True, size=HEADER.size + self.spec.nbytes)
-        HEADER.pack_into(self._shm.buf, 0, *_layout(self.spec))
-        self.tensor = _tensor_over(self._shm.buf, self.spec)
+        # shm_open + mmap as multiprocessing.shared_memory does, but our own mmap (whose export the tensor holds):
+        # SharedMemory's own close / __del__ would unmap under live views or complain at exit while one lives.
+        size = HEADER.size + self.spec.nbytes
+        fd = _posixshmem.shm_open("/" + self.spec.segment, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+        try:
+            os.ftruncate(fd, size)
+            self._mmap = mmap.mmap(fd, size)
+        except BaseException:
+            _posixshmem.shm_unlink("/" + self.spec.segment)
+            raise
+        finally:
+            os.close(fd)
+        resource_tracker.register("/" + self.spec.segment, "shared_memory")  # unlinked if this process dies first
+        HEADER.pack_into(self._mmap, 0, *_layout(self.spec))
+        self.tensor = _tensor_over(self._mmap, self.spec)
 
     def close(self) -> None:
-        if self._shm is None:
+        """Unlinks the segment's name; its pages stay mapped until the last view of ``tensor`` is gone."""
+        if self._mmap is None:
             return
         del self.tensor
         try:
-            self._shm.close()
-        except BufferError:  # a view is still alive somewhere; the unlink below still frees the name
+            self._mmap.close()
+        except BufferError:  # a view is still alive (e.g. the engine's cross cache): unmapped when it goes
             pass
-        self._shm.unlink()
-        self._shm = None
+        _posixshmem.shm_unlink("/" + self.spec.segment)
+        resource_tracker.unregister("/" + self.spec.segment, "shared_memory")
+        self._mmap = None
 
 
 class ShmCrossKVWriter(CrossKVWriter):
@@ -140,7 +164,7 @@ class ShmCrossKVWriter(CrossKVWriter):
         del tensor
         try:
             mm.close()
-        except BufferError:  # a tensor view is still alive; the GC closes it later
+        except BufferError:  # a concurrent write still holds the tensor: unmapped when it lets go
             pass
 
     def write(self, spec: KVTargetSpec, block_ids: list[int], cross_kv: torch.Tensor, transfer_id: int = 0) -> TransferStats:
