@@ -6,9 +6,13 @@ every sequence's K/V blocks into a dense copy, builds a mask and calls
 was ~13 ms of the step's ~75 ms (gathers, SDPA, masks) on our 2-core AVX2
 machines. With one query per sequence, this C kernel reads each key and value
 where it lies, once, through the block table. ``kernels.attention_backend``
-sends decode steps of float32 CPU caches here (backend ``torch``) and every
-other case (prefill, half-precision caches, other devices) to the reference;
-tests/test_cpu_paged_attention.py compares the two. ``write_kv`` is the C
+sends every call on float32 CPU caches here (backend ``torch``); half-precision
+caches and other devices go to the reference; tests/test_cpu_paged_attention.py
+compares the two. A step with several queries per sequence (a prefill, a
+recompute after preemption, next to other sequences' decode rows) is run as
+one kernel row per query (``query_rows``: the query's own causal length), so a
+token's attention is computed the same way whether it is decoded alone, in a
+batch, or recomputed in a prefill: results do not depend on the batch. ``write_kv`` is the C
 scatter of the reference's ``write_kv`` (torch's ``index_copy_`` plus its
 padding check cost ~200 us per layer of such a step, the scatter ~50 us).
 
@@ -26,7 +30,7 @@ import torch
 
 from kernels._clib import load_library
 
-__all__ = ["applies", "is_available", "paged_decode_attention", "write_applies", "write_kv"]
+__all__ = ["applies", "is_available", "paged_decode_attention", "query_rows", "write_applies", "write_kv"]
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -48,16 +52,10 @@ def is_available() -> bool:
     return _library() is not None
 
 
-def applies(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_seqs: int,
-            max_query_len: int | None) -> bool:
-    """Whether ``paged_decode_attention`` can serve this call of the reference.
-
-    True for a decode step (``max_query_len == 1`` and one query per
-    sequence) on float32 CPU query and contiguous caches, when the kernel is
-    available.
-    """
-    return (max_query_len == 1 and query.shape[0] == num_seqs and query.dtype == torch.float32
-            and k_cache.dtype == torch.float32 and v_cache.dtype == torch.float32 and query.device.type == "cpu"
+def applies(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether ``paged_decode_attention`` (through ``query_rows`` when a sequence has several queries) can serve
+    this call of the reference: float32 CPU query and contiguous caches, when the kernel is available."""
+    return (query.dtype == torch.float32 and k_cache.dtype == torch.float32 and v_cache.dtype == torch.float32 and query.device.type == "cpu"
             and k_cache.device.type == "cpu" and v_cache.device.type == "cpu" and k_cache.is_contiguous()
             and v_cache.is_contiguous() and is_available())
 
@@ -129,6 +127,28 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if rc == -3:
         raise ValueError(f"block_tables holds a block id outside the cache's {k.shape[0]} blocks")
     return out
+
+
+def query_rows(block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor,
+               causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query of a flat varlen batch as its own ``paged_decode_attention`` row.
+
+    Args:
+        block_tables: ``[B, M]`` block ids; context_lens: ``[B]`` keys per sequence (its queries' K/V included);
+        query_start_loc: ``[B + 1]`` cumulative query counts (``T`` queries in all); causal: self-attention
+        (query ``i`` of sequence ``b`` sits at ``context_lens[b] - q_len_b + i`` and sees the keys up to it) or
+        cross-attention (every query sees ``context_lens[b]`` keys). As ``kernels.paged_attention.paged_attention``.
+
+    Returns:
+        ``(tables [T, M], lens [T])`` int64 CPU: each query's sequence's block table and its key count.
+    """
+    qsl = query_start_loc.to(torch.int64).cpu()
+    q_lens = qsl[1:] - qsl[:-1]  # [B]
+    seq = torch.repeat_interleave(torch.arange(q_lens.shape[0]), q_lens)  # [T] sequence of each query
+    lens = context_lens.to(torch.int64).cpu()[seq]
+    if causal:
+        lens = lens - q_lens[seq] + (torch.arange(seq.shape[0]) - qsl[seq]) + 1
+    return block_tables.to(torch.int64).cpu()[seq], lens
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

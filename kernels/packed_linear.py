@@ -45,7 +45,7 @@ from kernels._clib import load_library
 
 __all__ = ["ACTIVATIONS", "MAX_ROWS", "PackedWeight", "activate", "is_available", "packed_linear", "reference_linear"]
 
-MAX_ROWS = 64  # from about here on MKL's F.linear (compute-bound, weight reused) is as fast
+MAX_ROWS = 64  # rows per kernel call: a larger input runs in chunks of MAX_ROWS rows (the chunk's x stays in cache)
 _UNAVAILABLE = ("the packed_linear kernel is not available: kernels/_cpu_kernels*.so was not built (no C compiler "
                 "when the package was installed, or not x86-64 Linux) or this CPU lacks AVX2/FMA")
 
@@ -121,7 +121,9 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | No
     """``residual + act(F.linear(x, W, bias))`` for the weight ``W`` that ``weight`` packs.
 
     Args:
-        x: ``[..., in_features]`` float32 CPU, at most ``MAX_ROWS`` rows in all.
+        x: ``[..., in_features]`` float32 CPU; any row count (``MAX_ROWS`` rows per kernel call). Each row's
+            outputs are one running sum over ``in_features`` in a fixed order, so a row's result does not depend
+            on the other rows (a prefill's rows equal the same rows in decode steps, bit for bit).
         weight: the packed ``[out_features, in_features]`` weight.
         bias: ``[out_features]`` float32 or None.
         num_threads: threads to split the output features over (default
@@ -138,8 +140,7 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | No
 
     Raises:
         RuntimeError: the kernel is not available (see ``is_available``).
-        ValueError: wrong dtype, device, feature count, more than ``MAX_ROWS`` rows,
-            an activation not in ``ACTIVATIONS`` or a residual of another shape.
+        ValueError: wrong dtype, device, feature count, an activation not in ``ACTIVATIONS`` or a residual of another shape.
     """
     lib = _library()
     if lib is None:
@@ -149,8 +150,6 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | No
     if x.dtype != torch.float32 or not x.is_cpu or x.shape[-1] != weight.in_features:
         raise ValueError(f"packed_linear takes float32 CPU [..., {weight.in_features}] input, got {x.dtype} {tuple(x.shape)} on {x.device}")
     rows = x.numel() // weight.in_features if weight.in_features else x.shape[:-1].numel()
-    if rows > MAX_ROWS:
-        raise ValueError(f"packed_linear takes at most {MAX_ROWS} rows, got {rows}; use F.linear")
     if bias is not None and (bias.dtype != torch.float32 or bias.shape != (weight.out_features,)):
         raise ValueError(f"bias must be float32 [{weight.out_features}], got {bias.dtype} {tuple(bias.shape)}")
     out_shape = (*x.shape[:-1], weight.out_features)
@@ -163,9 +162,12 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | No
     out = torch.empty(out_shape, dtype=torch.float32)
     b = bias if bias is None or bias.is_contiguous() else bias.contiguous()
     r = residual if residual is None or residual.is_contiguous() else residual.contiguous()
-    lib.packed_linear(x2.data_ptr(), weight.data.data_ptr(), b.data_ptr() if b is not None else None,
-                      r.data_ptr() if r is not None else None, out.data_ptr(), rows, weight.out_features,
-                      weight.in_features, num_threads or torch.get_num_threads(), ACTIVATIONS[activation])
+    k, n, threads = weight.in_features, weight.out_features, num_threads or torch.get_num_threads()
+    for r0 in range(0, rows, MAX_ROWS):  # float32 offsets into the contiguous [rows, k] / [rows, n] operands
+        m = min(MAX_ROWS, rows - r0)
+        lib.packed_linear(x2.data_ptr() + 4 * r0 * k, weight.data.data_ptr(), b.data_ptr() if b is not None else None,
+                          r.data_ptr() + 4 * r0 * n if r is not None else None, out.data_ptr() + 4 * r0 * n, m, n, k,
+                          threads, ACTIVATIONS[activation])
     return out
 
 

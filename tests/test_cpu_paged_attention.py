@@ -99,9 +99,9 @@ def test_bad_inputs_are_refused_before_reading():
         paged_decode_attention(query, k, v, tables, lens, 1.0, torch.zeros(2, 0))
 
 
-def test_backend_sends_decode_steps_here_and_the_rest_to_the_reference(monkeypatch):
-    """``attention_backend.paged_attention`` (backend torch): the C kernel for one query per sequence on float32
-    caches; prefill (several queries) and half-precision caches keep the reference; results match either way."""
+def test_backend_sends_float32_cpu_calls_here_one_row_per_query(monkeypatch):
+    """``attention_backend.paged_attention`` (backend torch): the C kernel for float32 CPU caches, a prefill (several
+    queries a sequence) included, as one kernel row per query; half-precision caches keep the reference."""
     query, k, v, tables, lens = _case([4, 9], 2, 8, 4, seed=9)
     calls = []
     real = attention_backend._cpu_decode.paged_decode_attention
@@ -110,13 +110,34 @@ def test_backend_sends_decode_steps_here_and_the_rest_to_the_reference(monkeypat
     got = attention_backend.paged_attention(query, k, v, tables, lens, qsl, causal=True, scale=0.5, max_query_len=1)
     assert calls == [1]
     torch.testing.assert_close(got, _reference(query, k, v, tables, lens, 0.5), rtol=1e-5, atol=2e-6)
-    # A prefill: 3 queries of the second sequence (positions 6..8), 1 of the first.
+    # A prefill: 3 queries of the second sequence (positions 6..8), 1 of the first; causal and cross.
     q3 = torch.randn(4, 2, 8)
     qsl3 = torch.tensor([0, 1, 4])
-    got = attention_backend.paged_attention(q3, k, v, tables, lens, qsl3, causal=True, scale=0.5, max_query_len=3)
-    assert calls == [1]
-    torch.testing.assert_close(got, reference(q3, k, v, tables, lens, qsl3, causal=True, scale=0.5, max_query_len=3))
-    assert not applies(query, k.half(), v.half(), 2, 1) and not applies(query, k, v, 2, None) and applies(query, k, v, 2, 1)
+    for causal in (True, False):
+        got = attention_backend.paged_attention(q3, k, v, tables, lens, qsl3, causal=causal, scale=0.5, max_query_len=3)
+        torch.testing.assert_close(got, reference(q3, k, v, tables, lens, qsl3, causal=causal, scale=0.5, max_query_len=3),
+                                   rtol=1e-5, atol=2e-6)
+    assert calls == [1, 1, 1]
+    half = attention_backend.paged_attention(q3, k.half(), v.half(), tables, lens, qsl3, causal=True, scale=0.5, max_query_len=3)
+    assert calls == [1, 1, 1] and half.dtype == torch.float32
+    assert not applies(query, k.half(), v.half()) and applies(query, k, v)
+
+
+@pytest.mark.parametrize("head_dim", [8, 64])
+def test_prefill_rows_equal_decode_steps_bit_for_bit(head_dim):
+    """Batch invariance: a 5-token prefill of one sequence next to another sequence's decode row gives, for each
+    token, exactly what decoding that token alone (its causal length, one query) gives; T5's bias included."""
+    query, k, v, tables, lens = _case([7, 12], 3, head_dim, 4, seed=21)
+    bias = torch.randn(3, 9)
+    q = torch.randn(6, 3, head_dim)  # sequence 0: 1 decode query (position 6); sequence 1: 5 queries (positions 7..11)
+    qsl = torch.tensor([0, 1, 6])
+    step = attention_backend.paged_attention(q, k, v, tables, lens, qsl, causal=True, scale=0.3, max_query_len=5,
+                                             position_bias=bias, step_cache={})
+    for row, (b, length) in enumerate([(0, 7), (1, 8), (1, 9), (1, 10), (1, 11), (1, 12)]):
+        alone = attention_backend.paged_attention(q[row : row + 1], k, v, tables[b : b + 1], torch.tensor([length]),
+                                                  torch.tensor([0, 1]), causal=True, scale=0.3, max_query_len=1,
+                                                  position_bias=bias)
+        assert torch.equal(step[row], alone[0]), row
 
 
 @pytest.mark.parametrize("head_dim", [8, 64])

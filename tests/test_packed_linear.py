@@ -56,8 +56,6 @@ def test_leading_dims_and_non_contiguous_inputs():
 def test_bad_inputs_are_refused():
     w = torch.randn(20, 8)
     packed = PackedWeight.pack(w)
-    with pytest.raises(ValueError, match="at most 64 rows"):
-        packed_linear(torch.randn(MAX_ROWS + 1, 8), packed)
     with pytest.raises(ValueError, match="float32 CPU"):
         packed_linear(torch.randn(2, 8, dtype=torch.float64), packed)
     with pytest.raises(ValueError, match=r"\[\.\.\., 8\]"):
@@ -100,19 +98,32 @@ def test_empty_dimensions_follow_f_linear():
             torch.testing.assert_close(packed_linear(x, PackedWeight.pack(w), bias), reference_linear(x, w, bias))
 
 
-def test_vocab_projection_uses_the_kernel_for_decode_steps_only():
+def test_rows_past_max_rows_run_in_chunks_and_equal_each_row_alone():
+    """Batch invariance: any row count (MAX_ROWS per kernel call); each row equals that row computed alone, bit for
+    bit, with the bias, activation and residual epilogue (a prefill's rows equal the same rows decoded one by one)."""
+    g = torch.Generator().manual_seed(11)
+    w, b = torch.randn(37, 24, generator=g), torch.randn(37, generator=g)
+    packed = PackedWeight.pack(w)
+    x, r = torch.randn(2 * MAX_ROWS + 7, 24, generator=g), torch.randn(2 * MAX_ROWS + 7, 37, generator=g)
+    got = packed_linear(x, packed, b, activation="gelu", residual=r)
+    torch.testing.assert_close(got, r + F.gelu(reference_linear(x, w, b)), rtol=1e-5, atol=1e-5)
+    for i in (0, MAX_ROWS - 1, MAX_ROWS, 2 * MAX_ROWS + 6):
+        assert torch.equal(got[i], packed_linear(x[i : i + 1], packed, b, activation="gelu", residual=r[i : i + 1])[0]), i
+
+
+def test_vocab_projection_uses_the_kernel_for_float32_cpu_inputs():
     g = torch.Generator().manual_seed(3)
     w = torch.randn(777, 32, generator=g)
     packed = pack_projection(w)
     assert packed is not None and pack_projection(w.double()) is None
     few, many = torch.randn(MAX_ROWS, 32, generator=g), torch.randn(MAX_ROWS + 1, 32, generator=g)
     assert torch.equal(vocab_projection(few, w, packed), packed_linear(few, packed))
-    assert torch.equal(vocab_projection(many, w, packed), linear(many, w))  # prefill-sized: MKL
+    assert torch.equal(vocab_projection(many, w, packed), packed_linear(many, packed))  # prefill-sized too
     assert torch.equal(vocab_projection(few, w, None), linear(few, w))
 
 
 def test_packed_linear_module_and_fused_products():
-    """``Linear.pack`` / ``pack_fused``: decode-step inputs take the packed copy, larger ones the weight; same math."""
+    """``Linear.pack`` / ``pack_fused``: float32 CPU inputs of any size take the packed copy; same math."""
     g = torch.Generator().manual_seed(4)
     q, k, v = Linear(24, 16), Linear(24, 8, bias=False), Linear(24, 16)
     for m in (q, k, v):
@@ -120,7 +131,7 @@ def test_packed_linear_module_and_fused_products():
     assert k.pack() == k.packed.data.nbytes > 0
     few, many = torch.randn(3, 5, 24, generator=g), torch.randn(MAX_ROWS + 1, 24, generator=g)
     assert torch.equal(k(few), packed_linear(few, k.packed))
-    assert torch.equal(k(many), linear(many, k.weight))
+    assert torch.equal(k(many), packed_linear(many, k.packed))
     fused = pack_fused((q, k, v))
     assert fused.sizes == (16, 8, 16) and torch.equal(fused.bias[16:24], torch.zeros(8))
     for x in (few, many):
@@ -170,6 +181,6 @@ def test_fused_residual_is_the_unfused_sum_bit_for_bit(activation, rows, out_fea
     m.pack()
     many, r_many = torch.randn(MAX_ROWS + 1, in_features, generator=g), torch.randn(MAX_ROWS + 1, out_features, generator=g)
     assert torch.equal(linear_add(m, x, r), r + m(x))
-    assert torch.equal(linear_add(m, many, r_many), r_many + m(many))  # prefill-sized: MKL, then the add
+    assert torch.equal(linear_add(m, many, r_many), r_many + m(many))  # prefill-sized: packed too
     plain = nn.Linear(in_features, out_features)  # e.g. torch's int8 layers after shared.models.quantize
     assert torch.equal(linear_add(plain, x, r), r + plain(x))

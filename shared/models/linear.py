@@ -24,8 +24,12 @@ same; only the order of the float32 sums differs (about 1e-7 relative).
 Faster still, where the C kernel is built: the decoder service packs the
 weights a decode step multiplies (``PackedDecodeWeights.pack_decode_weights``:
 the vocabulary projection, each decoder layer's ``Linear.pack`` and its
-self-attention q/k/v as one ``pack_fused`` product), and decode-step inputs
-(``decode_rows``) then run ``kernels.packed_linear`` (tables there).
+self-attention q/k/v as one ``pack_fused`` product), and every float32 CPU
+input (``packed_rows``) then runs ``kernels.packed_linear`` (tables there),
+prefills included: its rows' results do not depend on the other rows, so a
+token recomputed in a prefill (after a preemption) or batched with others gets
+the numbers it gets decoded alone. Long prefills run ~10-30% slower than
+MKL would; they are rare in a decoder (prompts of 1-4 tokens).
 """
 
 from __future__ import annotations
@@ -37,9 +41,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.packed_linear import ACTIVATIONS, MAX_ROWS, PackedWeight, activate, is_available, packed_linear
+from kernels.packed_linear import ACTIVATIONS, PackedWeight, activate, is_available, packed_linear
 
-__all__ = ["FusedPacked", "Linear", "PackedDecodeWeights", "SMALL_ROWS", "decode_rows", "fused_products", "linear",
+__all__ = ["FusedPacked", "Linear", "PackedDecodeWeights", "SMALL_ROWS", "packed_rows", "fused_products", "linear",
            "linear_act", "linear_add", "pack_fused", "packed_product", "pack_projection", "vocab_projection"]
 
 SMALL_ROWS = 64
@@ -67,17 +71,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.view(*x.shape[:-1], n)
 
 
-def decode_rows(x: torch.Tensor) -> bool:
-    """Whether ``x`` (``[..., in]``) is a float32 CPU input of 1..``MAX_ROWS`` rows: the packed kernel's case."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return 0 < rows <= MAX_ROWS and x.dtype == torch.float32 and x.device.type == "cpu"
+def packed_rows(x: torch.Tensor) -> bool:
+    """Whether ``x`` (``[..., in]``) is a float32 CPU input of at least one row: the packed kernel's case."""
+    return x.numel() > 0 and x.dtype == torch.float32 and x.device.type == "cpu"
 
 
 class Linear(nn.Linear):
     """``nn.Linear`` whose forward is ``linear`` (same parameters, names and state dict).
 
     ``pack()`` adds a packed copy of the weight (``kernels.packed_linear``)
-    that decode-step inputs (``decode_rows``) then use. ``shared.models.quantize``
+    that float32 CPU inputs (``packed_rows``) then use. ``shared.models.quantize``
     turns these back into plain ``nn.Linear`` before torch's dynamic int8
     quantization, which matches exact types.
     """
@@ -93,7 +96,7 @@ class Linear(nn.Linear):
         """``residual + act(x W^T + b)``; ``activation``: None, ``relu`` or ``gelu`` (exact); ``residual``: None or
         a tensor of the output's shape. Both go into the packed kernel's epilogue on decode steps
         (``kernels.packed_linear``); the result is the same bit for bit either way."""
-        if self.packed is not None and decode_rows(x) and (residual is None or residual.shape == (*x.shape[:-1], self.out_features)):
+        if self.packed is not None and packed_rows(x) and (residual is None or residual.shape == (*x.shape[:-1], self.out_features)):
             return packed_linear(x, self.packed, self.bias, activation=activation, residual=residual)
         y = activate(linear(x, self.weight, self.bias), activation)  # a residual of another shape broadcasts here
         return y if residual is None else residual + y
@@ -164,7 +167,7 @@ def fused_products(x: torch.Tensor, linears: Iterable[nn.Linear], fused: FusedPa
 
     ``fused`` must be ``pack_fused(linears)`` or None (then each layer runs on its own).
     """
-    if fused is not None and decode_rows(x):
+    if fused is not None and packed_rows(x):
         return packed_linear(x, fused.weight, fused.bias).split(fused.sizes, dim=-1)
     return tuple(m(x) for m in linears)
 
@@ -186,13 +189,13 @@ def vocab_projection(hidden: torch.Tensor, weight: torch.Tensor, packed: PackedW
     """``[N, d] -> [N, vocab]``: ``linear(hidden, weight, bias)``, through ``packed_linear`` when it applies.
 
     ``packed`` must be ``pack_projection(weight)`` (or None). It is used for
-    float32 CPU inputs of at most ``kernels.packed_linear.MAX_ROWS`` rows
-    (decode steps), where it runs ~1.3-2x faster than MKL (table in
-    ``kernels/packed_linear.py``); prefills and other devices keep ``linear``.
+    float32 CPU inputs (decode steps, where it runs ~1.3-2x faster than MKL:
+    table in ``kernels/packed_linear.py``; and prefills, for batch
+    invariance); other devices and dtypes keep ``linear``.
     ``bias`` (``[vocab]``, e.g. BART's ``final_logits_bias``) is added inside
     the product: no second pass over the logits.
     """
-    if packed is not None and decode_rows(hidden) and (bias is None or bias.dtype == torch.float32):
+    if packed is not None and packed_rows(hidden) and (bias is None or bias.dtype == torch.float32):
         return packed_linear(hidden, packed, bias)
     return linear(hidden, weight, bias)
 

@@ -151,9 +151,8 @@ class DecoderLayer(nn.Module):
                             backend=md.attention_backend, step_cache=md.step_cache)
         x = linear_add(self.self_out, a.reshape(t, d), x)
         q = self.cross_q(self.cross_attn_norm(x)).view(t, self.h, self.dh)
-        if md.cross_kv_spans is not None and not cpu_decode_kernel_serves(q, cross_kv[0], cross_kv[1], md.cross_block_tables.shape[0],
-                                                                         md.max_query_len, md.attention_backend):
-            # every sequence's cross blocks are one run: read them in place (the C decode kernel does so anyway)
+        if md.cross_kv_spans is not None and not cpu_decode_kernel_serves(q, cross_kv[0], cross_kv[1], md.attention_backend):
+            # every sequence's cross blocks are one run: read them in place (the C kernel does so anyway)
             a = contiguous_cross_attention(q, cross_kv[0], cross_kv[1], md.cross_kv_spans, self.scale,
                                            backend=md.attention_backend)
         else:
