@@ -22,6 +22,9 @@ The decoder layers' products of a decode step use it too (``shared.models.linear
 ms per product, ``linear`` vs packed: ``[512, 512]`` 0.39 / 0.28-0.34,
 ``[1536, 512]`` (fused q/k/v) 1.18 (3 products) / 0.73, ``[2048, 512]`` 1.28 /
 0.86-0.94, ``[512, 2048]`` 1.07 / 0.77; no per-call transposes either.
+Prefills of the decoder run it as well (any row count, ``MAX_ROWS`` rows per
+kernel call): a row's sums do not depend on the other rows, so a token gets
+the same numbers in a prefill, a batch or alone (batch invariance).
 
 The torch reference is ``F.linear`` (``reference_linear``);
 tests/test_packed_linear.py compares the two on irregular shapes. Results
