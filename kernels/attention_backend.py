@@ -81,13 +81,14 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             tables, lens = block_tables, context_lens
             if not (kwargs.get("max_query_len") == 1 and query.shape[0] == block_tables.shape[0]):  # several queries a sequence
                 cache = kwargs.get("step_cache")
-                key = ("query_rows", query.shape[0], kwargs["causal"], id(block_tables), id(context_lens))
-                rows = cache.get(key) if cache is not None else None
-                if rows is None:
-                    rows = _cpu_decode.query_rows(block_tables, context_lens, query_start_loc, kwargs["causal"])
+                key = ("query_rows", query.shape[0], kwargs["causal"], id(block_tables), id(context_lens), id(query_start_loc))
+                entry = cache.get(key) if cache is not None else None
+                if entry is None:  # the entry keeps its inputs alive: their ids cannot be reused within the step
+                    entry = (_cpu_decode.query_rows(block_tables, context_lens, query_start_loc, kwargs["causal"]),
+                             (block_tables, context_lens, query_start_loc))
                     if cache is not None:
-                        cache[key] = rows
-                tables, lens = rows
+                        cache[key] = entry
+                tables, lens = entry[0]
             return _cpu_decode.paged_decode_attention(query, k_cache, v_cache, tables, lens, kwargs["scale"],
                                                       kwargs.get("position_bias"))
     else:

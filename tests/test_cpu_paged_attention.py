@@ -118,8 +118,16 @@ def test_backend_sends_float32_cpu_calls_here_one_row_per_query(monkeypatch):
         torch.testing.assert_close(got, reference(q3, k, v, tables, lens, qsl3, causal=causal, scale=0.5, max_query_len=3),
                                    rtol=1e-5, atol=2e-6)
     assert calls == [1, 1, 1]
+    # One step_cache, the same tables and lengths, another split of the queries: not the first call's rows.
+    cache = {}
+    for split in (torch.tensor([0, 3, 4]), torch.tensor([0, 1, 4])):
+        got = attention_backend.paged_attention(q3, k, v, tables, lens, split, causal=True, scale=0.5, max_query_len=3,
+                                                step_cache=cache)
+        torch.testing.assert_close(got, reference(q3, k, v, tables, lens, split, causal=True, scale=0.5, max_query_len=3),
+                                   rtol=1e-5, atol=2e-6)
+    assert calls == [1, 1, 1, 1, 1]
     half = attention_backend.paged_attention(q3, k.half(), v.half(), tables, lens, qsl3, causal=True, scale=0.5, max_query_len=3)
-    assert calls == [1, 1, 1] and half.dtype == torch.float32
+    assert calls == [1] * 5 and half.dtype == torch.float32
     assert not applies(query, k.half(), v.half()) and applies(query, k, v)
 
 

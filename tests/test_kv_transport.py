@@ -58,13 +58,22 @@ def test_child_process_writes_bit_exact_blocks(encoder_len, block_ids):
         pool.close()
 
 
-def test_segment_is_private_and_unlinked_on_close():
+def test_segment_is_private_and_unlinked_on_close(monkeypatch):
     pool = create_pool("shm", SHAPE)
     path = f"/dev/shm/{pool.spec.segment}"
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     assert len(pool.spec.segment) >= len("encdec-kv-") + 16
     pool.close()
     assert not os.path.exists(path)
+    pool.close()  # idempotent
+    # A failure after the segment exists (here building the tensor) removes it again.
+    from shared.kv_transport import shm
+
+    before = set(os.listdir("/dev/shm"))
+    monkeypatch.setattr(shm, "_tensor_over", lambda *a: (_ for _ in ()).throw(MemoryError("test")))
+    with pytest.raises(MemoryError):
+        create_pool("shm", SHAPE)
+    assert set(os.listdir("/dev/shm")) == before
     with pytest.raises(UnavailableError):
         create_writer("shm").write(pool.spec, [0], reference(3, 0))
 

@@ -87,21 +87,30 @@ class ShmCrossKVPool(CrossKVPool):
         finally:
             os.close(fd)
         resource_tracker.register("/" + self.spec.segment, "shared_memory")  # unlinked if this process dies first
-        HEADER.pack_into(self._mmap, 0, *_layout(self.spec))
-        self.tensor = _tensor_over(self._mmap, self.spec)
+        self._lock = threading.Lock()
+        try:
+            HEADER.pack_into(self._mmap, 0, *_layout(self.spec))
+            self.tensor = _tensor_over(self._mmap, self.spec)
+        except BaseException:
+            self.close()
+            raise
 
     def close(self) -> None:
-        """Unlinks the segment's name; its pages stay mapped until the last view of ``tensor`` is gone."""
-        if self._mmap is None:
-            return
-        del self.tensor
-        try:
-            self._mmap.close()
-        except BufferError:  # a view is still alive (e.g. the engine's cross cache): unmapped when it goes
-            pass
-        _posixshmem.shm_unlink("/" + self.spec.segment)
-        resource_tracker.unregister("/" + self.spec.segment, "shared_memory")
-        self._mmap = None
+        """Unlinks the segment's name; its pages stay mapped until the last view of ``tensor`` is gone. Idempotent."""
+        with self._lock:
+            if self._mmap is None:
+                return
+            self.__dict__.pop("tensor", None)
+            try:
+                self._mmap.close()
+            except BufferError:  # a view is still alive (e.g. the engine's cross cache): unmapped when it goes
+                pass
+            self._mmap = None
+            try:
+                _posixshmem.shm_unlink("/" + self.spec.segment)
+            except FileNotFoundError:  # someone else removed the name already
+                pass
+            resource_tracker.unregister("/" + self.spec.segment, "shared_memory")
 
 
 class ShmCrossKVWriter(CrossKVWriter):

@@ -72,7 +72,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def packed_rows(x: torch.Tensor) -> bool:
-    """Whether ``x`` (``[..., in]``) is a float32 CPU input of at least one row: the packed kernel's case."""
+    """Whether ``x`` (``[..., in]``) is a non-empty float32 CPU input: the packed kernel's case."""
     return x.numel() > 0 and x.dtype == torch.float32 and x.device.type == "cpu"
 
 
@@ -94,8 +94,8 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor, activation: str | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
         """``residual + act(x W^T + b)``; ``activation``: None, ``relu`` or ``gelu`` (exact); ``residual``: None or
-        a tensor of the output's shape. Both go into the packed kernel's epilogue on decode steps
-        (``kernels.packed_linear``); the result is the same bit for bit either way."""
+        a tensor of the output's shape. Both go into the packed kernel's epilogue for float32 CPU inputs once
+        packed (``kernels.packed_linear``); the result is the same bit for bit either way."""
         if self.packed is not None and packed_rows(x) and (residual is None or residual.shape == (*x.shape[:-1], self.out_features)):
             return packed_linear(x, self.packed, self.bias, activation=activation, residual=residual)
         y = activate(linear(x, self.weight, self.bias), activation)  # a residual of another shape broadcasts here
@@ -104,7 +104,7 @@ class Linear(nn.Linear):
 
 def linear_act(layer: nn.Module, x: torch.Tensor, name: str, act) -> torch.Tensor:
     """``act(layer(x))`` where ``act`` is HF's ``ACT2FN[name]``; ``relu`` and ``gelu`` (the exact one) go
-    into a ``Linear``'s packed epilogue on decode steps. Any other activation, or a layer that is no
+    into a ``Linear``'s packed epilogue (float32 CPU inputs). Any other activation, or a layer that is no
     longer our ``Linear`` (``shared.models.quantize`` swaps in torch's int8 ones), applies ``act`` after."""
     if name in ACTIVATIONS and isinstance(layer, Linear):
         return layer(x, activation=name)
@@ -113,7 +113,7 @@ def linear_act(layer: nn.Module, x: torch.Tensor, name: str, act) -> torch.Tenso
 
 def linear_add(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """``residual + layer(x)`` (a residual connection); a ``Linear`` adds it in the packed kernel's epilogue on
-    decode steps (no separate add: one op less per connection). Any other layer (torch's int8 ones swapped in by
+    float32 CPU inputs (no separate add: one op less per connection). Any other layer (torch's int8 ones swapped in by
     ``shared.models.quantize``) adds after."""
     if isinstance(layer, Linear):
         return layer(x, residual=residual)
