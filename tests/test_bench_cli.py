@@ -29,7 +29,7 @@ def bench_run(tmp_path_factory):
         sys.executable, "-m", "shared.cli", "--log-level", "WARNING", "bench", "all", "--only", "seq2seq,online",
         "--skip-ct2", "--json", str(out / "bench.json"), "--plot", str(out / "bench.png"),
         f"--seq2seq-args=--models t5-tiny --requests {REQUESTS} --new-tokens {NEW_TOKENS} --source-len {SOURCE_LEN} "
-        f"--skip-hf-sequential --cache-dir {cache}",
+        f"--skip-hf-sequential --repeats 1 --stream-intervals 1,16 --cache-dir {cache}",
         f"--online-args=--workload bart-tiny --rate 4 --duration 1.5 --new-tokens {NEW_TOKENS} --source-len {SOURCE_LEN} "
         f"--cache-dir {cache}",
     ]
@@ -61,10 +61,13 @@ def test_seq2seq_table_and_json(bench_run):
     systems = {(r["system"], r["mode"]) for r in rows}
     assert ("HF transformers fp32", "batched") in systems
     ours = [r for r in rows if r["system"].startswith("encdec-serve")]
-    assert len(ours) == 1 and ours[0]["requests"] == REQUESTS
+    assert [r["system"] for r in ours] == ["encdec-serve fp32 (2 services, gRPC)",
+                                           "encdec-serve fp32 (2 services, gRPC, stream interval 16)"]
+    assert all(r["requests"] == REQUESTS for r in ours)
     hf = next(r for r in rows if r["system"].startswith("HF"))
     assert hf["tokens"] == REQUESTS * NEW_TOKENS  # HF min_new_tokens = max_new_tokens
     assert 0 < ours[0]["tokens"] <= REQUESTS * NEW_TOKENS
+    assert ours[1]["tokens"] == ours[0]["tokens"] and ours[1]["same as HF"] == ours[0]["same as HF"]  # merged, not changed
     if payload["benches"]["seq2seq"]["ours_fixed_length"]:
         assert ours[0]["tokens"] == REQUESTS * NEW_TOKENS
     assert hf["x best batched"] == pytest.approx(1.0)  # HF batched is the only baseline without CTranslate2
@@ -95,3 +98,11 @@ def test_plot_png(bench_run):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     h, w = plt.imread(png).shape[:2]
     assert h > 100 and w > 100
+
+
+def test_median_run_is_the_middle_wall_time():
+    from shared.bench.seq2seq import median_run
+
+    assert median_run([(3.0, "a"), (1.0, "b"), (2.0, "c")]) == (2.0, "c")
+    assert median_run([(4.0, "a"), (1.0, "b"), (2.0, "c"), (3.0, "d")]) == (2.0, "c")  # the lower middle
+    assert median_run([(5.0, "x")]) == (5.0, "x")

@@ -6,7 +6,8 @@ runs this module as a subprocess. It reads one JSON job on stdin and prints one
 JSON line.
 
 Job: ``{"model_dir", "ct2_dir", "compute_type", "threads", "sources": [[id, ...]],
-"new_tokens", "modes": ["sequential", "batched"]}``. The HF directory is
+"new_tokens", "modes": ["sequential", "batched"], "repeats"}`` (batched: timed ``repeats`` times, the median
+reported). The HF directory is
 converted into ``ct2_dir`` with CTranslate2's own ``TransformersConverter``
 when ``ct2_dir`` has no ``model.bin`` yet. Output:
 ``{"convert_s", "<mode>": {"wall_s", "tokens": [[id, ...]]}}``; token ids are
@@ -59,9 +60,13 @@ def main() -> None:
 
     run(sources[:1])  # warm-up
     for mode in job["modes"]:
-        start = time.perf_counter()
-        tokens = run(sources) if mode == "batched" else [run([s])[0] for s in sources]
-        result[mode] = {"wall_s": time.perf_counter() - start, "tokens": tokens}
+        runs = []
+        for _ in range(max(int(job.get("repeats", 1)), 1) if mode == "batched" else 1):
+            start = time.perf_counter()
+            tokens = run(sources) if mode == "batched" else [run([s])[0] for s in sources]
+            runs.append((time.perf_counter() - start, tokens))
+        wall, tokens = sorted(runs, key=lambda r: r[0])[(len(runs) - 1) // 2]  # the median run
+        result[mode] = {"wall_s": wall, "tokens": tokens}
     print(json.dumps(result))
 
 

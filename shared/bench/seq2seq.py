@@ -8,7 +8,12 @@ each decoded greedily to exactly ``--new-tokens`` tokens:
   the checkpoint directory, every request sent at once over gRPC (one
   ``Generate`` stream each, ``input_ids``); ``min_tokens`` / ``ignore_eos``
   are set when the proto has them, else only ``max_tokens`` (a sampled end
-  token then ends a request early: the ``tokens`` column shows it);
+  token then ends a request early: the ``tokens`` column shows it). One row
+  per ``--stream-intervals`` value (the decoder's ``--stream-interval``: 1
+  sends a message per token, vLLM's and SGLang's default; 16 merges a
+  request's tokens into messages of 16, the first token and the finish still
+  at once: 32 x 64 tokens are 2048 messages or ~160). The bench client runs
+  on the same cores as the services, so each message costs twice here;
 - HF transformers ``generate`` (in this process, after our services stopped):
   one request at a time, and all of them as one static batch
   (``min_new_tokens = max_new_tokens``);
@@ -16,6 +21,10 @@ each decoded greedily to exactly ``--new-tokens`` tokens:
   converter, sequential and batched (``min_decoding_length =
   max_decoding_length``), fp32 (and int8 with ``--int8``), in a subprocess
   (``ct2_translator_worker``).
+
+Batched runs (ours, HF batched, CTranslate2 batched) are timed ``--repeats``
+times and the median is reported (a shared 2-core machine varies ~10% run to
+run); sequential runs once.
 
 Columns: generated tokens, wall seconds, tokens/s, ``x best batched`` (tokens/s
 over the better of HF batched and CTranslate2 fp32 batched, the issue-7 target)
@@ -52,6 +61,9 @@ def add_arguments(p) -> None:
     p.add_argument("--skip-ct2", action="store_true", help="skip CTranslate2 (needs the [bench] extra)")
     p.add_argument("--skip-hf-sequential", action="store_true", help="skip the (slow) one-at-a-time HF and CT2 runs")
     p.add_argument("--int8", action="store_true", help="also run CTranslate2 int8 and our --quantize int8")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs of each batched system; the median is reported")
+    p.add_argument("--stream-intervals", default="1,16",
+                   help="our decoder's --stream-interval values, comma-separated: one row each (int8: the first only)")
     p.add_argument("--json", default=None, help="also write the results here")
 
 
@@ -60,9 +72,15 @@ def _gen_kwargs(n: int) -> dict:
                 forced_bos_token_id=None, forced_eos_token_id=None)
 
 
+def median_run(runs: list[tuple[float, list[list[int]]]]) -> tuple[float, list[list[int]]]:
+    """The ``(wall_s, tokens)`` run of median wall time (the lower middle one of an even count)."""
+    return sorted(runs, key=lambda r: r[0])[(len(runs) - 1) // 2]
+
+
 def run_hf(model_dir: Path, sources: list[list[int]], new_tokens: int, threads: int, sequential: bool = True,
-           progress: bool = True) -> dict[str, tuple[float, list[list[int]]]]:
-    """HF ``generate`` (fp32, greedy): ``{"sequential" | "batched": (wall_s, tokens)}``; tokens exclude the start token."""
+           progress: bool = True, repeats: int = 1) -> dict[str, tuple[float, list[list[int]]]]:
+    """HF ``generate`` (fp32, greedy): ``{"sequential" | "batched": (wall_s, tokens)}``; tokens exclude the start token;
+    batched: the median of ``repeats`` runs."""
     import torch
     from tqdm import tqdm
     from transformers import AutoModelForSeq2SeqLM
@@ -78,18 +96,22 @@ def run_hf(model_dir: Path, sources: list[list[int]], new_tokens: int, threads: 
             tokens = [model.generate(torch.tensor([s]), **kw)[0, 1:].tolist()
                       for s in tqdm(sources, desc="HF sequential", disable=not progress, leave=False)]
             out["sequential"] = (time.perf_counter() - start, tokens)
-        start = time.perf_counter()
         ids = torch.tensor(sources)  # every source has the same length: no padding
-        tokens = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)[:, 1:].tolist()
-        out["batched"] = (time.perf_counter() - start, tokens)
+        runs = []
+        for _ in range(max(repeats, 1)):
+            start = time.perf_counter()
+            tokens = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)[:, 1:].tolist()
+            runs.append((time.perf_counter() - start, tokens))
+        out["batched"] = median_run(runs)
     return out
 
 
 def run_ct2(model_dir: Path, ct2_dir: Path, sources: list[list[int]], new_tokens: int, threads: int, compute_type: str,
-            modes: list[str]) -> dict[str, tuple[float, list[list[int]]]]:
-    """CTranslate2 in a subprocess (converts on first use): ``{mode: (wall_s, tokens)}``."""
+            modes: list[str], repeats: int = 1) -> dict[str, tuple[float, list[list[int]]]]:
+    """CTranslate2 in a subprocess (converts on first use): ``{mode: (wall_s, tokens)}``; batched: the median of
+    ``repeats`` runs."""
     job = {"model_dir": str(model_dir), "ct2_dir": str(ct2_dir), "compute_type": compute_type, "threads": threads,
-           "sources": sources, "new_tokens": new_tokens, "modes": modes}
+           "sources": sources, "new_tokens": new_tokens, "modes": modes, "repeats": repeats}
     proc = subprocess.run([sys.executable, "-m", "shared.bench.ct2_translator_worker"], input=json.dumps(job),
                           capture_output=True, text=True)
     if proc.returncode != 0:
@@ -147,14 +169,16 @@ def service_args(threads: int, max_num_seqs: int, quantize: str = "none") -> tup
     return common, [*common, "--max-num-seqs", str(max_num_seqs)]
 
 
-def run_ours(model_dir: Path, sources: list[list[int]], new_tokens: int, threads: int,
-             quantize: str = "none") -> tuple[float, list[list[int]]]:
-    """Our services (started and stopped here) on ``model_dir``: all requests at once over gRPC."""
+def run_ours(model_dir: Path, sources: list[list[int]], new_tokens: int, threads: int, quantize: str = "none",
+             stream_interval: int = 1, repeats: int = 1) -> tuple[float, list[list[int]]]:
+    """Our services (started and stopped here) on ``model_dir``: all requests at once over gRPC, ``repeats`` times
+    against the same services; the median run."""
     from shared.launcher import Services
 
     enc, dec = service_args(threads, max(len(sources), 1), quantize)
+    dec = [*dec, "--stream-interval", str(stream_interval)]
     with Services(model=str(model_dir), log_level="WARNING", extra_encoder_args=enc, extra_decoder_args=dec) as svc:
-        return asyncio.run(_ours_once(svc.decoder_address, sources, new_tokens))
+        return median_run([asyncio.run(_ours_once(svc.decoder_address, sources, new_tokens)) for _ in range(max(repeats, 1))])
 
 
 def _row(model: str, system: str, mode: str, wall: float, tokens: list[list[int]], truth: list[list[int]] | None,
@@ -172,13 +196,17 @@ def bench_model(name: str, args, progress: bool = True) -> list[dict]:
     n = args.new_tokens
     say = (lambda msg: print(f"[seq2seq {name}] {msg}", file=sys.stderr, flush=True)) if progress else (lambda msg: None)
     rows: list[dict] = []
-    say("our services (gRPC, all requests at once) ...")
     load = os.getloadavg
-    ours = {"fp32": (*run_ours(model_dir, sources, n, args.threads), load()[0])}
+    intervals = [int(k) for k in str(args.stream_intervals).split(",") if k.strip()] or [1]
+    ours = {}
+    for k in intervals:
+        say(f"our services (gRPC, all requests at once, stream interval {k}) ...")
+        ours[("fp32", k)] = (*run_ours(model_dir, sources, n, args.threads, stream_interval=k, repeats=args.repeats), load()[0])
     if args.int8:
-        ours["int8"] = (*run_ours(model_dir, sources, n, args.threads, "int8"), load()[0])
+        ours[("int8", intervals[0])] = (*run_ours(model_dir, sources, n, args.threads, "int8", intervals[0], args.repeats), load()[0])
     say("HF generate ...")
-    hf = run_hf(model_dir, sources, n, args.threads, sequential=not args.skip_hf_sequential, progress=progress)
+    hf = run_hf(model_dir, sources, n, args.threads, sequential=not args.skip_hf_sequential, progress=progress,
+                repeats=args.repeats)
     hf_load = load()[0]
     truth = hf.get("sequential", hf["batched"])[1]
     for mode, (wall, tokens) in hf.items():
@@ -188,14 +216,16 @@ def bench_model(name: str, args, progress: bool = True) -> list[dict]:
         modes = ["batched"] if args.skip_hf_sequential else ["sequential", "batched"]
         for compute_type in ("float32", "int8") if args.int8 else ("float32",):
             say(f"CTranslate2 {compute_type} ...")
-            res = run_ct2(model_dir, Path(args.cache_dir) / f"{model_dir.name}-ct2", sources, n, args.threads, compute_type, modes)
+            res = run_ct2(model_dir, Path(args.cache_dir) / f"{model_dir.name}-ct2", sources, n, args.threads, compute_type, modes,
+                          args.repeats)
             ct2_load = load()[0]
             for mode, (wall, tokens) in res.items():
                 rows.append(_row(name, f"CTranslate2 {compute_type}", mode, wall, tokens, truth, ct2_load))
                 if compute_type == "float32" and mode == "batched":
                     ct2_batched = rows[-1]
-    for q, (wall, tokens, ours_load) in ours.items():
-        rows.append(_row(name, f"encdec-serve {q} (2 services, gRPC)", f"concurrent {len(sources)}", wall, tokens, truth, ours_load))
+    for (q, k), (wall, tokens, ours_load) in ours.items():
+        system = f"encdec-serve {q} (2 services, gRPC{'' if k == 1 else f', stream interval {k}'})"
+        rows.append(_row(name, system, f"concurrent {len(sources)}", wall, tokens, truth, ours_load))
     hf_batched = next(r for r in rows if r["system"].startswith("HF") and r["mode"] == "batched")
     best = max(hf_batched["tokens/s"], ct2_batched["tokens/s"] if ct2_batched else 0.0)
     for r in rows:
@@ -214,7 +244,8 @@ def run(args, progress: bool = True) -> dict:
         rows += bench_model(name, args, progress)
     fixed = {"min_tokens", "ignore_eos"} <= set(_sampling_fields())
     return {"bench": "seq2seq", "models": names, "requests": args.requests, "source_len": args.source_len,
-            "new_tokens": args.new_tokens, "threads": args.threads, "cpu_count": os.cpu_count(),
+            "new_tokens": args.new_tokens, "threads": args.threads, "repeats": args.repeats,
+            "stream_intervals": args.stream_intervals, "cpu_count": os.cpu_count(),
             "ours_fixed_length": fixed, "columns": COLUMNS, "rows": rows}
 
 
