@@ -7,7 +7,9 @@
  * worker's half. The counter carries the job's generation in its high 32
  * bits: a late worker's claim on a finished job fails, and the job's fields
  * are read only after a successful claim, while the caller cannot post the
- * next job until every claimed chunk is done.
+ * next job until every claimed chunk is done. Posting takes two generations:
+ * the first (chunk index all ones, nothing to claim) closes the old job
+ * before its fields are overwritten, the second opens the new one.
  */
 #define _GNU_SOURCE
 #include "parallel.h"
@@ -129,9 +131,14 @@ int parallel_for(parallel_fn fn, const void* ctx, size_t n, int num_threads) {
     size_t chunks = (size_t)(num_workers + 1) * CHUNKS_PER_THREAD;
     if (chunks > n) chunks = n;
     size_t chunk = (n + chunks - 1) / chunks;
+    /* Close the previous job before touching `job`: a worker that loaded its exhausted counter (gen, chunks) and
+     * then read the new, larger job.chunks could otherwise claim "chunk `chunks`" of the old generation with a CAS
+     * that still succeeds, run the new job's function on it and count it in `done`: the caller then returned while
+     * a chunk still ran on its (dead) stack context. After this store every claim on an older generation fails. */
+    atomic_store(&next_chunk, (((gen + 1) & 0xffffffffu) << 32) | 0xffffffffu);
     job = (job_t){fn, ctx, n, chunk, (n + chunk - 1) / chunk};
     atomic_store(&done, 0);
-    gen = (gen + 1) & 0xffffffffu;
+    gen = (gen + 2) & 0xffffffffu;
     atomic_store(&next_chunk, gen << 32); /* posts the job (seq_cst: the fields above are visible to a claimer) */
     if (atomic_load(&sleepers) > 0) {
         pthread_mutex_lock(&sleep_lock);
