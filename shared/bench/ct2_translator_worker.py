@@ -46,6 +46,8 @@ def main() -> None:
 
     import ctranslate2
 
+    from shared.bench.table import median_run
+
     vocab = json.loads((Path(job["ct2_dir"]) / "shared_vocabulary.json").read_text())
     index = {t: i for i, t in enumerate(vocab)}
     translator = ctranslate2.Translator(job["ct2_dir"], device="cpu", compute_type=job["compute_type"],
@@ -65,7 +67,7 @@ def main() -> None:
             start = time.perf_counter()
             tokens = run(sources) if mode == "batched" else [run([s])[0] for s in sources]
             runs.append((time.perf_counter() - start, tokens))
-        wall, tokens = sorted(runs, key=lambda r: r[0])[(len(runs) - 1) // 2]  # the median run
+        wall, tokens = median_run(runs)
         result[mode] = {"wall_s": wall, "tokens": tokens}
     print(json.dumps(result))
 

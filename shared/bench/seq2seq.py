@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 from shared.bench.seq2seq_checkpoints import SHAPES, build_checkpoint, source_ids
-from shared.bench.table import markdown_table, write_json
+from shared.bench.table import markdown_table, median_run, write_json
 
 COLUMNS = ["model", "system", "mode", "requests", "tokens", "wall s", "tokens/s", "x best batched", "same as HF"]
 DEFAULT_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "encdec-serve", "bench")
@@ -70,11 +70,6 @@ def add_arguments(p) -> None:
 def _gen_kwargs(n: int) -> dict:
     return dict(min_new_tokens=n, max_new_tokens=n, do_sample=False, num_beams=1,
                 forced_bos_token_id=None, forced_eos_token_id=None)
-
-
-def median_run(runs: list[tuple[float, list[list[int]]]]) -> tuple[float, list[list[int]]]:
-    """The ``(wall_s, tokens)`` run of median wall time (the lower middle one of an even count)."""
-    return sorted(runs, key=lambda r: r[0])[(len(runs) - 1) // 2]
 
 
 def run_hf(model_dir: Path, sources: list[list[int]], new_tokens: int, threads: int, sequential: bool = True,

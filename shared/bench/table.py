@@ -19,6 +19,11 @@ def markdown_table(rows: list[dict], columns: list[str]) -> str:
     return "\n".join(lines)
 
 
+def median_run(runs: list[tuple]) -> tuple:
+    """The run (a tuple whose first item is its wall time) of median wall time; the lower middle one of an even count."""
+    return sorted(runs, key=lambda r: r[0])[(len(runs) - 1) // 2]
+
+
 def write_json(path: str | Path, payload: dict) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(payload, indent=2))
