@@ -29,6 +29,7 @@ from functools import lru_cache
 import torch
 
 from kernels._clib import load_library
+from kernels.paged_attention import token_index
 
 __all__ = ["applies", "is_available", "paged_decode_attention", "query_rows", "write_applies", "write_kv"]
 
@@ -143,11 +144,10 @@ def query_rows(block_tables: torch.Tensor, context_lens: torch.Tensor, query_sta
         ``(tables [T, M], lens [T])`` int64 CPU: each query's sequence's block table and its key count.
     """
     qsl = query_start_loc.to(torch.int64).cpu()
-    q_lens = qsl[1:] - qsl[:-1]  # [B]
-    seq = torch.repeat_interleave(torch.arange(q_lens.shape[0]), q_lens)  # [T] sequence of each query
+    seq, idx = token_index(qsl, int(qsl[-1]))  # [T] each query's sequence and its index in it
     lens = context_lens.to(torch.int64).cpu()[seq]
     if causal:
-        lens = lens - q_lens[seq] + (torch.arange(seq.shape[0]) - qsl[seq]) + 1
+        lens = lens - (qsl[seq + 1] - qsl[seq]) + idx + 1
     return block_tables.to(torch.int64).cpu()[seq], lens
 
 

@@ -179,6 +179,14 @@ def paged_attention(
     return out[seq_of_tok, idx_in_seq].to(query.dtype)  # [T, H, D]
 
 
+def token_index(query_start_loc: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each of a flat varlen batch's ``t`` queries: its sequence and its index inside it (``[T]`` int64 each), from
+    ``query_start_loc`` ``[B + 1]`` int64 (on the device the results go to)."""
+    tok = torch.arange(t, device=query_start_loc.device)
+    seq_of_tok = torch.searchsorted(query_start_loc[1:], tok, right=True)
+    return seq_of_tok, tok - query_start_loc[seq_of_tok]
+
+
 def _plan(t: int, block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor, causal: bool,
           max_query_len: int | None, max_context_len: int, position_bias: torch.Tensor | None, compute_dtype: torch.dtype,
           device: torch.device) -> tuple:
@@ -199,10 +207,7 @@ def _plan(t: int, block_tables: torch.Tensor, context_lens: torch.Tensor, query_
     if max_query_len == 1 and t == b:
         seq_of_tok = idx_in_seq = None
     else:
-        # Each flat token's sequence and index inside it.
-        tok = torch.arange(t, device=device)
-        seq_of_tok = torch.searchsorted(query_start_loc[1:], tok, right=True)  # [T]
-        idx_in_seq = tok - query_start_loc[seq_of_tok]  # [T]
+        seq_of_tok, idx_in_seq = token_index(query_start_loc, t)
 
     key_pos = torch.arange(max_context_len, device=device)  # [L]
     mask = key_pos[None, None, :] < context_lens[:, None, None]  # [B, 1, L]
