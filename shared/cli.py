@@ -243,6 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from shared.errors import BIND_ERROR_EXIT, BindError, UnavailableError
+
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -250,6 +252,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # config validation
         print(f"encdec: error: {exc}", file=sys.stderr)
         return 2
+    except BindError as exc:
+        print(f"encdec: error: {exc}", file=sys.stderr)
+        return BIND_ERROR_EXIT
+    except UnavailableError as exc:  # a peer (Redis) a service needs at startup
+        print(f"encdec: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

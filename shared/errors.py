@@ -43,6 +43,15 @@ class UnavailableError(ServiceError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+# Exit status of a service whose port cannot be bound (EADDRINUSE's errno on Linux):
+# shared.launcher picks other free ports and starts it again.
+BIND_ERROR_EXIT = 98
+
+
+class BindError(RuntimeError):
+    """A gRPC server cannot listen on its address (port taken, or the host is not local)."""
+
+
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """Maps an exception to ``(status code, message)``.
 

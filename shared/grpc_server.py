@@ -11,7 +11,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from shared.errors import status_for
+from shared.errors import BindError, status_for
 
 log = logging.getLogger(__name__)
 
@@ -20,6 +20,10 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    # gRPC sets SO_REUSEPORT by default: a second server on a taken port would then bind
+    # too and the kernel would split connections between the two (a decoder's clients
+    # reaching an encoder get UNIMPLEMENTED). Without it a taken port fails the start.
+    ("grpc.so_reuseport", 0),
 ]
 
 
@@ -46,14 +50,18 @@ async def serve(
         on_stop: awaited after the server stops accepting calls.
 
     Raises:
-        RuntimeError: the address cannot be bound.
+        BindError: the address cannot be bound.
     """
     server = grpc.aio.server(options=GRPC_OPTIONS)
     add_servicers(server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    if server.add_insecure_port(address) == 0:
-        raise RuntimeError(f"cannot bind {address}")
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError as exc:  # grpc raises on a failed bind; older versions return 0
+        raise BindError(f"cannot listen on {address}: the port is taken by another process or the host is not local") from exc
+    if bound == 0:
+        raise BindError(f"cannot listen on {address}: the port is taken by another process or the host is not local")
     await server.start()
     for name in ["", *service_names]:
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)

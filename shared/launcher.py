@@ -17,7 +17,11 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from shared.redis_server import free_port
+from shared.errors import BIND_ERROR_EXIT
+from shared.redis_server import free_port, free_ports
+
+# How many times Services.start picks new free ports after losing one to another process.
+BIND_ATTEMPTS = 3
 
 
 def stop_processes(procs: list[subprocess.Popen], timeout_s: float = 15.0) -> None:
@@ -122,10 +126,15 @@ class Services:
     def start(self) -> Services:
         """Starts everything and waits for health.
 
+        Ports left at 0 are picked free; should another process take one before
+        the service binds it (the service exits with ``BIND_ERROR_EXIT``), both
+        services start again on newly picked ports, up to ``BIND_ATTEMPTS`` times.
+
         Raises:
             RuntimeError: a service exited or did not become healthy in time
                 (everything started is stopped again).
         """
+        auto_encoder, auto_decoder = self.encoder_port == 0, self.decoder_port == 0
         try:
             if self.redis_url is None:
                 from shared.redis_server import LocalRedisServer
@@ -133,21 +142,34 @@ class Services:
                 self._redis = LocalRedisServer()
                 self._redis.start()
                 self.redis_url = self._redis.url
-            self.encoder_port = self.encoder_port or free_port()
-            self.decoder_port = self.decoder_port or free_port()
-            model = ["--model", self.model] if self.model else []
-            encoder = self._spawn("encoder", ["serve-encoder", "--port", str(self.encoder_port), *model, *self.extra_encoder_args])
-            decoder = self._spawn(
-                "decoder",
-                ["serve-decoder", "--port", str(self.decoder_port), "--encoder-address", self.encoder_address,
-                 "--redis-url", self.redis_url, *model, *self.extra_decoder_args],
-            )
-            wait_healthy(self.encoder_address, self.startup_timeout_s, encoder)
-            wait_healthy(self.decoder_address, self.startup_timeout_s, decoder)
+            for attempt in range(1, BIND_ATTEMPTS + 1):
+                picked = iter(free_ports(auto_encoder + auto_decoder))
+                self.encoder_port = next(picked) if auto_encoder else self.encoder_port
+                self.decoder_port = next(picked) if auto_decoder else self.decoder_port
+                try:
+                    self._start_services()
+                    return self
+                except RuntimeError:
+                    lost_port = any(proc.poll() == BIND_ERROR_EXIT for proc in self.procs)
+                    if not (lost_port and (auto_encoder or auto_decoder)) or attempt == BIND_ATTEMPTS:
+                        raise
+                    stop_processes(self.procs)
+                    self.procs.clear()
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _start_services(self) -> None:
+        model = ["--model", self.model] if self.model else []
+        encoder = self._spawn("encoder", ["serve-encoder", "--port", str(self.encoder_port), *model, *self.extra_encoder_args])
+        decoder = self._spawn(
+            "decoder",
+            ["serve-decoder", "--port", str(self.decoder_port), "--encoder-address", self.encoder_address,
+             "--redis-url", self.redis_url, *model, *self.extra_decoder_args],
+        )
+        wait_healthy(self.encoder_address, self.startup_timeout_s, encoder)
+        wait_healthy(self.decoder_address, self.startup_timeout_s, decoder)
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM to every service (decoder first), then SIGKILL whatever outlives ``timeout_s``."""
@@ -170,22 +192,25 @@ def encoder_service(model: str, extra_args: list[str] | None = None, log_level: 
                     startup_timeout_s: float = 120.0):
     """Starts only the encoder service (e.g. an encoder-only model's EmbedService) and yields its address.
 
+    Like ``Services.start``, it starts again on another free port if its port was taken before it bound it.
+
     Raises:
         RuntimeError: it exited or did not become healthy in time.
     """
-    port = free_port()
-    cmd = [sys.executable, "-m", "shared.cli", "--log-level", log_level, "serve-encoder", "--port", str(port),
-           "--model", model, *(extra_args or [])]
-    proc = subprocess.Popen(cmd, start_new_session=True)
-    try:
+    for attempt in range(1, BIND_ATTEMPTS + 1):
+        port = free_port()
+        cmd = [sys.executable, "-m", "shared.cli", "--log-level", log_level, "serve-encoder", "--port", str(port),
+               "--model", model, *(extra_args or [])]
+        proc = subprocess.Popen(cmd, start_new_session=True)
         address = f"127.0.0.1:{port}"
-        wait_healthy(address, startup_timeout_s, proc)
+        try:
+            wait_healthy(address, startup_timeout_s, proc)
+            break
+        except BaseException:
+            stop_processes([proc])
+            if proc.returncode != BIND_ERROR_EXIT or attempt == BIND_ATTEMPTS:
+                raise
+    try:
         yield address
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_processes([proc])

@@ -28,6 +28,8 @@ from typing import Any
 
 import redis
 
+from shared.errors import UnavailableError
+
 
 class RequestState(enum.Enum):
     """Request states; names and values match proto ``encdec.v1.RequestState``
@@ -141,8 +143,16 @@ class RequestStateStore:
         return f"{self.key_prefix}:request:{request_id}"
 
     def ping(self) -> bool:
-        """True if Redis answers; raises ``redis.ConnectionError`` if unreachable."""
-        return bool(self._client.ping())
+        """True if Redis answers.
+
+        Raises:
+            UnavailableError: Redis cannot be reached (the message names the URL).
+        """
+        try:
+            return bool(self._client.ping())
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise UnavailableError(f"cannot reach Redis at {self.redis_url} ({exc}): start redis-server "
+                                   "or pass the right --redis-url") from exc
 
     def close(self) -> None:
         self._client.close()

@@ -48,7 +48,7 @@ from compose_file import (
 )
 
 from shared.launcher import stop_processes
-from shared.redis_server import free_port
+from shared.redis_server import free_ports
 
 LOOPBACK = {"127.0.0.1", "localhost", "0.0.0.0"}
 PASSED_HOST_ENV = ("PATH", "HOME", "TMPDIR", "LANG", "LC_ALL")
@@ -128,10 +128,14 @@ class LocalDeployment:
     def __post_init__(self) -> None:
         check_understood(self.project)
         url = urlsplit(self.redis_url)
-        for name, svc in self.project.active().items():
+        active = self.project.active()
+        for name, svc in active.items():
             require("deploy" not in svc, f"{name} reserves devices; this machine has none")
+        built = [(name, port) for name, svc in active.items() if "build" in svc for port in exposed_ports(svc)]
+        local_ports = iter(free_ports(len(built)))  # distinct: separate picks could repeat a port
+        for name, svc in active.items():
             for port in exposed_ports(svc):
-                self.endpoints[(name, port)] = (url.hostname, url.port) if "build" not in svc else ("127.0.0.1", free_port())
+                self.endpoints[(name, port)] = (url.hostname, url.port) if "build" not in svc else ("127.0.0.1", next(local_ports))
 
     def env(self, name: str) -> dict[str, str]:
         """The process environment of ``name``: its compose environment, remapped."""

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from shared.launcher import Services
 from shared.metrics import EncoderMetrics, start_metrics_server
 from shared.proto import decoder_pb2, decoder_pb2_grpc
-from shared.redis_server import free_port
+from shared.redis_server import free_port, free_ports
 
 DATA = Path(__file__).parent / "data"
 
@@ -55,7 +55,7 @@ def test_endpoint_serves_registry_and_survives_a_taken_port(caplog):
 
 @pytest.fixture(scope="module")
 def services(redis_url, tmp_path_factory):
-    ports = {"decoder": free_port(), "encoder": free_port()}
+    ports = dict(zip(["decoder", "encoder"], free_ports(2), strict=True))  # two picks could be one port
     log_dir = tmp_path_factory.mktemp("metrics-logs")
     with Services(
         redis_url=redis_url,

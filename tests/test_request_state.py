@@ -7,6 +7,8 @@ import time
 import pytest
 import redis
 
+from shared.errors import UnavailableError
+from shared.redis_server import free_port
 from shared.request_state import (
     InvalidTransitionError,
     RequestExistsError,
@@ -25,6 +27,12 @@ def store(redis_url, redis_key_prefix):
 
 def test_ping(store):
     assert store.ping()
+
+
+def test_ping_names_an_unreachable_redis():
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    with RequestStateStore(url) as store, pytest.raises(UnavailableError, match=f"cannot reach Redis at {url}.*--redis-url"):
+        store.ping()
 
 
 def test_full_lifecycle(store):
