@@ -142,5 +142,6 @@ def _encode(tokenizer, text: str, **kwargs) -> list[int]:
 
 
 def _check_ids(ids: list[int], vocab: int, name: str) -> None:
-    if any(not 0 <= t < vocab for t in ids):
-        raise InvalidRequestError(f"{name} must be in [0, {vocab})")
+    bad = next(((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise InvalidRequestError(f"{name} must be in [0, {vocab}) (the model's vocabulary size): {name}[{bad[0]}] is {bad[1]}")

@@ -84,6 +84,9 @@ def test_decoder_prompt_and_length_limits(served):
     with pytest.raises(grpc.RpcError) as info:
         run(stub, audio=b"RIFF")
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as info:  # the message names the bad id and where it is
+        run(stub, input_ids=decoder_pb2.TokenIds(ids=[5, 10**6, 6]))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "input_ids[1] is 1000000" in info.value.details()
 
 
 def test_truncated_text_keeps_the_special_tokens(served):
