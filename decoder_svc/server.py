@@ -175,6 +175,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         self.store = store
         self.served_names = model_names(config.model)
         self.active: dict[str, _Active] = {}
+        self.draining = False  # SIGTERM: new Generate calls are refused, running ones get shutdown_grace_s
         self.loop: EngineLoop | None = None
         self.transfer_ids = itertools.count(1)  # names each request's cross-KV transfer (torch_dist)
         self.channel = grpc.aio.insecure_channel(config.encoder_address, options=GRPC_OPTIONS)
@@ -193,6 +194,25 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
     async def close(self) -> None:
         self.loop.stop()
         await self.channel.close()
+
+    async def drain(self, grace_s: float, poll_s: float = 0.05) -> None:
+        """Shutdown: refuses new Generate calls (UNAVAILABLE), lets running ones finish for up to ``grace_s``
+        seconds, then ends the rest with UNAVAILABLE (recorded FAILED, their blocks freed) and waits up to 2 s
+        for their handlers to send those statuses."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while self.active and loop.time() < deadline:
+            await asyncio.sleep(poll_s)
+        if self.active:
+            log.warning("shutting down: ending %d running requests after %.1f s", len(self.active), grace_s)
+        for request_id, active in list(self.active.items()):
+            active.stream.put_nowait(UnavailableError(
+                f"the decoder shut down before request {request_id!r} finished ({active.completion_tokens} tokens "
+                f"generated, shutdown_grace_s={grace_s:g}); send it again"))
+        deadline = loop.time() + 2.0
+        while self.active and loop.time() < deadline:
+            await asyncio.sleep(poll_s)
 
     # -- validation -------------------------------------------------------
     def _check_model(self, name: str) -> None:
@@ -299,6 +319,8 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         arrival = time.monotonic()
         request_id = request.request_id or uuid.uuid4().hex
         try:
+            if self.draining:
+                raise UnavailableError("this decoder is shutting down; send the request to another replica")
             self._check_model(request.model)
             params = self._sampling(request.sampling)
             if len(request_id) > MAX_REQUEST_ID_LEN:

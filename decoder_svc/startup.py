@@ -116,6 +116,7 @@ def run(config: DecoderServiceConfig) -> None:
             ["encdec.v1.DecoderService"],
             f"{config.host}:{config.port}",
             on_stop,
+            drain=lambda: servicer.drain(config.shutdown_grace_s),
         )
 
     try:

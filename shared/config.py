@@ -186,6 +186,12 @@ class DecoderServiceConfig:
             GPU fails at startup.
         dtype: weight dtype: ``float32`` (default), or ``float16`` / ``bfloat16``
             on a CUDA ``device`` only (docs/devices.md).
+        shutdown_grace_s: on SIGTERM / SIGINT, how long running Generate calls
+            may take to finish (seconds) while health reports NOT_SERVING and
+            new calls get UNAVAILABLE; calls still running then end with
+            UNAVAILABLE ("shutting down ... send it again") and are recorded
+            FAILED. Keep it below the orchestrator's kill timeout (compose's
+            ``stop_grace_period``, 10 s by default; Kubernetes' 30 s).
     """
 
     model: str = DEFAULT_MODEL
@@ -216,10 +222,13 @@ class DecoderServiceConfig:
     attention_backend: str = "torch"
     device: str = "cpu"
     dtype: str = "float32"
+    shutdown_grace_s: float = 8.0
 
     def __post_init__(self) -> None:
         _check_port(self.port)
         _check_port(self.metrics_port)
+        if not self.shutdown_grace_s >= 0:  # also refuses NaN
+            raise ValueError(f"shutdown_grace_s must be >= 0 (seconds), got {self.shutdown_grace_s}")
         parse_memory_size(self.kv_cache_memory)  # ValueError names the accepted forms
         if self.encoder_cache not in (0, 1):
             raise ValueError(f"encoder_cache must be 0 (off) or 1 (on), got {self.encoder_cache}")

@@ -40,6 +40,7 @@ async def serve(
     service_names: list[str],
     address: str,
     on_stop: Callable[[], Awaitable[None]] | None = None,
+    drain: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
     """Runs a grpc.aio server with the standard health service until SIGINT/SIGTERM.
 
@@ -48,6 +49,9 @@ async def serve(
         service_names: full names reported SERVING by health checks (plus "").
         address: ``host:port`` to bind.
         on_stop: awaited after the server stops accepting calls.
+        drain: awaited on SIGTERM / SIGINT after health turns NOT_SERVING and
+            before the server stops: it ends the calls still running, each
+            with a status of its own (else the stop cancels them after 2 s).
 
     Raises:
         BindError: the address cannot be bound.
@@ -73,6 +77,8 @@ async def serve(
     await stop.wait()
     log.info("shutting down")
     await health.enter_graceful_shutdown()
+    if drain is not None:
+        await drain()
     await server.stop(grace=2.0)
     if on_stop is not None:
         await on_stop()

@@ -1,0 +1,88 @@
+"""SIGTERM to a decoder with requests running: a graceful drain (real Redis, encoder and decoder processes).
+
+What a replica behind a load balancer needs when it is stopped: health turns
+NOT_SERVING, new Generate calls get UNAVAILABLE at once (send them elsewhere),
+running ones get ``--shutdown-grace-s`` to finish, and what is still running
+then ends with UNAVAILABLE saying so, recorded FAILED in Redis (before this,
+such calls were cancelled by the server's stop: CANCELLED with no reason).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from shared.launcher import Services
+from shared.proto import decoder_pb2, decoder_pb2_grpc
+from shared.request_state import RequestState, RequestStateStore
+
+AUDIO = (Path(__file__).parent / "data" / "short.wav").read_bytes()
+GRACE_S = 2.0
+
+
+def _collect(stub, request_id: str, max_tokens: int, out: dict, started: threading.Event) -> None:
+    """Runs one Generate; ``out[request_id]`` gets (token ids, finish reason or None, error status or None)."""
+    sampling = decoder_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    ids, reason = [], None
+    try:
+        for message in stub.Generate(decoder_pb2.GenerateRequest(request_id=request_id, audio=AUDIO, sampling=sampling), timeout=120):
+            ids.extend(message.token_ids)
+            started.set()
+            if message.finish_reason:
+                reason = message.finish_reason
+        out[request_id] = (ids, reason, None)
+    except grpc.RpcError as exc:
+        out[request_id] = (ids, reason, exc)
+    finally:
+        started.set()
+
+
+@pytest.fixture
+def services(redis_url, tmp_path):
+    with Services(redis_url=redis_url, log_dir=str(tmp_path), log_level="WARNING", extra_encoder_args=["--metrics-port", "0"],
+                  extra_decoder_args=["--metrics-port", "0", "--shutdown-grace-s", str(GRACE_S)]) as svc:
+        yield svc
+
+
+def test_sigterm_drains_running_requests_and_refuses_new_ones(services, redis_url):
+    decoder = services._named["decoder"][0]
+    long_id, short_id = f"drain-long-{uuid.uuid4().hex[:8]}", f"drain-short-{uuid.uuid4().hex[:8]}"
+    out: dict = {}
+    with grpc.insecure_channel(services.decoder_address) as channel:
+        stub = decoder_pb2_grpc.DecoderServiceStub(channel)
+        long_started, short_started = threading.Event(), threading.Event()
+        # ~440 steps take several seconds on CPU: still running when the grace period ends.
+        threads = [threading.Thread(target=_collect, args=(stub, long_id, 440, out, long_started))]
+        threads[0].start()
+        assert long_started.wait(60)
+        threads.append(threading.Thread(target=_collect, args=(stub, short_id, 4, out, short_started)))
+        threads[1].start()
+        assert short_started.wait(60)  # streaming: it is running before the signal
+        decoder.send_signal(signal.SIGTERM)
+        time.sleep(0.5)  # the signal handler turned health off and started the drain
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(decoder_pb2.GenerateRequest(audio=AUDIO), timeout=10))
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in info.value.details()
+        for t in threads:
+            t.join(60)
+    assert decoder.wait(timeout=30) == 0
+
+    short_ids, short_reason, short_error = out[short_id]
+    assert short_error is None and short_reason == decoder_pb2.FINISH_REASON_LENGTH and len(short_ids) == 4  # finished in the grace period
+    long_ids, long_reason, long_error = out[long_id]
+    assert long_error is not None and long_error.code() == grpc.StatusCode.UNAVAILABLE, long_error
+    assert "shut down before request" in long_error.details() and "send it again" in long_error.details()
+    assert long_reason is None and 0 < len(long_ids) < 440
+    with RequestStateStore(redis_url) as store:
+        short, long = store.get(short_id), store.get(long_id)
+    assert short.state == RequestState.FINISHED and short.completion_tokens == 4
+    assert long.state == RequestState.FAILED and "shut down" in long.error and long.completion_tokens >= len(long_ids)
