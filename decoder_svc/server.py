@@ -176,6 +176,10 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         self.served_names = model_names(config.model)
         self.active: dict[str, _Active] = {}
         self.draining = False  # SIGTERM: new Generate calls are refused, running ones get shutdown_grace_s
+        self.cutting = False  # the grace ran out: every running request ends with UNAVAILABLE
+        self.shutdown_grace_s = 0.0
+        self.parsing = 0  # Generate calls past the draining check, not yet in `active` (parsing their input)
+        self.open_records: set[str] = set()  # Redis records this replica created and has not yet ended
         self.loop: EngineLoop | None = None
         self.transfer_ids = itertools.count(1)  # names each request's cross-KV transfer (torch_dist)
         self.channel = grpc.aio.insecure_channel(config.encoder_address, options=GRPC_OPTIONS)
@@ -194,24 +198,38 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
     async def close(self) -> None:
         self.loop.stop()
         await self.channel.close()
+        if self.open_records:  # handlers the server's stop cancelled before they recorded an end
+            await asyncio.to_thread(self._record_shutdown, sorted(self.open_records))
+
+    def _record_shutdown(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            try:
+                self.store.set_state(request_id, RequestState.FAILED, error="the decoder shut down before the request finished")
+            except Exception:  # noqa: BLE001 - ended meanwhile (terminal), or Redis gone: nothing more to do
+                log.warning("could not record the shutdown of %s", request_id, exc_info=True)
+        self.open_records.difference_update(request_ids)
+
+    def _shutdown_error(self, request_id: str, active: _Active) -> UnavailableError:
+        return UnavailableError(f"the decoder shut down before request {request_id!r} finished ({active.completion_tokens} "
+                                f"tokens generated, shutdown_grace_s={self.shutdown_grace_s:g}); send it again")
 
     async def drain(self, grace_s: float, poll_s: float = 0.05) -> None:
-        """Shutdown: refuses new Generate calls (UNAVAILABLE), lets running ones finish for up to ``grace_s``
-        seconds, then ends the rest with UNAVAILABLE (recorded FAILED, their blocks freed) and waits up to 2 s
-        for their handlers to send those statuses."""
-        self.draining = True
+        """Shutdown: refuses new Generate calls (UNAVAILABLE), lets running ones (those still parsing their input
+        too) finish for up to ``grace_s`` seconds, then ends the rest with UNAVAILABLE (recorded FAILED, their
+        blocks freed without waiting for their Encode) and waits up to 2 s for their handlers to send those statuses.
+        What the server's stop then cancels is recorded FAILED by ``close``."""
+        self.draining, self.shutdown_grace_s = True, grace_s
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace_s
-        while self.active and loop.time() < deadline:
+        while (self.active or self.parsing) and loop.time() < deadline:
             await asyncio.sleep(poll_s)
-        if self.active:
-            log.warning("shutting down: ending %d running requests after %.1f s", len(self.active), grace_s)
+        self.cutting = True
+        if self.active or self.parsing:
+            log.warning("shutting down: ending %d running requests after %.1f s", len(self.active) + self.parsing, grace_s)
         for request_id, active in list(self.active.items()):
-            active.stream.put_nowait(UnavailableError(
-                f"the decoder shut down before request {request_id!r} finished ({active.completion_tokens} tokens "
-                f"generated, shutdown_grace_s={grace_s:g}); send it again"))
+            active.stream.put_nowait(self._shutdown_error(request_id, active))
         deadline = loop.time() + 2.0
-        while self.active and loop.time() < deadline:
+        while (self.active or self.parsing) and loop.time() < deadline:
             await asyncio.sleep(poll_s)
 
     # -- validation -------------------------------------------------------
@@ -318,6 +336,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
     async def Generate(self, request, context):
         arrival = time.monotonic()
         request_id = request.request_id or uuid.uuid4().hex
+        self.parsing += 1  # the drain waits for it as for a running request
         try:
             if self.draining:
                 raise UnavailableError("this decoder is shutting down; send the request to another replica")
@@ -332,16 +351,22 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
                                           "(decoded window by window); send n=1 and num_beams=1, or a shorter clip")
             if request_id in self.active:
                 raise AlreadyExistsError(f"request id {request_id!r} is already running")
+            self.open_records.add(request_id)  # before the await: a cancel during it still leaves it to close()
             try:
                 await asyncio.to_thread(self.store.create, request_id, self.config.model)
             except RequestExistsError as exc:
+                self.open_records.discard(request_id)  # another call's record
                 raise AlreadyExistsError(f"request id {request_id!r} was already used; pick a new one") from exc
         except Exception as exc:  # noqa: BLE001 - nothing reserved yet
             await abort_with(context, exc)
+        finally:
+            self.parsing -= 1
         active = self.active[request_id] = _Active(inp, arrival=arrival)
         state, fields = RequestState.FAILED, {}
         released = False  # an error is recorded (FAILED) and its blocks freed before the client sees its status
         try:
+            if self.cutting:  # its input was parsed after the grace ran out
+                raise self._shutdown_error(request_id, active)
             windows = inp.windows()
             await self._start_window(request_id, active, windows[0], params, request.priority)
             finished_indices: set[int] = set()  # n > 1 / beams: the request ends with its last index (or an abort)
@@ -461,8 +486,9 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         """Frees the request's blocks (after any in-flight Encode wrote them) and records its end."""
         self.metrics.requests.labels(state=state.name.lower(), finish_reason=fields.get("finish_reason", "")).inc()
         active.abort_requested = True
-        if active.encoding is not None and not active.encoding.done():
-            # The encoder may still write into the reserved cross blocks: keep them until it answers.
+        if active.encoding is not None and not active.encoding.done() and not self.cutting:
+            # The encoder may still write into the reserved cross blocks: keep them until it answers. (Shutting
+            # down, no request can get them again: every running one is being ended and new ones are refused.)
             await asyncio.wait([active.encoding])
         await self.loop.call(self.engine.abort, request_id)
         self.active.pop(request_id, None)
@@ -470,6 +496,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             await asyncio.to_thread(self.store.set_state, request_id, state, **fields)
         except Exception:  # noqa: BLE001 - the stream's outcome stands; log the lost record
             log.exception("could not record %s for %s", state.name, request_id)
+        self.open_records.discard(request_id)
 
     async def GetRequest(self, request, context):
         record = await asyncio.to_thread(self.store.get, request.request_id)

@@ -16,6 +16,7 @@ import uuid
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -44,10 +45,14 @@ def _collect(stub, request_id: str, max_tokens: int, out: dict, started: threadi
         started.set()
 
 
+def _services(redis_url: str, log_dir, grace_s: float) -> Services:
+    return Services(redis_url=redis_url, log_dir=str(log_dir), log_level="WARNING", extra_encoder_args=["--metrics-port", "0"],
+                    extra_decoder_args=["--metrics-port", "0", "--shutdown-grace-s", str(grace_s)])
+
+
 @pytest.fixture
 def services(redis_url, tmp_path):
-    with Services(redis_url=redis_url, log_dir=str(tmp_path), log_level="WARNING", extra_encoder_args=["--metrics-port", "0"],
-                  extra_decoder_args=["--metrics-port", "0", "--shutdown-grace-s", str(GRACE_S)]) as svc:
+    with _services(redis_url, tmp_path, GRACE_S) as svc:
         yield svc
 
 
@@ -86,3 +91,41 @@ def test_sigterm_drains_running_requests_and_refuses_new_ones(services, redis_ur
         short, long = store.get(short_id), store.get(long_id)
     assert short.state == RequestState.FINISHED and short.completion_tokens == 4
     assert long.state == RequestState.FAILED and "shut down" in long.error and long.completion_tokens >= len(long_ids)
+
+
+def test_requests_cut_while_parsing_or_encoding_get_the_shutdown_status(redis_url, tmp_path):
+    """Grace 0, SIGTERM while twelve 90 s clips (36 windows) queue for the encoder: each call ends with the
+    shutdown status (refused, or cut without waiting for its Encode), never a bare cancel, and every record it
+    created is FAILED (none left ENCODING)."""
+    rng = np.random.default_rng(0)
+    clips = [(rng.standard_normal(90 * 16000) * 0.05).astype("<f4") for _ in range(12)]
+    ids = [f"cut-{i}-{uuid.uuid4().hex[:6]}" for i in range(len(clips))]
+    errors: dict[str, grpc.RpcError | None] = {}
+
+    def call(stub, request_id, pcm):
+        request = decoder_pb2.GenerateRequest(request_id=request_id, pcm=decoder_pb2.PcmAudio(samples=pcm.tobytes(), sample_rate=16000),
+                                              sampling=decoder_pb2.SamplingParams(max_tokens=400, ignore_eos=True))
+        try:
+            list(stub.Generate(request, timeout=120))
+            errors[request_id] = None
+        except grpc.RpcError as exc:
+            errors[request_id] = exc
+
+    with _services(redis_url, tmp_path, 0) as svc, grpc.insecure_channel(svc.decoder_address) as channel:
+        decoder = svc._named["decoder"][0]
+        stub = decoder_pb2_grpc.DecoderServiceStub(channel)
+        threads = [threading.Thread(target=call, args=(stub, i, pcm)) for i, pcm in zip(ids, clips, strict=True)]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        decoder.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(60)
+        assert decoder.wait(timeout=30) == 0
+    with RequestStateStore(redis_url) as store:
+        records = {i: store.get(i) for i in ids}
+    for request_id in ids:
+        error, record = errors[request_id], records[request_id]
+        assert error is not None and error.code() == grpc.StatusCode.UNAVAILABLE, (request_id, error)
+        assert "shut" in error.details(), error.details()  # "shutting down" (refused) or "shut down before" (cut)
+        assert record is None or record.state == RequestState.FAILED, record
