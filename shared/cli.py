@@ -69,8 +69,11 @@ def _up(args: argparse.Namespace) -> int:
               f"redis at {services.redis_url}. Ctrl-C stops all.", flush=True)
         while not stop and all(p.poll() is None for p in services.procs):
             time.sleep(0.5)
+        dead = [f"{name} (exit code {proc.returncode})" for name, (proc, _, _) in services._named.items() if proc.poll() is not None]
+        if dead and not stop:
+            print(f"encdec: error: {', '.join(dead)} stopped; stopping the rest (its log says why)", file=sys.stderr, flush=True)
         print("stopping ...", flush=True)
-    return 0
+    return 1 if dead and not stop else 0
 
 
 def _print_results(results, start: float) -> int:
@@ -243,7 +246,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from shared.errors import BIND_ERROR_EXIT, BindError, UnavailableError
+    from shared.errors import (
+        BIND_ERROR_EXIT,
+        BindError,
+        ServicesError,
+        UnavailableError,
+    )
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -255,6 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     except BindError as exc:
         print(f"encdec: error: {exc}", file=sys.stderr)
         return BIND_ERROR_EXIT
+    except ServicesError as exc:  # `encdec up` / `demo`: a service did not start (its own message is above)
+        print(f"encdec: error: {exc}", file=sys.stderr)
+        return 1
     except UnavailableError as exc:  # a peer (Redis) a service needs at startup
         print(f"encdec: error: {exc}", file=sys.stderr)
         return 1

@@ -227,8 +227,8 @@ class DecoderServiceConfig:
     def __post_init__(self) -> None:
         _check_port(self.port)
         _check_port(self.metrics_port)
-        if not self.shutdown_grace_s >= 0:  # also refuses NaN
-            raise ValueError(f"shutdown_grace_s must be >= 0 (seconds), got {self.shutdown_grace_s}")
+        if not 0 <= self.shutdown_grace_s < float("inf"):  # also refuses NaN
+            raise ValueError(f"shutdown_grace_s must be >= 0 and finite (seconds), got {self.shutdown_grace_s}")
         parse_memory_size(self.kv_cache_memory)  # ValueError names the accepted forms
         if self.encoder_cache not in (0, 1):
             raise ValueError(f"encoder_cache must be 0 (off) or 1 (on), got {self.encoder_cache}")

@@ -52,6 +52,10 @@ class BindError(RuntimeError):
     """A gRPC server cannot listen on its address (port taken, or the host is not local)."""
 
 
+class ServicesError(RuntimeError):
+    """``shared.launcher`` could not start a service: its port is taken, it exited, or it never became healthy."""
+
+
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """Maps an exception to ``(status code, message)``.
 

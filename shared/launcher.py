@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -17,11 +18,40 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from shared.errors import BIND_ERROR_EXIT
+from shared.errors import BIND_ERROR_EXIT, ServicesError
 from shared.redis_server import free_port, free_ports
 
 # How many times Services.start picks new free ports after losing one to another process.
 BIND_ATTEMPTS = 3
+
+
+def check_port_free(port: int, host: str = "127.0.0.1") -> None:
+    """Checks that nothing listens on ``host:port`` (connections lingering in TIME_WAIT do not count).
+
+    Services bind only after loading their model; without this check a fixed port that another process
+    serves (a second ``encdec up``) would pass the health check through that process.
+
+    Raises:
+        ServicesError: the port is taken (the message names it).
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise ServicesError(f"{host}:{port} is already in use by another process (another `encdec up`?): "
+                               "stop it or choose another port") from exc
+
+
+def shutdown_timeout_s(args: list[str], default_grace_s: float = 8.0, margin_s: float = 7.0) -> float:
+    """How long to wait for a decoder started with ``args`` to exit after SIGTERM: its
+    ``--shutdown-grace-s`` (decoder_svc drains that long) plus ``margin_s`` for the last statuses and cleanup."""
+    grace = default_grace_s
+    for i, arg in enumerate(args):
+        value = args[i + 1] if arg == "--shutdown-grace-s" and i + 1 < len(args) else arg.partition("--shutdown-grace-s=")[2]
+        with contextlib.suppress(ValueError):  # a bad value: the decoder refused to start anyway
+            grace = float(value) if value else grace
+    return grace + margin_s
 
 
 def stop_processes(procs: list[subprocess.Popen], timeout_s: float = 15.0) -> None:
@@ -41,21 +71,21 @@ def wait_healthy(address: str, timeout_s: float, proc: subprocess.Popen | None =
     """Polls the standard gRPC health service at ``address`` until SERVING.
 
     Raises:
-        RuntimeError: ``proc`` exited first, or ``timeout_s`` passed.
+        ServicesError: ``proc`` exited first, or ``timeout_s`` passed.
     """
     deadline = time.monotonic() + timeout_s
     with grpc.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if proc is not None and proc.poll() is not None:
-                raise RuntimeError(f"service for {address} exited with code {proc.returncode} before becoming healthy")
+                raise ServicesError(f"service for {address} exited with code {proc.returncode} before becoming healthy")
             try:
                 if stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == health_pb2.HealthCheckResponse.SERVING:
                     return
             except grpc.RpcError:
                 pass
             time.sleep(0.2)
-    raise RuntimeError(f"service at {address} not healthy after {timeout_s:.0f} s")
+    raise ServicesError(f"service at {address} not healthy after {timeout_s:.0f} s")
 
 
 @dataclass
@@ -116,7 +146,7 @@ class Services:
         """Kills the ``encoder`` or ``decoder`` (if still running) and starts it again with the same arguments and port.
 
         Raises:
-            RuntimeError: the new process did not become healthy in time.
+            ServicesError: the new process did not become healthy in time.
         """
         proc, args, address = self._named[name]
         if proc in self.procs:
@@ -131,10 +161,13 @@ class Services:
         services start again on newly picked ports, up to ``BIND_ATTEMPTS`` times.
 
         Raises:
-            RuntimeError: a service exited or did not become healthy in time
+            ServicesError: a fixed port is taken, or a service exited or did not become healthy in time
                 (everything started is stopped again).
         """
         auto_encoder, auto_decoder = self.encoder_port == 0, self.decoder_port == 0
+        for port, auto in ((self.encoder_port, auto_encoder), (self.decoder_port, auto_decoder)):
+            if not auto:
+                check_port_free(port)
         try:
             if self.redis_url is None:
                 from shared.redis_server import LocalRedisServer
@@ -149,9 +182,12 @@ class Services:
                 try:
                     self._start_services()
                     return self
-                except RuntimeError:
-                    lost_port = any(proc.poll() == BIND_ERROR_EXIT for proc in self.procs)
-                    if not (lost_port and (auto_encoder or auto_decoder)) or attempt == BIND_ATTEMPTS:
+                except ServicesError:
+                    # Only a service on a port picked here starts again on another; a fixed port stays an error.
+                    lost_auto_port = any(self._named[name][0].poll() == BIND_ERROR_EXIT
+                                         for name, auto in (("encoder", auto_encoder), ("decoder", auto_decoder))
+                                         if auto and name in self._named)
+                    if not lost_auto_port or attempt == BIND_ATTEMPTS:
                         raise
                     stop_processes(self.procs)
                     self.procs.clear()
@@ -172,8 +208,15 @@ class Services:
         wait_healthy(self.decoder_address, self.startup_timeout_s, decoder)
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        """SIGTERM to every service (decoder first), then SIGKILL whatever outlives ``timeout_s``."""
-        stop_processes(self.procs, timeout_s)
+        """Stops the decoder, then the encoder: SIGTERM, then SIGKILL if it outlives its timeout.
+
+        The decoder gets ``--shutdown-grace-s`` (from its arguments) plus a margin, at least ``timeout_s``: it
+        drains its running requests while the encoder still serves them; the encoder gets ``timeout_s``.
+        """
+        decoder = self._named.get("decoder", (None, [], ""))
+        for proc in reversed(self.procs):  # last started first: the decoder, then the encoder
+            wait_s = max(timeout_s, shutdown_timeout_s(decoder[1])) if proc is decoder[0] else timeout_s
+            stop_processes([proc], wait_s)
         self.procs.clear()
         if self._redis is not None:
             with contextlib.suppress(Exception):
@@ -195,7 +238,7 @@ def encoder_service(model: str, extra_args: list[str] | None = None, log_level: 
     Like ``Services.start``, it starts again on another free port if its port was taken before it bound it.
 
     Raises:
-        RuntimeError: it exited or did not become healthy in time.
+        ServicesError: it exited or did not become healthy in time.
     """
     for attempt in range(1, BIND_ATTEMPTS + 1):
         port = free_port()

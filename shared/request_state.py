@@ -25,10 +25,21 @@ import enum
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
 from shared.errors import UnavailableError
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password replaced by ``***`` (for messages and logs)."""
+    parts = urlsplit(url)
+    if not parts.password:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
 class RequestState(enum.Enum):
@@ -150,8 +161,8 @@ class RequestStateStore:
         """
         try:
             return bool(self._client.ping())
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            raise UnavailableError(f"cannot reach Redis at {self.redis_url} ({exc}): start redis-server "
+        except redis.RedisError as exc:  # refused, timed out, wrong password, no such database ...
+            raise UnavailableError(f"cannot reach Redis at {redact_url(self.redis_url)} ({exc}): start redis-server "
                                    "or pass the right --redis-url") from exc
 
     def close(self) -> None:

@@ -35,3 +35,34 @@ def test_up_passes_extra_flags_to_the_services(redis_url, tmp_path):
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         proc.wait(timeout=60)
+
+
+def _pid_of(*argv_parts: str) -> int:
+    """The pid of the process whose command line holds ``argv_parts`` in order."""
+    wanted = "\0".join(argv_parts)
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if wanted in cmdline.read_text():
+                return int(cmdline.parent.name)
+        except OSError:  # exited meanwhile
+            continue
+    raise LookupError(argv_parts)
+
+
+def test_up_exits_nonzero_when_a_service_dies(redis_url):
+    cmd = [sys.executable, "-m", "shared.cli", "--log-level", "WARNING", "up", "--redis-url", redis_url, "--encoder-port", "0",
+           "--decoder-port", "0", "--decoder-args=--metrics-port 0", "--encoder-args=--metrics-port 0"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            cwd=Path(__file__).parents[1])
+    try:
+        line = proc.stdout.readline()
+        while line and not line.startswith("ready:"):
+            line = proc.stdout.readline()
+        port = line.split(" at ")[1].split(",")[0].rsplit(":", 1)[1]
+        os.kill(_pid_of("serve-decoder", "--port", port), signal.SIGKILL)  # a crash
+        assert proc.wait(timeout=60) == 1
+        assert "encdec: error: decoder (exit code -9) stopped" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -73,3 +73,19 @@ def test_a_service_on_a_taken_port_exits_with_bind_error_exit(squatter):
                              "--metrics-port", "0"], capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == BIND_ERROR_EXIT, result.stderr
     assert f"encdec: error: cannot listen on 127.0.0.1:{squatter}: the port is taken" in result.stderr
+
+
+def test_a_fixed_port_in_use_fails_before_anything_starts(squatter, redis_url):
+    """A second `encdec up` on the same ports: refused at once, not 'ready' through the first one's services."""
+    with pytest.raises(launcher.ServicesError, match=f"127.0.0.1:{squatter} is already in use"):
+        launcher.Services(redis_url=redis_url, encoder_port=squatter).start()
+    result = subprocess.run([sys.executable, "-m", "shared.cli", "up", "--redis-url", redis_url, "--decoder-port", str(squatter),
+                             "--encoder-port", "0"], capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 1 and f"encdec: error: 127.0.0.1:{squatter} is already in use" in result.stderr, result
+    assert "ready" not in result.stdout and "Traceback" not in result.stderr
+
+
+def test_decoder_stop_timeout_follows_its_grace():
+    assert launcher.shutdown_timeout_s([]) == 15.0  # default grace 8 s + 7 s
+    assert launcher.shutdown_timeout_s(["--metrics-port", "0", "--shutdown-grace-s", "30"]) == 37.0
+    assert launcher.shutdown_timeout_s(["--shutdown-grace-s=2"]) == 9.0

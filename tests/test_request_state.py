@@ -16,6 +16,7 @@ from shared.request_state import (
     RequestState,
     RequestStateStore,
     UnknownRequestError,
+    redact_url,
 )
 
 
@@ -27,6 +28,17 @@ def store(redis_url, redis_key_prefix):
 
 def test_ping(store):
     assert store.ping()
+
+
+def test_ping_refused_by_redis_names_it_without_the_password(redis_url):
+    bad_db = redis_url.rsplit("/", 1)[0] + "/99999"  # the server has 16 databases
+    with RequestStateStore(bad_db) as store, pytest.raises(UnavailableError, match="DB index is out of range"):
+        store.ping()
+    with RequestStateStore(bad_db.replace("redis://", "redis://:s3cret@")) as store, pytest.raises(UnavailableError) as info:
+        store.ping()  # a password this server does not want, then the bad database
+    assert "s3cret" not in str(info.value) and "redis://:***@127.0.0.1" in str(info.value)
+    assert redact_url("redis://user:pw@host:6379/0") == "redis://user:***@host:6379/0"
+    assert redact_url("rediss://host:6380/1") == "rediss://host:6380/1"
 
 
 def test_ping_names_an_unreachable_redis():
