@@ -22,7 +22,8 @@ class UnsupportedCompose(ValueError):
 
 
 SERVICE_KEYS = {"image", "build", "command", "environment", "expose", "ports", "networks", "volumes",
-                "depends_on", "healthcheck", "profiles", "ipc", "pid", "shm_size", "deploy"}
+                "depends_on", "healthcheck", "profiles", "ipc", "pid", "shm_size", "deploy", "stop_grace_period"}
+DEFAULT_STOP_GRACE_PERIOD_S = 10.0  # compose's: SIGKILL this long after SIGTERM
 HEALTHCHECK_KEYS = {"test", "interval", "timeout", "retries", "start_period"}
 CONDITIONS = {"service_healthy", "service_started"}
 

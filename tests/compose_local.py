@@ -39,6 +39,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from compose_file import (
+    DEFAULT_STOP_GRACE_PERIOD_S,
     Project,
     check_understood,
     exposed_ports,
@@ -238,9 +239,12 @@ class LocalDeployment:
             raise
         return self
 
-    def down(self, timeout_s: float = 15.0) -> None:
-        """SIGTERM to every service, last started first; SIGKILL what outlives ``timeout_s``."""
-        stop_processes(list(self.procs.values()), timeout_s)
+    def down(self) -> None:
+        """As ``docker compose down``: each service in turn, last started first (dependents before what they
+        depend on), gets SIGTERM, then SIGKILL once its ``stop_grace_period`` (compose's default 10 s) passes."""
+        for name, proc in reversed(list(self.procs.items())):
+            grace = self.project.services[name].get("stop_grace_period")
+            stop_processes([proc], parse_duration(grace) if grace else DEFAULT_STOP_GRACE_PERIOD_S)
         self.procs.clear()
 
     def __enter__(self) -> LocalDeployment:

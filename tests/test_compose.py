@@ -27,6 +27,7 @@ from compose_file import (
     check_understood,
     interpolate,
     load_project,
+    parse_duration,
     published_ports,
 )
 from compose_local import LocalDeployment, local_command, remap
@@ -132,6 +133,9 @@ def test_each_decoder_and_its_encoder_agree_on_the_kv_transport(project, monkeyp
         assert decoder.kv_transport in encoder.kv_transport.split(","), (name, encoder_name)
         if decoder.kv_transport == "cuda_ipc":
             assert decoder.kv_device.startswith("cuda"), name
+        # The drain (shutdown grace, then up to ~4 s to end the rest) ends before compose's SIGKILL.
+        grace = svc.get("stop_grace_period")
+        assert grace and parse_duration(grace) >= decoder.shutdown_grace_s + 4, (name, grace, decoder.shutdown_grace_s)
 
 
 def test_models_volume_and_gpu_profile(project):
