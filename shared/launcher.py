@@ -7,6 +7,8 @@ run the services exactly the same way.
 from __future__ import annotations
 
 import contextlib
+import io
+import logging
 import os
 import signal
 import socket
@@ -20,6 +22,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shared.errors import BIND_ERROR_EXIT, ServicesError
 from shared.redis_server import free_port, free_ports
+
+log = logging.getLogger(__name__)
 
 # How many times Services.start picks new free ports after losing one to another process.
 BIND_ATTEMPTS = 3
@@ -43,14 +47,19 @@ def check_port_free(port: int, host: str = "127.0.0.1") -> None:
                                "stop it or choose another port") from exc
 
 
-def shutdown_timeout_s(args: list[str], default_grace_s: float = 8.0, margin_s: float = 7.0) -> float:
-    """How long to wait for a decoder started with ``args`` to exit after SIGTERM: its
-    ``--shutdown-grace-s`` (decoder_svc drains that long) plus ``margin_s`` for the last statuses and cleanup."""
-    grace = default_grace_s
-    for i, arg in enumerate(args):
-        value = args[i + 1] if arg == "--shutdown-grace-s" and i + 1 < len(args) else arg.partition("--shutdown-grace-s=")[2]
-        with contextlib.suppress(ValueError):  # a bad value: the decoder refused to start anyway
-            grace = float(value) if value else grace
+def shutdown_timeout_s(service_args: list[str], margin_s: float = 7.0) -> float:
+    """How long to wait for a decoder started as ``encdec <service_args>`` (``["serve-decoder", ...]``) to exit
+    after SIGTERM: the ``shutdown_grace_s`` it drains for, read as the decoder reads it (its flags, abbreviated or
+    not, over the ``ENCDEC_*`` environment it inherits, over the default), plus ``margin_s`` to end the rest."""
+    from shared.cli import build_parser
+    from shared.config import DecoderServiceConfig, config_from
+
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # argparse prints usage for a bad flag
+            parsed = build_parser().parse_args(service_args)
+        grace = config_from(DecoderServiceConfig, parsed).shutdown_grace_s
+    except (SystemExit, ValueError):  # arguments the decoder refuses: it never started
+        grace = DecoderServiceConfig.shutdown_grace_s
     return grace + margin_s
 
 
@@ -63,6 +72,8 @@ def stop_processes(procs: list[subprocess.Popen], timeout_s: float = 15.0) -> No
         try:
             proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
+            log.warning("%s did not exit within %.0f s of SIGTERM: killed",
+                        " ".join(map(str, proc.args[-8:])) if isinstance(proc.args, list) else proc.args, timeout_s)
             proc.kill()
             proc.wait()
 

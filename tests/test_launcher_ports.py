@@ -85,7 +85,13 @@ def test_a_fixed_port_in_use_fails_before_anything_starts(squatter, redis_url):
     assert "ready" not in result.stdout and "Traceback" not in result.stderr
 
 
-def test_decoder_stop_timeout_follows_its_grace():
-    assert launcher.shutdown_timeout_s([]) == 15.0  # default grace 8 s + 7 s
-    assert launcher.shutdown_timeout_s(["--metrics-port", "0", "--shutdown-grace-s", "30"]) == 37.0
-    assert launcher.shutdown_timeout_s(["--shutdown-grace-s=2"]) == 9.0
+def test_decoder_stop_timeout_follows_its_grace(monkeypatch):
+    """The grace as the decoder reads it: flag (abbreviated too), else ENCDEC_SHUTDOWN_GRACE_S, else 8 s; plus 7 s."""
+    monkeypatch.delenv("ENCDEC_SHUTDOWN_GRACE_S", raising=False)
+    assert launcher.shutdown_timeout_s(["serve-decoder"]) == 15.0
+    assert launcher.shutdown_timeout_s(["serve-decoder", "--metrics-port", "0", "--shutdown-grace-s", "30"]) == 37.0
+    assert launcher.shutdown_timeout_s(["serve-decoder", "--shutdown-grace=2"]) == 9.0
+    monkeypatch.setenv("ENCDEC_SHUTDOWN_GRACE_S", "20")
+    assert launcher.shutdown_timeout_s(["serve-decoder", "--port", "0"]) == 27.0
+    assert launcher.shutdown_timeout_s(["serve-decoder", "--shutdown-grace-s", "1"]) == 8.0  # the flag wins
+    assert launcher.shutdown_timeout_s(["serve-decoder", "--shutdown-grace-s", "-1"]) == 15.0  # refused: never started
