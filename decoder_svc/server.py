@@ -351,11 +351,13 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
                                           "(decoded window by window); send n=1 and num_beams=1, or a shorter clip")
             if request_id in self.active:
                 raise AlreadyExistsError(f"request id {request_id!r} is already running")
+            ours = request_id not in self.open_records  # else a call with this id is still parsing here
             self.open_records.add(request_id)  # before the await: a cancel during it still leaves it to close()
             try:
                 await asyncio.to_thread(self.store.create, request_id, self.config.model)
             except RequestExistsError as exc:
-                self.open_records.discard(request_id)  # another call's record
+                if ours:
+                    self.open_records.discard(request_id)  # another replica's (or an earlier) record
                 raise AlreadyExistsError(f"request id {request_id!r} was already used; pick a new one") from exc
         except Exception as exc:  # noqa: BLE001 - nothing reserved yet
             await abort_with(context, exc)
