@@ -263,10 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     except BindError as exc:
         print(f"encdec: error: {exc}", file=sys.stderr)
         return BIND_ERROR_EXIT
-    except ServicesError as exc:  # `encdec up` / `demo`: a service did not start (its own message is above)
-        print(f"encdec: error: {exc}", file=sys.stderr)
-        return 1
-    except UnavailableError as exc:  # a peer (Redis) a service needs at startup
+    except (ServicesError, UnavailableError) as exc:  # `up` / `demo`: a service did not start; a service: Redis unreachable
         print(f"encdec: error: {exc}", file=sys.stderr)
         return 1
 

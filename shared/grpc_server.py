@@ -62,8 +62,8 @@ async def serve(
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     try:
         bound = server.add_insecure_port(address)
-    except RuntimeError as exc:  # grpc raises on a failed bind; older versions return 0
-        raise BindError(f"cannot listen on {address}: the port is taken by another process or the host is not local") from exc
+    except RuntimeError:  # grpc raises on a failed bind; older versions return 0
+        bound = 0
     if bound == 0:
         raise BindError(f"cannot listen on {address}: the port is taken by another process or the host is not local")
     await server.start()

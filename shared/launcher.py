@@ -221,7 +221,7 @@ class Services:
     def stop(self, timeout_s: float = 15.0) -> None:
         """Stops the decoder, then the encoder: SIGTERM, then SIGKILL if it outlives its timeout.
 
-        The decoder gets ``--shutdown-grace-s`` (from its arguments) plus a margin, at least ``timeout_s``: it
+        The decoder gets its ``shutdown_grace_s`` (``shutdown_timeout_s``) plus a margin, at least ``timeout_s``: it
         drains its running requests while the encoder still serves them; the encoder gets ``timeout_s``.
         """
         decoder = self._named.get("decoder", (None, [], ""))
