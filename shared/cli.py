@@ -171,6 +171,8 @@ def _add_bench(sub) -> None:
     p.add_argument("--threads", type=int, default=2, help="torch / CTranslate2 threads per system (per service for ours)")
     p.add_argument("--skip-ct2", action="store_true", help="skip CTranslate2 (needs the [bench] extra)")
     p.add_argument("--int8", action="store_true", help="also run our services with --quantize int8 (opt-in int8 weights)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed runs of each batched system and each concurrency level; the median is reported")
     p.add_argument("--address", default=None, help="use running services at this decoder address instead of starting them")
     p.add_argument("--json", default=None, help="also write the results here")
     p.set_defaults(func=_bench_whisper)

@@ -4,8 +4,8 @@ CTranslate2 and torch each ship an OpenMP runtime; in one process with
 multi-threaded torch, CT2 decoding runs up to ~50% slower (notes/facts.md), so
 the bench calls this module as a subprocess and reads one JSON line back.
 
-Usage: ``python -m shared.bench.ct2_worker MODEL_DIR COMPUTE_TYPE MODE THREADS FILE...``
-(MODE ``sequential`` or ``batched``).
+Usage: ``python -m shared.bench.ct2_worker MODEL_DIR COMPUTE_TYPE MODE THREADS REPEATS FILE...``
+(MODE ``sequential`` or ``batched``; the run of median wall time of REPEATS timed runs is printed).
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ def main(argv: list[str]) -> None:
     import numpy as np
 
     from shared.audio import decode_audio
+    from shared.bench.table import median_run
     from shared.models.whisper_features import log_mel_spectrogram
 
-    model_dir, compute_type, mode, threads, *files = argv
+    model_dir, compute_type, mode, threads, repeats, *files = argv
     model = ctranslate2.models.Whisper(model_dir, device="cpu", compute_type=compute_type, intra_threads=int(threads))
     audio = [decode_audio(open(f, "rb").read()) for f in files]
     prompt = [50257, 50362]
@@ -33,12 +34,13 @@ def main(argv: list[str]) -> None:
         return [list(r.sequences_ids[0]) for r in results]
 
     run(audio[:1])  # warm-up
-    start = time.perf_counter()
-    if mode == "batched":
-        tokens = run(audio)
-    else:
-        tokens = [run([a])[0] for a in audio]
-    print(json.dumps({"wall_s": time.perf_counter() - start, "tokens": tokens}))
+    runs = []
+    for _ in range(max(int(repeats), 1)):
+        start = time.perf_counter()
+        tokens = run(audio) if mode == "batched" else [run([a])[0] for a in audio]
+        runs.append((time.perf_counter() - start, tokens))
+    wall, tokens = median_run(runs)
+    print(json.dumps({"wall_s": wall, "tokens": tokens}))
 
 
 if __name__ == "__main__":

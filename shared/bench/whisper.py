@@ -6,6 +6,11 @@ same thread count. Columns: wall seconds, generated tokens per second,
 ``x realtime`` (audio seconds transcribed per wall second: higher is better),
 and how many transcripts have exactly HF's tokens (HF sequential is the truth).
 CTranslate2 runs in its own process (see ``ct2_worker``).
+
+Batched runs (HF batched, CTranslate2 batched, each of our concurrency levels)
+are timed ``--repeats`` times and the median is reported, as in ``encdec bench
+seq2seq``: on a shared 2-core machine one run of 16 clips varied 5.9-9.4 s
+against the same services within minutes; sequential runs once.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import grpc
 import torch
 
 from shared.audio import decode_audio
-from shared.bench.table import markdown_table, write_json
+from shared.bench.table import markdown_table, median_run, write_json
 from shared.models.registry import resolve_model
 from shared.models.whisper_features import log_mel_spectrogram
 from shared.proto import decoder_pb2, decoder_pb2_grpc
@@ -43,8 +48,8 @@ def _row(system: str, mode: str, audio_s: float, wall: float, tokens: list[list[
             "x realtime": audio_s / wall, "same as HF": same}
 
 
-def run_hf(audio: list, threads: int) -> tuple[dict[str, float], dict[str, list[list[int]]]]:
-    """HF ``generate`` one request at a time and as one batch."""
+def run_hf(audio: list, threads: int, repeats: int = 1) -> tuple[dict[str, float], dict[str, list[list[int]]]]:
+    """HF ``generate`` one request at a time and as one batch (the median of ``repeats`` batched runs)."""
     from shared.bench.hf_whisper import build_hf_whisper
 
     torch.set_num_threads(threads)
@@ -55,16 +60,20 @@ def run_hf(audio: list, threads: int) -> tuple[dict[str, float], dict[str, list[
         start = time.perf_counter()
         tokens["sequential"] = [model.generate(log_mel_spectrogram(a)[None]).tolist()[0] for a in audio]
         walls["sequential"] = time.perf_counter() - start
-        start = time.perf_counter()
-        feats = torch.stack([log_mel_spectrogram(a) for a in audio])
-        tokens["batched"] = model.generate(feats).tolist()
-        walls["batched"] = time.perf_counter() - start
+        runs = []
+        for _ in range(max(repeats, 1)):
+            start = time.perf_counter()
+            feats = torch.stack([log_mel_spectrogram(a) for a in audio])
+            batch_tokens = model.generate(feats).tolist()
+            runs.append((time.perf_counter() - start, batch_tokens))
+        walls["batched"], tokens["batched"] = median_run(runs)
     return walls, tokens
 
 
-def run_ct2(files: list[str], compute_type: str, mode: str, threads: int) -> tuple[float, list[list[int]]]:
+def run_ct2(files: list[str], compute_type: str, mode: str, threads: int, repeats: int = 1) -> tuple[float, list[list[int]]]:
+    """CTranslate2 in a subprocess: ``(wall_s, tokens)``, the median of ``repeats`` runs."""
     model_dir = str(resolve_model("whisper-tiny.en")[1])
-    cmd = [sys.executable, "-m", "shared.bench.ct2_worker", model_dir, compute_type, mode, str(threads), *files]
+    cmd = [sys.executable, "-m", "shared.bench.ct2_worker", model_dir, compute_type, mode, str(threads), str(repeats), *files]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
     result = json.loads(out)
     return result["wall_s"], result["tokens"]
@@ -90,21 +99,25 @@ async def _ours_once(address: str, files: list[str], concurrency: int) -> tuple[
 
 
 def run_ours(files: list[str], concurrencies: list[int], threads: int, address: str | None,
-             quantize: str = "none") -> dict[int, tuple[float, list[list[int]]]]:
-    """Our services end to end over gRPC (started here unless ``address`` is given)."""
+             quantize: str = "none", repeats: int = 1) -> dict[int, tuple[float, list[list[int]]]]:
+    """Our services end to end over gRPC (started here unless ``address`` is given): per concurrency level, the
+    median of ``repeats`` runs against the same services."""
     from shared.launcher import Services
+
+    def median_of_runs(address: str, concurrency: int) -> tuple[float, list[list[int]]]:
+        return median_run([asyncio.run(_ours_once(address, files, concurrency)) for _ in range(max(repeats, 1))])
 
     results = {}
     if address:
         for c in concurrencies:
-            results[c] = asyncio.run(_ours_once(address, files, c))
+            results[c] = median_of_runs(address, c)
         return results
     flags = ["--num-threads", str(threads), "--quantize", quantize]
     # Clips repeat across requests: turn the encoder-output cache off so every request is encoded, as
     # HF and CTranslate2 encode every one.
     with Services(log_level="WARNING", extra_encoder_args=flags, extra_decoder_args=[*flags, "--encoder-cache", "0"]) as svc:
         for c in concurrencies:
-            results[c] = asyncio.run(_ours_once(svc.decoder_address, files, c))
+            results[c] = median_of_runs(svc.decoder_address, c)
     return results
 
 
@@ -121,23 +134,23 @@ def main(args) -> int:
     print(f"{len(files)} requests, {audio_s:.1f} s of audio, {args.threads} threads per system", file=sys.stderr)
 
     rows = []
-    walls, hf_tokens = run_hf(audio, args.threads)
+    walls, hf_tokens = run_hf(audio, args.threads, args.repeats)
     truth = hf_tokens["sequential"]
     for mode in ("sequential", "batched"):
         rows.append(_row("HF transformers fp32", mode, audio_s, walls[mode], hf_tokens[mode], truth))
     if not args.skip_ct2:
         for compute_type in ("float32", "int8"):
             for mode in ("sequential", "batched"):
-                wall, tokens = run_ct2(files, compute_type, mode, args.threads)
+                wall, tokens = run_ct2(files, compute_type, mode, args.threads, args.repeats if mode == "batched" else 1)
                 rows.append(_row(f"CTranslate2 {compute_type}", mode, audio_s, wall, tokens, truth))
     for quantize in ("none", "int8") if args.int8 else ("none",):
         name = "encdec-serve " + ("fp32" if quantize == "none" else "int8") + " (2 services, gRPC)"
-        for c, (wall, tokens) in run_ours(files, concurrencies, args.threads, args.address, quantize).items():
+        for c, (wall, tokens) in run_ours(files, concurrencies, args.threads, args.address, quantize, args.repeats).items():
             rows.append(_row(name, f"concurrency {c}", audio_s, wall, tokens, truth))
         if args.address:
             break  # running services have their own settings
     print(markdown_table(rows, COLUMNS))
     if args.json:
         write_json(args.json, {"bench": "whisper", "requests": len(files), "audio_s": audio_s, "threads": args.threads,
-                               "cpu_count": os.cpu_count(), "rows": rows})
+                               "repeats": args.repeats, "cpu_count": os.cpu_count(), "rows": rows})
     return 0
