@@ -19,6 +19,8 @@ import torch
 from decoder_svc.startup import build_engine
 from encoder_svc.batcher import EncodeBatcher, EncodeItem
 from shared.config import (
+    CPU_MAX_BATCH_TOKENS,
+    CUDA_MAX_BATCH_TOKENS,
     DecoderServiceConfig,
     EncoderServiceConfig,
     add_config_arguments,
@@ -78,6 +80,15 @@ def test_encoder_kv_device_defaults_to_what_the_backend_sends_from():
     assert EncoderServiceConfig(kv_device="cuda", kv_transport="shm").kv_device == "cuda"  # torch_dist unused
     with pytest.raises(ValueError, match=r"quantize int8 is CPU dynamic quantization"):
         EncoderServiceConfig(device="cuda", quantize="int8")
+
+
+def test_encoder_batch_token_budget_defaults_by_device():
+    assert EncoderServiceConfig().max_batch_tokens == CPU_MAX_BATCH_TOKENS == 4096  # 2 Whisper windows of 1500
+    assert EncoderServiceConfig(device="cuda:1").max_batch_tokens == CUDA_MAX_BATCH_TOKENS == 12288
+    assert EncoderServiceConfig(max_batch_tokens=12288).max_batch_tokens == 12288  # an explicit budget stays
+    assert config_from(EncoderServiceConfig, env={"ENCDEC_MAX_BATCH_TOKENS": "0", "ENCDEC_DEVICE": "cuda"}).max_batch_tokens == 12288
+    with pytest.raises(ValueError, match=r"max_batch_tokens and max_inputs_per_request must be >= 1 \(max_batch_tokens 0: by device\)"):
+        EncoderServiceConfig(max_batch_tokens=-1)
 
 
 def test_device_from_env_and_flag():
