@@ -3,8 +3,12 @@
  * exp_ps: the Cephes expf range reduction and polynomial (S. L. Moshier,
  * Cephes Math Library, expf.c) for x <= 0, max relative error ~2e-7.
  * erf_ps: Abramowitz & Stegun, Handbook of Mathematical Functions, 7.1.26
- * (|error| <= 1.5e-7), the form ATen's vectorized float erf uses, so GELU
- * built on it matches torch's CPU GELU to float rounding.
+ * (|error| <= 1.5e-7), the form ATen's AVX2 vectorized float erf uses, so GELU
+ * built on it matches torch's CPU GELU to float rounding where torch runs its
+ * AVX2 kernels. Where torch dispatches AVX-512 (torch.backends.cpu.
+ * get_cpu_capability() == "AVX512"), its GELU differs at the tails
+ * (gelu(-5): torch -1.19e-6, this -1.49e-6, exact -1.43e-6; gelu(inf): torch
+ * NaN, this inf): tests compare with the float64 GELU instead.
  */
 #ifndef ENCDEC_SIMD_MATH_H
 #define ENCDEC_SIMD_MATH_H
