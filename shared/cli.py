@@ -146,6 +146,7 @@ def _add_bench(sub) -> None:
     """``encdec bench <name>``: one sub-command per benchmark; each prints a Markdown table.
     No sub-command (or ``all``) runs them all (``shared.bench.suite``)."""
     from shared.bench import online, seq2seq, suite
+    from shared.bench.table import positive_int
 
     bench = sub.add_parser("bench", help="benchmarks against HF transformers / CTranslate2 / sentence-transformers; "
                                          "no sub-command runs them all")
@@ -171,7 +172,7 @@ def _add_bench(sub) -> None:
     p.add_argument("--threads", type=int, default=2, help="torch / CTranslate2 threads per system (per service for ours)")
     p.add_argument("--skip-ct2", action="store_true", help="skip CTranslate2 (needs the [bench] extra)")
     p.add_argument("--int8", action="store_true", help="also run our services with --quantize int8 (opt-in int8 weights)")
-    p.add_argument("--repeats", type=int, default=3,
+    p.add_argument("--repeats", type=positive_int, default=3,
                    help="timed runs of each batched system and each concurrency level; the median is reported")
     p.add_argument("--address", default=None, help="use running services at this decoder address instead of starting them")
     p.add_argument("--json", default=None, help="also write the results here")

@@ -30,7 +30,8 @@ CPU_MAX_BATCH_TOKENS = 4096
 products at the GEMM's peak; more rows only stream larger activations (a Whisper tiny FFN's ``[8, 1500, 1536]``
 is 74 MB against a 32 MB L3) through memory. Whisper tiny.en, 16 clips at once through both services on 2 cores,
 3 alternating service starts x 2 runs: 8 windows per forward 6.6-9.1 s, mean 7.9 (encoder 10.7-14.9 CPU-s), 2 windows
-6.5-8.0 s, mean 6.9 (encoder 10.0-12.8 CPU-s). Embed batches of 32 inputs of up to 128 tokens still run in one forward."""
+6.5-8.0 s, mean 6.9 (encoder 10.0-12.8 CPU-s), measured on one 2-core AMD EPYC (Zen 4) machine. Embed batches of 32
+inputs of up to 128 tokens still run in one forward; 32 text sources of more than 128 tokens now take several."""
 CUDA_MAX_BATCH_TOKENS = 12288
 """The encoder's default padded-token budget per forward on a GPU: 8 Whisper windows, where a larger batch keeps
 more of the device busy."""
@@ -55,8 +56,10 @@ class EncoderServiceConfig:
             forward: of Encode requests (a Whisper window counts its 1500
             encoder positions; a text source its tokens) and, for
             encoder-only models, of Embed / Rerank / Classify inputs. 0 (the
-            default) picks by ``device``: ``CPU_MAX_BATCH_TOKENS`` (2 Whisper
-            windows) on the CPU, ``CUDA_MAX_BATCH_TOKENS`` (8) on a GPU.
+            default) picks by ``device`` when the config is built:
+            ``CPU_MAX_BATCH_TOKENS`` (2 Whisper windows) on the CPU,
+            ``CUDA_MAX_BATCH_TOKENS`` (8) on a GPU (a ``dataclasses.replace``
+            of the device keeps the number already picked).
         max_inputs_per_request: encoder-only models: most inputs (or rerank
             documents) in one request; more get RESOURCE_EXHAUSTED.
         kv_transport: comma-separated cross-KV transports this encoder accepts
@@ -115,8 +118,10 @@ class EncoderServiceConfig:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if not (self.batch_wait_ms >= 0 and self.max_batch_wait_ms >= 0):  # also refuses NaN
             raise ValueError(f"batch_wait_ms and max_batch_wait_ms must be >= 0, got {self.batch_wait_ms} and {self.max_batch_wait_ms}")
-        if self.max_batch_tokens < 1 or self.max_inputs_per_request < 1:
-            raise ValueError("max_batch_tokens and max_inputs_per_request must be >= 1 (max_batch_tokens 0: by device)")
+        if self.max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens must be >= 1, or 0 for the device's default; got {self.max_batch_tokens}")
+        if self.max_inputs_per_request < 1:
+            raise ValueError(f"max_inputs_per_request must be >= 1, got {self.max_inputs_per_request}")
         _check_quantize(self.quantize)
 
 

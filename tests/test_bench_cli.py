@@ -106,3 +106,16 @@ def test_median_run_is_the_middle_wall_time():
     assert median_run([(3.0, "a"), (1.0, "b"), (2.0, "c")]) == (2.0, "c")
     assert median_run([(4.0, "a"), (1.0, "b"), (2.0, "c"), (3.0, "d")]) == (2.0, "c")  # the lower middle
     assert median_run([(5.0, "x")]) == (5.0, "x")
+
+
+@pytest.mark.parametrize("bench", ["whisper", "seq2seq"])
+def test_repeats_must_be_a_positive_count(bench, capsys):
+    from shared.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["bench", bench]).repeats == 3
+    assert parser.parse_args(["bench", bench, "--repeats", "5"]).repeats == 5
+    for bad, message in (("0", "must be >= 1, got 0"), ("-2", "must be >= 1, got -2"), ("x", "expected a whole number >= 1, got 'x'")):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["bench", bench, "--repeats", bad])
+        assert message in capsys.readouterr().err

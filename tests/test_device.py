@@ -87,8 +87,10 @@ def test_encoder_batch_token_budget_defaults_by_device():
     assert EncoderServiceConfig(device="cuda:1").max_batch_tokens == CUDA_MAX_BATCH_TOKENS == 12288
     assert EncoderServiceConfig(max_batch_tokens=12288).max_batch_tokens == 12288  # an explicit budget stays
     assert config_from(EncoderServiceConfig, env={"ENCDEC_MAX_BATCH_TOKENS": "0", "ENCDEC_DEVICE": "cuda"}).max_batch_tokens == 12288
-    with pytest.raises(ValueError, match=r"max_batch_tokens and max_inputs_per_request must be >= 1 \(max_batch_tokens 0: by device\)"):
+    with pytest.raises(ValueError, match=r"max_batch_tokens must be >= 1, or 0 for the device's default; got -1"):
         EncoderServiceConfig(max_batch_tokens=-1)
+    with pytest.raises(ValueError, match=r"max_inputs_per_request must be >= 1, got 0"):
+        EncoderServiceConfig(max_inputs_per_request=0)
 
 
 def test_device_from_env_and_flag():

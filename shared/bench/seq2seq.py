@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 from shared.bench.seq2seq_checkpoints import SHAPES, build_checkpoint, source_ids
-from shared.bench.table import markdown_table, median_run, write_json
+from shared.bench.table import markdown_table, median_run, positive_int, write_json
 
 COLUMNS = ["model", "system", "mode", "requests", "tokens", "wall s", "tokens/s", "x best batched", "same as HF"]
 DEFAULT_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "encdec-serve", "bench")
@@ -61,7 +61,7 @@ def add_arguments(p) -> None:
     p.add_argument("--skip-ct2", action="store_true", help="skip CTranslate2 (needs the [bench] extra)")
     p.add_argument("--skip-hf-sequential", action="store_true", help="skip the (slow) one-at-a-time HF and CT2 runs")
     p.add_argument("--int8", action="store_true", help="also run CTranslate2 int8 and our --quantize int8")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs of each batched system; the median is reported")
+    p.add_argument("--repeats", type=positive_int, default=3, help="timed runs of each batched system; the median is reported")
     p.add_argument("--stream-intervals", default="1,16",
                    help="our decoder's --stream-interval values, comma-separated: one row each (int8: the first only)")
     p.add_argument("--json", default=None, help="also write the results here")
