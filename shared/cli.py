@@ -69,7 +69,7 @@ def _up(args: argparse.Namespace) -> int:
               f"redis at {services.redis_url}. Ctrl-C stops all.", flush=True)
         while not stop and all(p.poll() is None for p in services.procs):
             time.sleep(0.5)
-        dead = [f"{name} (exit code {proc.returncode})" for name, (proc, _, _) in services._named.items() if proc.poll() is not None]
+        dead = [f"{name} (exit code {code})" for name, code in services.exited().items()]
         if dead and not stop:
             print(f"encdec: error: {', '.join(dead)} stopped; stopping the rest (its log says why)", file=sys.stderr, flush=True)
         print("stopping ...", flush=True)

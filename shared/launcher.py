@@ -145,9 +145,21 @@ class Services:
         self._named[name] = (proc, args, address)
         return proc
 
+    def process(self, name: str) -> subprocess.Popen:
+        """The last process started as the ``encoder`` or ``decoder`` (running or exited).
+
+        Raises:
+            KeyError: no service of that name was started.
+        """
+        return self._named[name][0]
+
+    def exited(self) -> dict[str, int]:
+        """``{name: exit code}`` of the services whose last process is no longer running."""
+        return {name: proc.returncode for name, (proc, _, _) in self._named.items() if proc.poll() is not None}
+
     def kill(self, name: str, sig: int = signal.SIGKILL, timeout_s: float = 15.0) -> None:
         """Sends ``sig`` (default SIGKILL: a crash) to the ``encoder`` or ``decoder`` process and waits for it to exit."""
-        proc = self._named[name][0]
+        proc = self.process(name)
         if proc.poll() is None:
             proc.send_signal(sig)
         proc.wait(timeout=timeout_s)
@@ -195,9 +207,9 @@ class Services:
                     return self
                 except ServicesError:
                     # Only a service on a port picked here starts again on another; a fixed port stays an error.
-                    lost_auto_port = any(self._named[name][0].poll() == BIND_ERROR_EXIT
-                                         for name, auto in (("encoder", auto_encoder), ("decoder", auto_decoder))
-                                         if auto and name in self._named)
+                    exited = self.exited()
+                    lost_auto_port = any(exited.get(name) == BIND_ERROR_EXIT
+                                         for name, auto in (("encoder", auto_encoder), ("decoder", auto_decoder)) if auto)
                     if not lost_auto_port or attempt == BIND_ATTEMPTS:
                         raise
                     stop_processes(self.procs)

@@ -57,7 +57,7 @@ def services(redis_url, tmp_path):
 
 
 def test_sigterm_drains_running_requests_and_refuses_new_ones(services, redis_url):
-    decoder = services._named["decoder"][0]
+    decoder = services.process("decoder")
     long_id, short_id = f"drain-long-{uuid.uuid4().hex[:8]}", f"drain-short-{uuid.uuid4().hex[:8]}"
     out: dict = {}
     with grpc.insecure_channel(services.decoder_address) as channel:
@@ -112,7 +112,7 @@ def test_requests_cut_while_parsing_or_encoding_get_the_shutdown_status(redis_ur
             errors[request_id] = exc
 
     with _services(redis_url, tmp_path, 0) as svc, grpc.insecure_channel(svc.decoder_address) as channel:
-        decoder = svc._named["decoder"][0]
+        decoder = svc.process("decoder")
         stub = decoder_pb2_grpc.DecoderServiceStub(channel)
         threads = [threading.Thread(target=call, args=(stub, i, pcm)) for i, pcm in zip(ids, clips, strict=True)]
         for t in threads:

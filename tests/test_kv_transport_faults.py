@@ -98,7 +98,7 @@ def test_encoder_fault_fails_request_and_frees_blocks(services, hf_whisper_token
     if fault == "frozen" and services.transport != "torch_dist":
         pytest.skip("the timeout path is the same for shm; run it once")
     channel, stub = stub_for(services)
-    encoder = services._named["encoder"][0]
+    encoder = services.process("encoder")
     with channel:
         baseline = assert_all_blocks_free(stub)
         if fault == "frozen":  # the decoder's channel is up, as in service: Encode itself then runs out of time
@@ -129,7 +129,7 @@ def test_encoder_fault_fails_request_and_frees_blocks(services, hf_whisper_token
 
 
 def test_restarted_decoder_is_re_attached(services, hf_whisper_tokens):
-    encoder_pid = services._named["encoder"][0].pid
+    encoder_pid = services.process("encoder").pid
     channel, stub = stub_for(services)
     with channel:
         generate(stub, "short.wav", max_tokens=2)  # the encoder maps / pairs with this decoder instance
@@ -140,7 +140,7 @@ def test_restarted_decoder_is_re_attached(services, hf_whisper_tokens):
         tokens = generate(stub, "short.wav")
         assert tokens[:-1] == hf_whisper_tokens["short.wav"]
         assert_all_blocks_free(stub)
-    assert services._named["encoder"][0].pid == encoder_pid  # the same encoder re-attached
+    assert services.process("encoder").pid == encoder_pid  # the same encoder re-attached
 
 
 def _direct_encode(services, target, block_ids: list[int], transfer_id: int = 0):
