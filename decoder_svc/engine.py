@@ -149,6 +149,8 @@ class DecoderEngine:
                                getattr(gen, "forced_bos_token_id", None), getattr(gen, "forced_eos_token_id", None))
         self.model_runner = ModelRunner(model, cross_kv_cache, num_self_blocks, block_size, self.sampler, attention_backend)
         self.groups: dict[str, _Group] = {}  # request id -> its samples / beams (n > 1 or num_beams > 1)
+        self.num_model_steps = 0  # steps that ran the model (a batch of >= 1 sequence)
+        self.num_step_sequences = 0  # sequences over those steps (their mean batch = this / num_model_steps)
 
     def add_request(
         self,
@@ -221,6 +223,9 @@ class DecoderEngine:
         """One engine iteration: schedule, run the decoder, append tokens and stream them."""
         so = self.scheduler.schedule()
         token_ids = self.model_runner.execute_model(so)
+        if so.scheduled_seqs:
+            self.num_model_steps += 1
+            self.num_step_sequences += len(so.scheduled_seqs)
         logprobs = self.sampler.take_logprobs()
         extra = self.sampler.take_extra_samples()
         beam_logprobs = self.sampler.take_beam_logprobs()
@@ -427,4 +432,6 @@ class DecoderEngine:
             "num_free_cross_blocks": bm.num_free_cross_blocks,
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
+            "num_model_steps": self.num_model_steps,
+            "num_step_sequences": self.num_step_sequences,
         }

@@ -62,6 +62,11 @@ class _EngineCollector(Collector):
             total.add_metric([group], s[f"num_{group}_blocks"])
         yield free
         yield total
+        yield CounterMetricFamily("encdec_decoder_model_steps", "Engine steps that ran the model (decode or prefill)",
+                                  s["num_model_steps"])
+        yield CounterMetricFamily("encdec_decoder_step_sequences",
+                                  "Sequences over all model steps (mean batch = this / encdec_decoder_model_steps)",
+                                  s["num_step_sequences"])
         sched = self._scheduler
         yield CounterMetricFamily("encdec_decoder_num_preemptions", "Recompute preemptions since start", sched.num_preemptions)
         yield CounterMetricFamily(
@@ -111,11 +116,13 @@ class DecoderMetrics:
 
     def watch_engine(self, stats: Callable[[], dict], scheduler) -> None:
         """Exposes the engine's running / waiting sequences, free and total blocks per group,
-        preemptions and encoder-cache hits / entries, read at scrape time.
+        model steps and the sequences they ran (mean batch size), preemptions and
+        encoder-cache hits / entries, read at scrape time.
 
         Args:
             stats: ``DecoderEngine.stats`` (keys ``num_running``, ``num_waiting``,
-                ``num_{self,cross}_blocks``, ``num_free_{self,cross}_blocks``).
+                ``num_{self,cross}_blocks``, ``num_free_{self,cross}_blocks``,
+                ``num_model_steps``, ``num_step_sequences``).
             scheduler: the ``decoder_svc.scheduler.Scheduler`` (``num_preemptions``,
                 ``encoder_cache``).
         """

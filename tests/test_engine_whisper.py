@@ -174,7 +174,8 @@ def test_abort_capacity_and_validation(setup):
     s = engine.stats()
     assert s == {"block_size": BLOCK, "num_self_blocks": 8, "num_free_self_blocks": 8,
                  "num_cross_blocks": 2 * CROSS_PER_REQ, "num_free_cross_blocks": 2 * CROSS_PER_REQ,
-                 "num_running": 0, "num_waiting": 0}
+                 "num_running": 0, "num_waiting": 0,
+                 "num_model_steps": 1, "num_step_sequences": 2}  # the step that only handed out to_encode ran no model
     assert not engine.has_unfinished_requests()
     with pytest.raises(ValueError, match="cross_kv_cache shape"):
         DecoderEngine(model, tokenizer, cross[..., :32], 8, BLOCK)

@@ -93,6 +93,8 @@ def test_services_expose_request_latency_kv_and_encoder_metrics(services):
         assert d[("encdec_decoder_kv_blocks", (("group", group),))] == total
         assert d[("encdec_decoder_kv_free_blocks", (("group", group),))] == total  # everything freed
     assert d[("encdec_decoder_num_preemptions_total", ())] == 0
+    # One after the other, each request alone in its steps: one model step per generated token.
+    assert d[("encdec_decoder_model_steps_total", ())] == d[("encdec_decoder_step_sequences_total", ())] == sum(tokens)
     assert stats.max_concurrent_requests == 16  # default pools: max_num_seqs (16) max-length requests
 
     e = scrape(ports["encoder"])
