@@ -149,6 +149,7 @@ class DecoderEngine:
                                getattr(gen, "forced_bos_token_id", None), getattr(gen, "forced_eos_token_id", None))
         self.model_runner = ModelRunner(model, cross_kv_cache, num_self_blocks, block_size, self.sampler, attention_backend)
         self.groups: dict[str, _Group] = {}  # request id -> its samples / beams (n > 1 or num_beams > 1)
+        self.num_encoded = 0  # successful mark_encoded calls (the engine loop's holds watch it for encoder progress)
         self.num_model_steps = 0  # steps that ran the model (a batch of >= 1 sequence)
         self.num_step_sequences = 0  # sequences over those steps (their mean batch = this / num_model_steps)
 
@@ -380,6 +381,7 @@ class DecoderEngine:
         if request_id not in self.scheduler.encoding:
             return False
         self.scheduler.mark_encoded(request_id)
+        self.num_encoded += 1
         return True
 
     def abort(self, request_id: str) -> bool:
@@ -408,6 +410,11 @@ class DecoderEngine:
     def num_encoding(self) -> int:
         """Requests waiting for the encoder to write their cross KV (see ``mark_encoded``)."""
         return self.scheduler.num_encoding
+
+    @property
+    def num_ready(self) -> int:
+        """Sequences a model step could take now: running, or encoded and waiting for a seat / self blocks."""
+        return self.scheduler.num_running + len(self.scheduler.waiting)
 
     def is_encoding(self, request_id: str) -> bool:
         """True while ``request_id`` waits for the encoder to write its cross KV."""

@@ -9,20 +9,31 @@ event-loop threads trade the GIL 32 times a step at batch 32).
 
 **Decode hold.** While some request waits for its cross KV (handed to the
 encoder, not yet marked encoded), the loop holds model steps for at most
-``max_decode_hold_s`` (new requests still go to the encoder meanwhile). A
-hold that runs out does not come back for the requests it waited on (an
-Encode that hangs until ``encode_timeout_s`` pauses the others once, not
-every step), and no new hold starts within ``max_decode_hold_s`` of its end
-(a steady stream of arrivals, always one encoding, leaves running sequences
-at least half the time instead of one step per hold). Like TGI's router,
-which pauses running requests to prefill a queue of new ones (its
-``waiting_served_ratio``), this trades a bounded pause of running
-sequences for throughput: a burst of requests starts decoding in one batch
-instead of staggered, and where the encoder shares the decoder's cores
-(CPU, or one GPU) it gets them while it encodes. Measured on 2 CPU cores,
-32 t5-small requests at once: without it, 1.1-1.4 s went by with decode
-steps of 1-30 sequences racing the encoder and the last requests finished
-1.0-1.4 s after the first. 0 turns it off.
+``max_decode_hold_s`` (new requests still go to the encoder meanwhile). The
+hold's clock starts when some sequence could step (a wait while every
+request is still encoding pauses no one). Like TGI's router, which pauses
+running requests to prefill a queue of new ones (its ``waiting_served_ratio``
+and ``max_waiting_tokens``), this trades a bounded pause of running
+sequences for throughput: a burst of requests decodes in a few wide steps
+instead of many narrow ones, and where the encoder shares the decoder's
+cores (CPU, or one GPU) it gets them while it encodes.
+
+When a hold runs out, what happens next depends on whether the encoder
+delivered during it:
+
+- **Some request arrived** (the encoder is working through a burst): the requests still encoding may hold again after
+  ``hold_gap_steps`` model steps (TGI's ``max_waiting_tokens`` default, 20),
+  so running sequences get at least that many tokens between pauses.
+- **None arrived** (an Encode that hangs until ``encode_timeout_s``): those
+  requests hold no more steps (they pause the others once, not every step),
+  and no new hold starts within ``max_decode_hold_s`` of its end.
+
+Measured on 2 CPU cores: 32 t5-small requests at once, without a hold,
+spent 1.1-1.4 s with decode steps of 1-30 sequences racing the encoder and
+the last requests finished 1.0-1.4 s after the first; 16 Whisper clips at
+once, whose encodes take ~4.4 s in 2-clip batches, ran ~180 decode steps of
+1.5 sequences on average when only the first hold could wait (see
+docs/benchmarks.md for the numbers with re-holds). 0 turns holds off.
 """
 
 from __future__ import annotations
@@ -41,6 +52,7 @@ from shared.compute_thread import use_threads
 log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.5
+HOLD_GAP_STEPS = 20  # model steps between two holds of a burst: TGI's max_waiting_tokens default
 
 
 class EngineLoop:
@@ -58,6 +70,8 @@ class EngineLoop:
             (``shared.compute_thread``); None keeps the process setting.
         max_decode_hold_s: longest hold of model steps while requests wait
             for their cross KV (seconds; see the module docstring); 0 = never hold.
+        hold_gap_steps: model steps between a hold that ran out while the
+            encoder delivered and the next hold (>= 0).
     """
 
     def __init__(
@@ -69,6 +83,7 @@ class EngineLoop:
         on_step_error: Callable[[BaseException], None],
         num_threads: int | None = None,
         max_decode_hold_s: float = 0.0,
+        hold_gap_steps: int = HOLD_GAP_STEPS,
     ) -> None:
         self.engine = engine
         self._loop = loop
@@ -77,8 +92,11 @@ class EngineLoop:
         self._on_step_error = on_step_error
         self._num_threads = num_threads
         self.max_decode_hold_s = max_decode_hold_s
-        self._unheld: set[str] = set()  # handed to the encoder, not yet waited on by a hold that ran out
-        self._no_hold_until = 0.0  # monotonic time before which no new hold starts (after one ran out)
+        self.hold_gap_steps = hold_gap_steps
+        self._unheld: set[str] = set()  # handed to the encoder, not yet spent by a hold that ran out with no arrival
+        self._encoded_at_hold = 0  # engine.num_encoded when the current hold's clock started
+        self._no_hold_until = 0.0  # monotonic time before which no new hold starts (after one ran out with no arrival)
+        self._gap_steps = 0  # model steps to run before the next hold (after one ran out while the encoder delivered)
         self._commands: queue.Queue[tuple[Callable[[], Any], Future] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
@@ -122,24 +140,35 @@ class EngineLoop:
             self._on_output(output)
 
     def _hold_left(self, hold_until: float | None) -> tuple[float, float | None]:
-        """(seconds this hold may still last, its end): 0 when the next step should run.
+        """(seconds to hold model steps now, the hold's end): 0 when the next step should run.
 
-        A hold that runs out spends its requests (see the module docstring): the
-        next one needs a request handed to the encoder since, and waits
-        ``max_decode_hold_s`` after the end of the one that ran out.
+        The end is None while no hold runs, or while one waits with nothing
+        ready to step (its clock has not started). A hold that runs out with
+        no arrival spends its requests; one that runs out after an arrival
+        asks for ``hold_gap_steps`` model steps first (see the module docstring).
         """
-        if self.max_decode_hold_s <= 0 or self.engine.num_encoding == 0:
+        engine = self.engine
+        if self.max_decode_hold_s <= 0 or engine.num_encoding == 0:
             self._unheld.clear()
             return 0.0, None
         now = time.monotonic()
         if hold_until is None:
-            self._unheld = {rid for rid in self._unheld if self.engine.is_encoding(rid)}
+            self._unheld = {rid for rid in self._unheld if engine.is_encoding(rid)}
             if not self._unheld or now < self._no_hold_until:
                 return 0.0, None
+            if engine.num_ready == 0:  # nothing could step anyway: this wait pauses no one
+                self._gap_steps = 0  # (the gap is for running sequences: none is left)
+                return IDLE_POLL_S, None
+            if self._gap_steps > 0:
+                return 0.0, None
             hold_until = now + self.max_decode_hold_s
-        if now >= hold_until:  # ran out: these requests hold no more steps
-            self._unheld.clear()
-            self._no_hold_until = now + self.max_decode_hold_s
+            self._encoded_at_hold = engine.num_encoded
+        if now >= hold_until:
+            if engine.num_encoded > self._encoded_at_hold:
+                self._gap_steps = self.hold_gap_steps  # the encoder delivers: the rest may hold again later
+            else:  # none arrived (a hung Encode?): these requests hold no more steps
+                self._unheld.clear()
+                self._no_hold_until = now + self.max_decode_hold_s
             return 0.0, None
         return hold_until - now, hold_until
 
@@ -160,6 +189,8 @@ class EngineLoop:
                 else:
                     out = self.engine.step()
                     hold_until = None
+                    if out.outputs and self._gap_steps > 0:
+                        self._gap_steps -= 1
             except Exception as exc:  # noqa: BLE001 - fail the requests, keep serving
                 log.exception("engine step failed")
                 self._loop.call_soon_threadsafe(self._on_step_error, exc)

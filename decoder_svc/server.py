@@ -193,7 +193,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
 
     def start(self) -> None:
         self.loop = EngineLoop(self.engine, asyncio.get_running_loop(), self._on_encode, self._on_output, self._on_step_error,
-                               self.num_threads, self.config.max_decode_hold_ms / 1000.0)
+                               self.num_threads, self.config.max_decode_hold_ms / 1000.0, self.config.decode_hold_gap_steps)
 
     async def close(self) -> None:
         self.loop.stop()

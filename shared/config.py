@@ -166,6 +166,10 @@ class DecoderServiceConfig:
             are held for at most this long before one runs (milliseconds), so
             a burst starts decoding together and the encoder gets the cores it
             shares with the decoder (``decoder_svc.engine_loop``); 0 = never hold.
+            The clock starts when some sequence could step.
+        decode_hold_gap_steps: when a hold ran out while the encoder delivered
+            (a long burst), the requests still encoding may hold again after
+            this many model steps (TGI's ``max_waiting_tokens``, default 20).
         stream_interval: Generate streams a message per new token (1, the default), or, for a
             larger value, merges a request's messages until this many new tokens are held: its first
             token and its finish are sent at once. Fewer messages cost less CPU on both ends on busy
@@ -231,6 +235,7 @@ class DecoderServiceConfig:
     kv_transfer_dtype: str = "float32"
     encode_timeout_s: float = 120.0
     max_decode_hold_ms: float = 1000.0
+    decode_hold_gap_steps: int = 20
     stream_interval: int = 1
     max_audio_s: float = 600.0
     num_threads: int = 0
@@ -272,6 +277,8 @@ class DecoderServiceConfig:
             raise ValueError("encode_timeout_s and max_audio_s must be > 0")
         if not self.max_decode_hold_ms >= 0:  # also refuses NaN
             raise ValueError(f"max_decode_hold_ms must be >= 0 (0 = never hold), got {self.max_decode_hold_ms}")
+        if self.decode_hold_gap_steps < 0:
+            raise ValueError(f"decode_hold_gap_steps must be >= 0, got {self.decode_hold_gap_steps}")
         _check_quantize(self.quantize)
         if self.attention_backend != "torch":
             from kernels.attention_backend import check_attention_backend  # imports torch: only off the default

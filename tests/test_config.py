@@ -20,3 +20,12 @@ def test_flag_wins_over_the_environment_and_errors_name_their_source():
     with pytest.raises(ValueError, match="stream_interval must be >= 1"):
         config_from(DecoderServiceConfig, None, {"ENCDEC_STREAM_INTERVAL": "0"})
     assert config_from(DecoderServiceConfig, None, {"REDIS_URL": "redis://h:1/0"}).redis_url == "redis://h:1/0"
+
+
+def test_decode_hold_settings_are_validated():
+    cfg = config_from(DecoderServiceConfig, None, {"ENCDEC_DECODE_HOLD_GAP_STEPS": "0", "ENCDEC_MAX_DECODE_HOLD_MS": "250"})
+    assert (cfg.decode_hold_gap_steps, cfg.max_decode_hold_ms) == (0, 250.0)
+    with pytest.raises(ValueError, match="decode_hold_gap_steps must be >= 0, got -1"):
+        config_from(DecoderServiceConfig, argparse.Namespace(decode_hold_gap_steps="-1"), {})
+    with pytest.raises(ValueError, match=r"max_decode_hold_ms must be >= 0 \(0 = never hold\), got nan"):
+        config_from(DecoderServiceConfig, None, {"ENCDEC_MAX_DECODE_HOLD_MS": "nan"})

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from decoder_svc.engine import DecoderEngine
-from decoder_svc.engine_loop import EngineLoop
+from decoder_svc.engine_loop import HOLD_GAP_STEPS, EngineLoop
 from shared.kv_transport import write_blocks
 from shared.models.registry import load_model, load_tokenizer
 from shared.sampling_params import SamplingParams
@@ -46,7 +46,7 @@ class RecordingLoop(EngineLoop):
 class Harness:
     """A RecordingLoop on a tiny T5 engine: ``steps`` holds each step's output request ids."""
 
-    def __init__(self, t5, max_decode_hold_s: float) -> None:
+    def __init__(self, t5, max_decode_hold_s: float, hold_gap_steps: int = HOLD_GAP_STEPS) -> None:
         model, tokenizer, self.kv = t5
         c = model.config
         self.cross = torch.zeros(c.decoder_layers, 2, 16, BLOCK, c.num_heads, c.head_dim)
@@ -56,7 +56,7 @@ class Harness:
         self.finished: set[str] = set()
         self.errors: list[BaseException] = []
         self.loop = RecordingLoop(self.engine, asyncio.get_running_loop(), self._on_encode, self._on_output, self.errors.append,
-                                  num_threads=1, max_decode_hold_s=max_decode_hold_s)
+                                  num_threads=1, max_decode_hold_s=max_decode_hold_s, hold_gap_steps=hold_gap_steps)
         self.loop.steps = self.steps  # before any request exists, so before any step
 
     def _on_encode(self, request_id: str, block_ids: list[int]) -> None:
@@ -159,6 +159,49 @@ def test_a_hold_that_ran_out_does_not_come_back_for_the_same_encode(t5):
             assert asyncio.get_running_loop().time() - start < 1.0 + (NEW - 1) / 2
             assert len(h.steps) == NEW and not h.errors
             assert await h.loop.call(h.engine.abort, "b")
+        finally:
+            h.loop.stop()
+
+    run(main())
+
+
+def test_the_hold_clock_starts_when_a_sequence_could_step(t5):
+    """A wait while every request still encodes pauses no one: it does not use up the hold."""
+    async def main():
+        h = Harness(t5, max_decode_hold_s=1.0)
+        try:
+            await h.add("a")
+            await h.add("b")
+            await asyncio.sleep(1.3)  # longer than the hold, with nothing ready to step
+            await h.encode("a")  # the clock starts here ...
+            await asyncio.sleep(0.3)
+            assert h.steps == []  # ... so "a" still waits for "b"
+            await h.encode("b")
+            await h.until(lambda: h.finished == {"a", "b"})
+            assert all(sorted(s) == ["a", "b"] for s in h.steps) and len(h.steps) == NEW and not h.errors
+        finally:
+            h.loop.stop()
+
+    run(main())
+
+
+def test_a_hold_that_ran_out_while_the_encoder_delivered_comes_back_after_the_gap(t5):
+    """The encoder works through a burst (an arrival during the hold): after hold_gap_steps model
+    steps, the requests still encoding hold the running ones again."""
+    async def main():
+        h = Harness(t5, max_decode_hold_s=1.0, hold_gap_steps=2)
+        try:
+            for rid in ("a", "b", "c"):
+                await h.add(rid)
+            await h.encode("a")  # the clock starts
+            await asyncio.sleep(0.2)
+            await h.encode("b")  # an arrival during the hold; "c" still encodes when it runs out
+            await h.until(lambda: len(h.steps) >= 2)
+            await asyncio.sleep(0.3)
+            assert [sorted(s) for s in h.steps] == [["a", "b"]] * 2  # the gap's two steps, then a new hold
+            await h.encode("c")  # ends that hold: all three step together
+            await h.until(lambda: h.finished == {"a", "b", "c"})
+            assert sorted(h.steps[2]) == ["a", "b", "c"] and len(h.steps) == NEW + 2 and not h.errors
         finally:
             h.loop.stop()
 
