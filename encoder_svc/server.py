@@ -113,12 +113,7 @@ def run(config: EncoderServiceConfig) -> None:
     apply_quantization(model, config.quantize, "encoder")  # CPU only (the config refuses int8 on CUDA)
     model.to(device)
     log.info("encoder model %s on %s (%s)", config.model, device, config.dtype)
-    max_batch_size = config.max_batch_size
-    if config.quantize == "int8" and max_batch_size > 1:
-        # Dynamic int8 scales activations per tensor: a batch companion would change this
-        # request's encoder output. One request per forward keeps results per request.
-        log.info("int8 encoder: encoding one request per forward (was max_batch_size=%d)", max_batch_size)
-        max_batch_size = 1
+    max_batch_size = config.max_batch_size  # int8 too: its activation scales are per row (shared.models.quantize)
     writer = WriterSet(
         [t.strip() for t in config.kv_transport.split(",") if t.strip()],
         {"torch_dist": dict(backend=config.kv_dist_backend, device=config.kv_device, timeout_s=config.kv_transfer_timeout_s)},

@@ -182,8 +182,9 @@ class DecoderServiceConfig:
             (``decoder_svc.inputs.RequestInput.windows``). Default 600 s (10 min,
             20 windows; 38 MB of float32 PCM, within the 64 MiB gRPC message limit).
         num_threads: torch intra-op threads; 0 keeps torch's default.
-        quantize: ``none`` or ``int8`` (opt-in dynamic int8 decoder weights and
-            output projection, see ``shared.models.quantize``).
+        quantize: ``none`` or ``int8`` (opt-in int8 decoder weights and output
+            projection with per-token activation scales, Whisper models; see
+            ``shared.models.quantize``).
         kv_cache_memory: memory for both KV cache groups: bytes (``2GiB``,
             ``512MB``, ``1073741824``) or a fraction of the memory free after the
             model is loaded (``0.3`` or ``30%``; RAM on CPU, GPU memory on a
@@ -361,7 +362,7 @@ def _check_model_device(device: str, dtype: str, quantize: str) -> None:
         raise ValueError(f"dtype {dtype} is for CUDA devices (half-precision matmuls on the CPU are slow and lose "
                          "accuracy): set device cuda, or dtype float32 (or quantize int8 on the CPU)")
     if quantize != "none" and is_cuda(device):
-        raise ValueError(f"quantize {quantize} is CPU dynamic quantization (fbgemm kernels): on device {device!r} "
+        raise ValueError(f"quantize {quantize} is CPU dynamic quantization (torch._int_mm on the CPU): on device {device!r} "
                          "use quantize none (dtype float16 or bfloat16 halves the weights on a GPU)")
 
 

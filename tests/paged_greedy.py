@@ -70,6 +70,7 @@ def paged_greedy_decode(
     max_new_tokens: int | None = None,
     stagger: int = 0,
     seed: int = 0,
+    scores: list[list[torch.Tensor]] | None = None,
 ) -> list[list[int]]:
     """Greedy-decode a batch of clips together through the paged decoder.
 
@@ -82,6 +83,8 @@ def paged_greedy_decode(
         stagger: sequence ``b`` joins at step ``b * stagger``, so prefill and
             decode steps mix in one batch.
         seed: shuffles the block free lists.
+        scores: if given, filled with each clip's logits rows (``[V]``
+            float32, suppressed tokens at ``-inf``), one per generated token.
 
     Returns:
         Generated ids of each clip, without the prompt and without the end token
@@ -115,6 +118,8 @@ def paged_greedy_decode(
     suppress = torch.tensor(g.suppress_tokens, dtype=torch.long)
     begin_suppress = torch.tensor(g.begin_suppress_tokens, dtype=torch.long)
 
+    if scores is not None:
+        scores[:] = [[] for _ in seqs]
     step = 0
     while not all(s.done for s in seqs):
         running = [s for s in seqs if not s.done and s.start_step <= step]
@@ -134,6 +139,8 @@ def paged_greedy_decode(
             if len(s.tokens) == s.prompt_len:
                 logits[row, begin_suppress] = -float("inf")
             tok = int(logits[row].argmax())
+            if scores is not None:
+                scores[seqs.index(s)].append(logits[row].clone())
             s.tokens.append(tok)
             n_gen = len(s.tokens) - s.prompt_len
             if tok == g.eos_token_id or n_gen >= max_new:

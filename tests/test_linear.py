@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.models.linear import CHUNK, SMALL_ROWS, Linear, linear
-from shared.models.quantize import _as_plain_linears
+from shared.models.quantize import Int8Linear, _to_int8_linears
 
 
 @pytest.mark.parametrize("rows", [1, 3, SMALL_ROWS, SMALL_ROWS + 1, 200])
@@ -42,4 +42,6 @@ def test_module_keeps_nn_linear_state_dict_and_quantizes():
     ours.load_state_dict(plain.state_dict())
     x = torch.randn(5, 16)
     torch.testing.assert_close(ours(x), plain(x), atol=1e-5, rtol=1e-5)
-    assert type(_as_plain_linears(nn.Sequential(ours))[0]) is nn.Linear  # what torch's dynamic int8 swaps
+    model = nn.Sequential(ours)
+    _to_int8_linears(model)  # what --quantize int8 swaps in
+    assert isinstance(model[0], Int8Linear)

@@ -185,5 +185,5 @@ def test_fused_residual_is_the_unfused_sum_bit_for_bit(activation, rows, out_fea
     many, r_many = torch.randn(MAX_ROWS + 1, in_features, generator=g), torch.randn(MAX_ROWS + 1, out_features, generator=g)
     assert torch.equal(linear_add(m, x, r), r + m(x))
     assert torch.equal(linear_add(m, many, r_many), r_many + m(many))  # prefill-sized: packed too
-    plain = nn.Linear(in_features, out_features)  # e.g. torch's int8 layers after shared.models.quantize
+    plain = nn.Linear(in_features, out_features)  # a layer that is not our Linear
     assert torch.equal(linear_add(plain, x, r), r + plain(x))

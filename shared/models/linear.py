@@ -80,9 +80,8 @@ class Linear(nn.Linear):
     """``nn.Linear`` whose forward is ``linear`` (same parameters, names and state dict).
 
     ``pack()`` adds a packed copy of the weight (``kernels.packed_linear``)
-    that float32 CPU inputs (``packed_rows``) then use. ``shared.models.quantize``
-    turns these back into plain ``nn.Linear`` before torch's dynamic int8
-    quantization, which matches exact types.
+    that float32 CPU inputs (``packed_rows``) then use. ``--quantize int8``
+    replaces these with ``shared.models.quantize.Int8Linear``.
     """
 
     packed: PackedWeight | None = None  # set by pack()
@@ -105,7 +104,7 @@ class Linear(nn.Linear):
 def linear_act(layer: nn.Module, x: torch.Tensor, name: str, act) -> torch.Tensor:
     """``act(layer(x))`` where ``act`` is HF's ``ACT2FN[name]``; ``relu`` and ``gelu`` (the exact one) go
     into a ``Linear``'s packed epilogue (float32 CPU inputs). Any other activation, or a layer that is no
-    longer our ``Linear`` (``shared.models.quantize`` swaps in torch's int8 ones), applies ``act`` after."""
+    longer our ``Linear`` (``shared.models.quantize`` swaps in its Int8Linear), applies ``act`` after."""
     if name in ACTIVATIONS and isinstance(layer, Linear):
         return layer(x, activation=name)
     return act(layer(x))
@@ -113,7 +112,7 @@ def linear_act(layer: nn.Module, x: torch.Tensor, name: str, act) -> torch.Tenso
 
 def linear_add(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """``residual + layer(x)`` (a residual connection); a ``Linear`` adds it in the packed kernel's epilogue on
-    float32 CPU inputs (no separate add: one op less per connection). Any other layer (torch's int8 ones swapped in by
+    float32 CPU inputs (no separate add: one op less per connection). Any other layer (the Int8Linear swapped in by
     ``shared.models.quantize``) adds after."""
     if isinstance(layer, Linear):
         return layer(x, residual=residual)
@@ -122,7 +121,7 @@ def linear_add(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tor
 
 def packed_product(layer: nn.Module) -> tuple[PackedWeight, torch.Tensor | None] | None:
     """``(packed weight, bias or None)`` of a packed ``Linear`` (what ``kernels.decode_layer.LayerWeights`` takes), or
-    None: not packed, or no longer our ``Linear`` (``shared.models.quantize`` swaps in torch's int8 ones)."""
+    None: not packed, or no longer our ``Linear`` (``shared.models.quantize`` swaps in its Int8Linear)."""
     if not isinstance(layer, Linear) or layer.packed is None:
         return None
     return layer.packed, layer.bias.detach() if layer.bias is not None else None
