@@ -416,6 +416,11 @@ class DecoderEngine:
         """Sequences a model step could take now: running, or encoded and waiting for a seat / self blocks."""
         return self.scheduler.num_running + len(self.scheduler.waiting)
 
+    @property
+    def num_to_prefill(self) -> int:
+        """Encoded sequences waiting for a step to take them (their first, or a recompute after preemption)."""
+        return len(self.scheduler.waiting)
+
     def is_encoding(self, request_id: str) -> bool:
         """True while ``request_id`` waits for the encoder to write its cross KV."""
         return request_id in self.scheduler.encoding

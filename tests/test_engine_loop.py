@@ -87,22 +87,26 @@ def run(coro):
     return asyncio.run(coro)
 
 
-def test_hold_starts_a_burst_together_and_dispatches_new_encodes(t5):
+def test_hold_pauses_running_sequences_until_a_burst_is_encoded(t5):
+    """Running sequences wait for the requests still encoding; each request's first step (its TTFT) runs at once."""
     async def main():
         h = Harness(t5, max_decode_hold_s=60.0)
         try:
             await h.add("a")
             await h.add("b")  # handed to the encoder although "a" holds the loop (dispatch_encodes)
             await h.encode("a")
+            await h.until(lambda: len(h.steps) == 1)  # "a"'s first token is not held ...
             await asyncio.sleep(0.3)
-            assert h.steps == []  # "a" is ready but "b" still encodes: no model step ran
+            assert h.steps == [["a"]]  # ... its next ones are, while "b" encodes
             await h.add("c")  # a new request still reaches the encoder during the hold
             await h.encode("b")
+            await h.until(lambda: len(h.steps) == 2)
+            await asyncio.sleep(0.3)
+            assert [sorted(s) for s in h.steps] == [["a"], ["a", "b"]]  # "b" started, then the hold went on for "c"
             await h.encode("c")
             await h.until(lambda: h.finished == {"a", "b", "c"})
-            assert sorted(h.steps[0]) == ["a", "b", "c"]  # the three started in one step ...
-            assert all(sorted(s) == ["a", "b", "c"] for s in h.steps)  # ... and finished together
-            assert len(h.steps) == NEW and not h.errors
+            assert all(sorted(s) == ["a", "b", "c"] for s in h.steps[2:NEW])  # the rest decoded together
+            assert len(h.steps) == NEW + 2 and not h.errors
         finally:
             h.loop.stop()
 
@@ -173,12 +177,12 @@ def test_the_hold_clock_starts_when_a_sequence_could_step(t5):
             await h.add("a")
             await h.add("b")
             await asyncio.sleep(1.3)  # longer than the hold, with nothing ready to step
-            await h.encode("a")  # the clock starts here ...
+            await h.encode("a")  # the clock starts here (and "a"'s first step runs) ...
             await asyncio.sleep(0.3)
-            assert h.steps == []  # ... so "a" still waits for "b"
+            assert h.steps == [["a"]]  # ... so "a" still waits for "b"
             await h.encode("b")
             await h.until(lambda: h.finished == {"a", "b"})
-            assert all(sorted(s) == ["a", "b"] for s in h.steps) and len(h.steps) == NEW and not h.errors
+            assert all(sorted(s) == ["a", "b"] for s in h.steps[1:NEW]) and len(h.steps) == NEW + 1 and not h.errors
         finally:
             h.loop.stop()
 
@@ -193,15 +197,16 @@ def test_a_hold_that_ran_out_while_the_encoder_delivered_comes_back_after_the_ga
         try:
             for rid in ("a", "b", "c"):
                 await h.add(rid)
-            await h.encode("a")  # the clock starts
+            await h.encode("a")  # the clock starts; "a"'s first step runs
             await asyncio.sleep(0.2)
-            await h.encode("b")  # an arrival during the hold; "c" still encodes when it runs out
-            await h.until(lambda: len(h.steps) >= 2)
+            await h.encode("b")  # an arrival during the hold (its first step runs); "c" still encodes when it runs out
+            await h.until(lambda: len(h.steps) >= 4)
             await asyncio.sleep(0.3)
-            assert [sorted(s) for s in h.steps] == [["a", "b"]] * 2  # the gap's two steps, then a new hold
-            await h.encode("c")  # ends that hold: all three step together
+            # the two first steps, the gap's two steps, then a new hold
+            assert [sorted(s) for s in h.steps] == [["a"], ["a", "b"], ["a", "b"], ["a", "b"]]
+            await h.encode("c")  # its first step ends that hold's pause: all three step together
             await h.until(lambda: h.finished == {"a", "b", "c"})
-            assert sorted(h.steps[2]) == ["a", "b", "c"] and len(h.steps) == NEW + 2 and not h.errors
+            assert sorted(h.steps[4]) == ["a", "b", "c"] and len(h.steps) == NEW + 4 and not h.errors
         finally:
             h.loop.stop()
 
