@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from shared.bench.table import format_number
+
 # The bar each bench plots, in order of preference (the first present in the rows).
 METRICS = {"whisper": ["tokens/s"], "seq2seq": ["tokens/s"], "embed": ["sentences/s"], "transfer": ["GB/s"]}
 ONLINE_METRICS = ["TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms"]
@@ -71,7 +73,7 @@ def plot_results(benches: dict[str, dict], path: str | Path) -> Path:
         ax.set_xlabel(unit)
         ax.set_title(name)
         for y, v in zip(ys, values):
-            ax.text(v, y, f" {v:.3g}", va="center", fontsize=7)
+            ax.text(v, y, " " + format_number(v), va="center", fontsize=7)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -7,12 +7,17 @@ import json
 from pathlib import Path
 
 
+def format_number(v: float) -> str:
+    """3 significant digits below 100, whole numbers from 100 on (no exponent: 1107, not 1.11e+03)."""
+    return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+
+
 def markdown_table(rows: list[dict], columns: list[str]) -> str:
-    """Rows (dicts) as a Markdown table; floats with 3 significant decimals."""
+    """Rows (dicts) as a Markdown table; floats through ``format_number``."""
 
     def fmt(v) -> str:
         if isinstance(v, float):
-            return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+            return format_number(v)
         return "" if v is None else str(v)
 
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
