@@ -111,6 +111,11 @@ class EngineLoop:
         self._commands.put((lambda: fn(*args, **kwargs), fut))
         return await asyncio.wrap_future(fut)
 
+    def release_hold(self, request_id: str) -> None:
+        """Engine thread: ``request_id`` (cancelled or aborted while its Encode is in flight) holds no model step
+        any more; the server keeps its cross blocks until the encoder answers, but the others need not wait."""
+        self._unheld.discard(request_id)
+
     def stop(self) -> None:
         self._commands.put(None)
         self._thread.join(timeout=10)
@@ -158,8 +163,10 @@ class EngineLoop:
             self._unheld.clear()
             return 0.0, None
         now = time.monotonic()
+        self._unheld = {rid for rid in self._unheld if engine.is_encoding(rid)}
+        if hold_until is not None and not self._unheld:  # what this hold waited for was encoded or released
+            return 0.0, None
         if hold_until is None:
-            self._unheld = {rid for rid in self._unheld if engine.is_encoding(rid)}
             if not self._unheld or now < self._no_hold_until:
                 return 0.0, None
             if engine.num_ready == 0:  # nothing could step anyway: this wait pauses no one

@@ -491,6 +491,8 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         if active.encoding is not None and not active.encoding.done() and not self.cutting:
             # The encoder may still write into the reserved cross blocks: keep them until it answers. (Shutting
             # down, no request can get them again: every running one is being ended and new ones are refused.)
+            # The running requests no longer wait for this one (decode hold).
+            await self.loop.call(self.loop.release_hold, request_id)
             await asyncio.wait([active.encoding])
         await self.loop.call(self.engine.abort, request_id)
         self.active.pop(request_id, None)

@@ -96,8 +96,8 @@ def run(config: DecoderServiceConfig) -> None:
     model.to(device)  # before the KV pools are sized: a fractional kv_cache_memory sees the weights' memory taken
     if config.quantize == "none" and (packed := model.pack_decode_weights()):  # CPU float32: kernels/packed_linear.py
         log.info("decode-step weights packed for the CPU kernel (+%.0f MB)", packed / 2**20)
-    log.info("decoder model %s on %s (%s), attention %s, stream interval %d", config.model, device, config.dtype,
-             config.attention_backend, config.stream_interval)
+    log.info("decoder model %s on %s (%s%s), attention %s, stream interval %d", config.model, device, config.dtype,
+             ", int8 linears" if config.quantize == "int8" else "", config.attention_backend, config.stream_interval)
     store = RequestStateStore(config.redis_url)
     store.ping()
     engine, pool = build_engine(config, model)

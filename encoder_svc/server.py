@@ -106,13 +106,16 @@ def run(config: EncoderServiceConfig) -> None:
     threads = single_threaded_main(config.num_threads)  # loading stays on one thread; the batcher thread gets these
     device = resolve_device(config.device)  # ValueError (a clear one) when the GPU is missing
     if is_encoder_only(config.model):  # BERT family: EmbedService instead of Encode
+        if config.quantize != "none":
+            raise ValueError(f"quantize {config.quantize} is for Whisper models only; the Embed service runs "
+                             f"{config.model} in {config.dtype}: use quantize none")
         from encoder_svc.embed_servicer import run_embed
 
         return run_embed(config, threads)
     model = load_model(config.model, torch_dtype(config.dtype))
     apply_quantization(model, config.quantize, "encoder")  # CPU only (the config refuses int8 on CUDA)
     model.to(device)
-    log.info("encoder model %s on %s (%s)", config.model, device, config.dtype)
+    log.info("encoder model %s on %s (%s%s)", config.model, device, config.dtype, ", int8 linears" if config.quantize == "int8" else "")
     max_batch_size = config.max_batch_size  # int8 too: its activation scales are per row (shared.models.quantize)
     writer = WriterSet(
         [t.strip() for t in config.kv_transport.split(",") if t.strip()],

@@ -211,3 +211,24 @@ def test_a_hold_that_ran_out_while_the_encoder_delivered_comes_back_after_the_ga
             h.loop.stop()
 
     run(main())
+
+
+def test_a_released_request_holds_no_one(t5):
+    """A request cancelled while its Encode is in flight (the server keeps its blocks until the encoder answers,
+    ``release_hold``) stops pausing the running ones at once, not when the hold runs out."""
+    async def main():
+        h = Harness(t5, max_decode_hold_s=60.0)
+        try:
+            await h.add("a")
+            await h.add("b")  # its Encode never answers here
+            await h.encode("a")
+            await asyncio.sleep(0.3)
+            assert h.steps == [["a"]]  # held for "b"
+            await h.loop.call(h.loop.release_hold, "b")
+            await h.until(lambda: "a" in h.finished, timeout_s=10.0)
+            assert all(s == ["a"] for s in h.steps) and len(h.steps) == NEW and not h.errors
+            assert await h.loop.call(h.engine.abort, "b")
+        finally:
+            h.loop.stop()
+
+    run(main())

@@ -3,6 +3,10 @@ invariance."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from paged_greedy import paged_greedy_decode
@@ -61,6 +65,14 @@ def test_quantize_setting_is_validated():
         apply_quantization(torch.nn.Linear(2, 2), "int4", "decoder")
 
 
+@pytest.mark.parametrize("arch", ["t5", "bart"])
+def test_int8_is_refused_for_models_other_than_whisper(text_checkpoints, arch):
+    model = load_model(text_checkpoints[arch])
+    for side in ("encoder", "decoder"):
+        with pytest.raises(ValueError, match=r"quantize int8 is for Whisper models only, not .*: use quantize none"):
+            apply_quantization(model, "int8", side)
+
+
 def test_int8_linear_rows_do_not_depend_on_each_other():
     """Per-row activation scales and integer sums: a row's output is the same bit for bit alone or among rows of
     very different magnitudes (torch's dynamic quantization, one scale per tensor, fails this)."""
@@ -105,3 +117,12 @@ def test_int8_encoder_is_batch_invariant(whisper_model_dir, whisper_features):
         together = model.compute_cross_kv(model.encode(feats))  # [L, 2, B, S, H, Dh]
         for i in range(len(feats)):
             assert torch.equal(model.compute_cross_kv(model.encode(feats[i : i + 1]))[:, :, 0], together[:, :, i])
+
+
+def test_int8_embed_service_exits_with_the_reason():
+    """The Embed service (encoder-only models) has no int8 path: asking for one is an error, not silently fp32."""
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-m", "shared.cli", "serve-encoder", "--model", "all-MiniLM-L6-v2", "--quantize", "int8",
+                             "--port", "0", "--metrics-port", "0"], check=False, cwd=root, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "encdec: error: quantize int8 is for Whisper models only" in result.stderr, result.stderr[-2000:]

@@ -172,11 +172,16 @@ def apply_quantization(model: nn.Module, quantize: str, side: str) -> None:
     """``quantize`` ``none`` or ``int8``; ``side`` ``encoder`` or ``decoder``.
 
     Raises:
-        ValueError: unknown mode, or a model without the layers to quantize.
+        ValueError: unknown mode, or int8 on a model other than Whisper (the
+            only one whose int8 transcripts are checked against HF's).
     """
     if quantize not in SUPPORTED:
         raise ValueError(f"quantize must be one of {SUPPORTED}, got {quantize!r}")
     if quantize == "int8":
+        from shared.models.whisper import WhisperForConditionalGeneration
+
+        if not isinstance(model, WhisperForConditionalGeneration):
+            raise ValueError(f"quantize int8 is for Whisper models only, not {type(model).__name__}: use quantize none")
         (quantize_encoder_int8 if side == "encoder" else quantize_decoder_int8)(model)
         for module in model.modules():  # norms in torch: see the module docstring
             if hasattr(module, "use_kernel"):
