@@ -414,7 +414,7 @@ class DecoderEngine:
     @property
     def num_ready(self) -> int:
         """Sequences a model step could take now: running, or encoded and waiting for a seat / self blocks."""
-        return self.scheduler.num_running + len(self.scheduler.waiting)
+        return self.scheduler.num_running + self.num_to_prefill
 
     @property
     def num_to_prefill(self) -> int:

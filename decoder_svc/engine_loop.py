@@ -164,10 +164,10 @@ class EngineLoop:
             return 0.0, None
         now = time.monotonic()
         self._unheld = {rid for rid in self._unheld if engine.is_encoding(rid)}
-        if hold_until is not None and not self._unheld:  # what this hold waited for was encoded or released
+        if not self._unheld:  # nothing to wait for (a running hold's requests were encoded or released)
             return 0.0, None
         if hold_until is None:
-            if not self._unheld or now < self._no_hold_until:
+            if now < self._no_hold_until:
                 return 0.0, None
             if engine.num_ready == 0:  # nothing could step anyway: this wait pauses no one
                 self._gap_steps = 0  # (the gap is for running sequences: none is left)

@@ -38,8 +38,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shared.models.linear import Linear
-
 SUPPORTED = ("none", "int8")
 
 
