@@ -46,7 +46,7 @@ from decoder_svc.model_runner import ModelRunner
 from decoder_svc.sampler import Sampler, TokenLogprobs
 from decoder_svc.scheduler import CapacityError, Scheduler
 from decoder_svc.sequence import Sequence, sample_seq_id
-from shared.sampling_params import SamplingParams
+from decoder_svc.sampling_params import SamplingParams
 
 __all__ = ["CapacityError", "DecoderEngine", "RequestOutput", "StepOutput"]
 

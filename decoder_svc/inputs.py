@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shared.audio import decode_audio, pcm_to_array
+from decoder_svc.audio import decode_audio, pcm_to_array
 from shared.errors import InvalidRequestError
 
 SAMPLE_RATE = 16000
@@ -83,7 +83,7 @@ def parse_input(request, model, tokenizer, max_audio_s: float) -> RequestInput:
             model, undecodable audio, audio longer than ``max_audio_s`` (the
             message names its length and the limit), a source longer than the
             model's max source positions without ``truncate``, ids out of range.
-        shared.audio.AudioError: (a ``ValueError``, also INVALID_ARGUMENT)
+        decoder_svc.audio.AudioError: (a ``ValueError``, also INVALID_ARGUMENT)
             undecodable audio, or audio longer than ``max_audio_s`` judged
             from the header / sample count before decoding.
     """

@@ -50,7 +50,7 @@ import torch
 
 from decoder_svc.sequence import sample_seq_id
 from kernels.cpu_argmax import argmax_rows
-from shared.sampling_params import SamplingParams
+from decoder_svc.sampling_params import SamplingParams
 
 NEG_INF = -float("inf")
 

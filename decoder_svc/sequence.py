@@ -6,7 +6,7 @@ import enum
 import itertools
 import time
 
-from shared.sampling_params import SamplingParams
+from decoder_svc.sampling_params import SamplingParams
 
 _arrival_counter = itertools.count()
 

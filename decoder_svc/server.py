@@ -61,8 +61,8 @@ from shared.grpc_server import GRPC_OPTIONS, abort_with
 from shared.metrics import DecoderMetrics
 from shared.models.registry import model_names
 from shared.proto import decoder_pb2, decoder_pb2_grpc, encoder_pb2, encoder_pb2_grpc
-from shared.request_state import RequestExistsError, RequestState, RequestStateStore
-from shared.sampling_params import SamplingParams
+from decoder_svc.request_state import RequestExistsError, RequestState, RequestStateStore
+from decoder_svc.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

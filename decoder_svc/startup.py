@@ -21,7 +21,7 @@ from shared.metrics import start_metrics_server
 from shared.models.quantize import apply_quantization
 from shared.models.registry import load_model, load_tokenizer
 from shared.proto import decoder_pb2_grpc
-from shared.request_state import RequestStateStore
+from decoder_svc.request_state import RequestStateStore
 
 __all__ = ["KV_DTYPE_BYTES", "build_engine", "run"]
 

@@ -57,3 +57,32 @@ def load_library(kernel: str, declare: Callable[[ctypes.CDLL], None]) -> ctypes.
     supported.restype = ctypes.c_int
     declare(lib)
     return lib if supported() else None
+
+
+class CKernel:
+    """One kernel's handle on the library: ``library()`` with its functions declared, and ``is_available()``.
+
+    Each ``kernels/cpu_*.py`` wrapper makes one at import (nothing is opened until the
+    first call) instead of its own cached loader.
+
+    Args:
+        kernel: the name before ``_supported`` in the library (``argmax``, ``row_norm``...).
+        declare: sets ``argtypes`` / ``restype`` of the kernel's functions on the library.
+    """
+
+    def __init__(self, kernel: str, declare: Callable[[ctypes.CDLL], None]) -> None:
+        self._kernel = kernel
+        self._declare = declare
+        self._loaded = False
+        self._lib: ctypes.CDLL | None = None
+
+    def library(self) -> ctypes.CDLL | None:
+        """The library (loaded once; see ``load_library``), or None where it cannot run here."""
+        if not self._loaded:
+            self._lib = load_library(self._kernel, self._declare)
+            self._loaded = True
+        return self._lib
+
+    def is_available(self) -> bool:
+        """True if the compiled kernel is installed and this CPU has AVX2 and FMA."""
+        return self.library() is not None

@@ -11,11 +11,10 @@ Where the C library is not built, ``argmax_rows`` calls the reference.
 from __future__ import annotations
 
 import ctypes
-from functools import lru_cache
 
 import torch
 
-from kernels._clib import load_library
+from kernels._clib import CKernel
 
 __all__ = ["argmax_rows", "is_available"]
 
@@ -26,14 +25,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.argmax_rows.restype = ctypes.c_int
 
 
-@lru_cache(maxsize=1)
-def _library() -> ctypes.CDLL | None:
-    return load_library("argmax", _declare)
+_KERNEL = CKernel("argmax", _declare)
+_library = _KERNEL.library
+is_available = _KERNEL.is_available
 
-
-def is_available() -> bool:
-    """True if the compiled kernel is installed and this CPU has AVX2 and FMA."""
-    return _library() is not None
 
 
 def argmax_rows(x: torch.Tensor, num_threads: int | None = None) -> torch.Tensor:

@@ -16,12 +16,11 @@ tests/test_cpu_norm.py compares the two. Inference only: no autograd graph.
 from __future__ import annotations
 
 import ctypes
-from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
 
-from kernels._clib import load_library
+from kernels._clib import CKernel
 
 __all__ = ["is_available", "layer_norm", "reference_rms_norm", "rms_norm"]
 
@@ -32,14 +31,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.row_norm.restype = ctypes.c_int
 
 
-@lru_cache(maxsize=1)
-def _library() -> ctypes.CDLL | None:
-    return load_library("row_norm", _declare)
+_KERNEL = CKernel("row_norm", _declare)
+_library = _KERNEL.library
+is_available = _KERNEL.is_available
 
-
-def is_available() -> bool:
-    """True if the compiled kernel is installed and this CPU has AVX2 and FMA."""
-    return _library() is not None
 
 
 def _serves(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> bool:

@@ -24,11 +24,10 @@ and the reference runs. Inference only: no autograd.
 from __future__ import annotations
 
 import ctypes
-from functools import lru_cache
 
 import torch
 
-from kernels._clib import load_library
+from kernels._clib import CKernel
 from kernels.paged_attention import token_index
 
 __all__ = ["applies", "is_available", "paged_decode_attention", "query_rows", "write_applies", "write_kv"]
@@ -43,14 +42,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.paged_write_kv.restype = ctypes.c_int
 
 
-@lru_cache(maxsize=1)
-def _library() -> ctypes.CDLL | None:
-    return load_library("paged_decode_attention", _declare)
+_KERNEL = CKernel("paged_decode_attention", _declare)
+_library = _KERNEL.library
+is_available = _KERNEL.is_available
 
-
-def is_available() -> bool:
-    """True if the compiled kernel is installed and this CPU has AVX2 and FMA."""
-    return _library() is not None
 
 
 def applies(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:

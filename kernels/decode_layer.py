@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 
 from kernels import cpu_paged_attention
-from kernels._clib import load_library
+from kernels._clib import CKernel
 from kernels.packed_linear import ACTIVATIONS, MAX_ROWS, PackedWeight
 
 __all__ = ["FusedDecodeLayer", "LayerWeights", "is_available"]
@@ -52,9 +51,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.decode_layer_scratch.restype = _i64
 
 
-@lru_cache(maxsize=1)
-def _library() -> ctypes.CDLL | None:
-    return load_library("packed_linear", _declare)
+_KERNEL = CKernel("packed_linear", _declare)
+_library = _KERNEL.library
 
 
 def is_available() -> bool:

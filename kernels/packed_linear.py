@@ -39,12 +39,11 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
 
-from kernels._clib import load_library
+from kernels._clib import CKernel
 
 __all__ = ["ACTIVATIONS", "MAX_ROWS", "PackedWeight", "activate", "is_available", "packed_linear", "reference_linear"]
 
@@ -63,14 +62,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.packed_linear.restype = ctypes.c_int
 
 
-@lru_cache(maxsize=1)
-def _library() -> ctypes.CDLL | None:
-    return load_library("packed_linear", _declare)
+_KERNEL = CKernel("packed_linear", _declare)
+_library = _KERNEL.library
+is_available = _KERNEL.is_available
 
-
-def is_available() -> bool:
-    """True if the compiled kernel is installed and this CPU has AVX2 and FMA."""
-    return _library() is not None
 
 
 @dataclass(frozen=True)

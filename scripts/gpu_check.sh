@@ -54,7 +54,7 @@ timeout -k 10 60 "$PY" -m pytest -q -p no:cacheprovider -rs -o timeout=50 -k ncc
 nccl_rc=${PIPESTATUS[0]}
 
 echo "== 3/3 transfer bench: every transport available here"
-timeout -k 10 140 "$PY" -m shared.bench.transfer --iters 10 --warmup 2 --json "$OUT/transfer.json" \
+timeout -k 10 140 "$PY" -m encdec.bench.transfer --iters 10 --warmup 2 --json "$OUT/transfer.json" \
   2>&1 | tee "$OUT/bench.log"
 bench_rc=${PIPESTATUS[0]}
 
@@ -105,7 +105,7 @@ if os.path.exists(f"{out}/transfer.json"):
         rows.append((f"bench {r['payload']} ({r['MB']:.1f} MB)", f"{r['transport']} [{r['device']}]", verdict, gbps, ratio,
                      (note or memcpy).replace("|", "/")[:120]))
 else:
-    rows.append(("bench", "shared.bench.transfer", "FAILED (no JSON: crashed or timed out)", "", "", ""))
+    rows.append(("bench", "encdec.bench.transfer", "FAILED (no JSON: crashed or timed out)", "", "", ""))
 print("| check | case | result | GB/s | x memcpy | detail |")
 print("|---|---|---|---|---|---|")
 for row in rows:

@@ -5,7 +5,7 @@ Runs the decoder engine (``decoder_svc.engine.DecoderEngine``) with the encoder
 service's batcher (``encoder_svc.batcher.EncodeBatcher``) writing cross KV into
 a pool on the engine's device, for:
 
-1. Whisper on the bundled clips (tests/data/*.wav), all in one batch, greedy:
+1. Whisper on the bundled clips (encdec/data/*.wav), all in one batch, greedy:
    the CPU engine, then the model on CUDA with the ``torch`` and the ``triton``
    attention backend; tokens must equal the CPU engine's and, with the real
    tiny.en weights, HF ``generate`` on the same weights (or part only at a
@@ -48,13 +48,14 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the project, and tests/text_checkpoints.py
+from encdec import DATA_DIR  # noqa: E402
 
 from decoder_svc.engine import DecoderEngine
 from encoder_svc.batcher import EncodeBatcher, EncodeItem
 from shared.device import model_device, resolve_device
 from shared.kv_transport.base import KVTargetSpec, TransferStats, write_blocks
 from shared.models.whisper_features import log_mel_spectrogram
-from shared.sampling_params import SamplingParams
+from decoder_svc.sampling_params import SamplingParams
 
 BLOCK = 16
 EOT = 50256
@@ -152,7 +153,7 @@ def lengths(tokens: list[list[int]]) -> str:
 
 def read_clips() -> tuple[list[str], list[np.ndarray]]:
     names, pcms = [], []
-    for path in sorted((ROOT / "tests" / "data").glob("*.wav")):
+    for path in sorted((DATA_DIR).glob("*.wav")):
         with wave.open(str(path)) as w:
             assert w.getframerate() == 16000 and w.getnchannels() == 1 and w.getsampwidth() == 2, path
             pcms.append(np.frombuffer(w.readframes(w.getnframes()), dtype=np.int16).astype(np.float32) / 32768.0)
@@ -174,7 +175,7 @@ def whisper_model(name: str):
     except ModelNotFoundError as exc:
         return (*random_whisper(), None, f"random tiny.en-shaped Whisper ({str(exc).split(';')[0]})")
     try:
-        from shared.bench.hf_whisper import build_hf_whisper
+        from encdec.bench.hf_whisper import build_hf_whisper
 
         hf = build_hf_whisper(model_dir)
     except Exception as exc:  # noqa: BLE001 - another transformers version: the CPU engine stays the reference

@@ -1,6 +1,6 @@
 """Measures what a float16 / bfloat16 cross-KV pool (``--kv-transfer-dtype``) costs in accuracy.
 
-For every clip in tests/data: HF greedy tokens (float32, the reference) against
+For every clip in encdec/data: HF greedy tokens (float32, the reference) against
 our decoder engine over a cross-KV pool of each dtype (the encoder's float32
 cross KV cast on write, exactly as the transports do), and the max absolute
 logit difference of a teacher-forced pass over HF's tokens (ours vs HF).
@@ -18,11 +18,12 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+from encdec import DATA_DIR  # noqa: E402
 
 from paged_greedy import _Seq, build_metadata  # noqa: E402
 
 from decoder_svc.engine import DecoderEngine  # noqa: E402
-from shared.bench.hf_whisper import build_hf_whisper  # noqa: E402
+from encdec.bench.hf_whisper import build_hf_whisper  # noqa: E402
 from shared.kv_transport import write_blocks  # noqa: E402
 from shared.kv_transport.base import DTYPES  # noqa: E402
 from shared.models.registry import load_model, load_tokenizer, resolve_model  # noqa: E402
@@ -73,7 +74,7 @@ def main() -> None:
     model, tokenizer, hf = load_model(model_dir), load_tokenizer(model_dir), build_hf_whisper(model_dir)
     rows = []
     with torch.inference_mode():
-        for wav in sorted((ROOT / "tests" / "data").glob("*.wav")):
+        for wav in sorted((DATA_DIR).glob("*.wav")):
             pcm, _ = sf.read(wav, dtype="float32")
             feats = log_mel_spectrogram(pcm)[None]  # [1, 80, 3000]
             ref = hf.generate(feats).tolist()[0]

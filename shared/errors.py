@@ -44,7 +44,7 @@ class UnavailableError(ServiceError):
 
 
 # Exit status of a service whose port cannot be bound (EADDRINUSE's errno on Linux):
-# shared.launcher picks other free ports and starts it again.
+# encdec.launcher picks other free ports and starts it again.
 BIND_ERROR_EXIT = 98
 
 
@@ -53,7 +53,7 @@ class BindError(RuntimeError):
 
 
 class ServicesError(RuntimeError):
-    """``shared.launcher`` could not start a service: its port is taken, it exited, or it never became healthy."""
+    """``encdec.launcher`` could not start a service: its port is taken, it exited, or it never became healthy."""
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:

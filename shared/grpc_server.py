@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import signal
 from collections.abc import Awaitable, Callable
@@ -35,6 +36,59 @@ async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> N
     await context.abort(code, message)
 
 
+def _passes_through(exc: BaseException) -> bool:
+    """True for what must leave a handler as it is: ``context.abort``'s own exception and cancellation."""
+    return isinstance(exc, (asyncio.CancelledError, grpc.aio.AbortError)) or not isinstance(exc, Exception)
+
+
+class ErrorStatusInterceptor(grpc.aio.ServerInterceptor):
+    """The one place a servicer's exception becomes a gRPC status, for every RPC of a server.
+
+    A handler raises (``shared.errors.ServiceError`` subclasses, ``ValueError``,
+    anything else); the call then ends with the code and message
+    ``shared.errors.status_for`` gives, an INTERNAL one logged with its
+    traceback. A status the handler set itself (``context.abort``) and a
+    cancellation pass through unchanged. Unary-unary and unary-stream handlers
+    (async generators) are wrapped; others, such as health's ``Watch``
+    (``context.write``), are left as they are.
+    """
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
+
+            async def unary_unary(request, context):
+                try:
+                    return await inner(request, context)
+                except BaseException as exc:
+                    if _passes_through(exc):
+                        raise
+                    await abort_with(context, exc)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary_unary, handler.request_deserializer, handler.response_serializer
+            )
+        if handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
+            inner_stream = handler.unary_stream
+
+            async def unary_stream(request, context):
+                try:
+                    async for message in inner_stream(request, context):
+                        yield message
+                except BaseException as exc:
+                    if _passes_through(exc):
+                        raise
+                    await abort_with(context, exc)
+
+            return grpc.unary_stream_rpc_method_handler(
+                unary_stream, handler.request_deserializer, handler.response_serializer
+            )
+        return handler
+
+
 async def serve(
     add_servicers: Callable[[grpc.aio.Server], None],
     service_names: list[str],
@@ -56,7 +110,7 @@ async def serve(
     Raises:
         BindError: the address cannot be bound.
     """
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[ErrorStatusInterceptor()])
     add_servicers(server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

@@ -5,7 +5,7 @@ No Docker engine runs on our machines, so this takes the project
 service of the active profiles as a process on this machine:
 
 * a service with ``build`` runs its ``command`` from this checkout (``encdec``
-  is ``python -m shared.cli``, ``python`` is this interpreter) with exactly its
+  is ``python -m encdec.cli``, ``python`` is this interpreter) with exactly its
   ``environment`` (plus PATH/HOME/locale and the image's PYTHONUNBUFFERED);
 * the ``redis`` image is replaced by a real local redis-server (the
   ``redis_url`` fixture);
@@ -48,8 +48,8 @@ from compose_file import (
     require,
 )
 
-from shared.launcher import stop_processes
-from shared.redis_server import free_ports
+from encdec.launcher import stop_processes
+from encdec.redis_server import free_ports
 
 LOOPBACK = {"127.0.0.1", "localhost", "0.0.0.0"}
 PASSED_HOST_ENV = ("PATH", "HOME", "TMPDIR", "LANG", "LC_ALL")
@@ -101,7 +101,7 @@ def remap(value: str, service: str, endpoints: dict[tuple[str, int], tuple[str, 
 
 def local_command(argv: list[str]) -> list[str]:
     """The image's executables as this checkout's: ``encdec`` and ``python``."""
-    head = {"encdec": [sys.executable, "-m", "shared.cli"], "python": [sys.executable]}.get(argv[0])
+    head = {"encdec": [sys.executable, "-m", "encdec.cli"], "python": [sys.executable]}.get(argv[0])
     require(head is not None, f"executable {argv[0]!r} has no local equivalent")
     return [*head, *argv[1:]]
 

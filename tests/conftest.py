@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from encdec import DATA_DIR
 import os
 import uuid
 
@@ -27,7 +28,7 @@ def redis_url():
     if url:
         yield url
         return
-    from shared.redis_server import LocalRedisServer
+    from encdec.redis_server import LocalRedisServer
 
     with LocalRedisServer() as server:
         yield server.url
@@ -49,7 +50,7 @@ def redis_key_prefix(redis_url):
         client.close()
 
 
-WHISPER_CLIPS_DIR = os.path.join(os.path.dirname(__file__), "data")
+WHISPER_CLIPS_DIR = str(DATA_DIR)
 
 
 @pytest.fixture(scope="session")
@@ -77,7 +78,7 @@ def whisper_features():
 @pytest.fixture(scope="session")
 def hf_whisper(whisper_model_dir):
     """HF ``WhisperForConditionalGeneration`` holding the same CT2 weights (the reference)."""
-    from shared.bench.hf_whisper import build_hf_whisper
+    from encdec.bench.hf_whisper import build_hf_whisper
 
     return build_hf_whisper(whisper_model_dir)
 

@@ -18,7 +18,7 @@ from text_paged import encode_batch
 from decoder_svc.engine import CapacityError, DecoderEngine
 from shared.kv_transport import write_blocks
 from shared.models.registry import load_model, load_tokenizer
-from shared.sampling_params import SamplingParams
+from decoder_svc.sampling_params import SamplingParams
 
 BLOCK = 5
 SCORE_ATOL = 1e-4

@@ -26,7 +26,7 @@ def bench_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     cache = out / "cache"
     cmd = [
-        sys.executable, "-m", "shared.cli", "--log-level", "WARNING", "bench", "all", "--only", "seq2seq,online",
+        sys.executable, "-m", "encdec.cli", "--log-level", "WARNING", "bench", "all", "--only", "seq2seq,online",
         "--skip-ct2", "--json", str(out / "bench.json"), "--plot", str(out / "bench.png"),
         f"--seq2seq-args=--models t5-tiny --requests {REQUESTS} --new-tokens {NEW_TOKENS} --source-len {SOURCE_LEN} "
         f"--skip-hf-sequential --repeats 1 --stream-intervals 1,16 --cache-dir {cache}",
@@ -101,7 +101,7 @@ def test_plot_png(bench_run):
 
 
 def test_median_run_is_the_middle_wall_time():
-    from shared.bench.seq2seq import median_run
+    from encdec.bench.seq2seq import median_run
 
     assert median_run([(3.0, "a"), (1.0, "b"), (2.0, "c")]) == (2.0, "c")
     assert median_run([(4.0, "a"), (1.0, "b"), (2.0, "c"), (3.0, "d")]) == (2.0, "c")  # the lower middle
@@ -110,7 +110,7 @@ def test_median_run_is_the_middle_wall_time():
 
 @pytest.mark.parametrize("bench", ["whisper", "seq2seq"])
 def test_repeats_must_be_a_positive_count(bench, capsys):
-    from shared.cli import build_parser
+    from encdec.cli import build_parser
 
     parser = build_parser()
     assert parser.parse_args(["bench", bench]).repeats == 3

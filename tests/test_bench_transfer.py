@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from shared.bench.transfer import COLUMNS, PAYLOADS, parse_payloads
-from shared.cli import build_parser, main
+from encdec.bench.transfer import COLUMNS, PAYLOADS, parse_payloads
+from encdec.cli import build_parser, main
 
 
 def test_payload_sizes_match_the_models():

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from decoder_svc.block_manager import BlockError, BlockManager, BlockPool
 from decoder_svc.sequence import Sequence
-from shared.sampling_params import SamplingParams
+from decoder_svc.sampling_params import SamplingParams
 
 
 def make_seq(rid="r", encoder_len=40, prompt=(1, 2)):

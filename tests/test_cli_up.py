@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from encdec import DATA_DIR
 import os
 import signal
 import subprocess
@@ -12,11 +13,11 @@ import grpc
 
 from shared.proto import decoder_pb2, decoder_pb2_grpc
 
-CLIP = Path(__file__).parent / "data" / "meeting.wav"
+CLIP = DATA_DIR / "meeting.wav"
 
 
 def test_up_passes_extra_flags_to_the_services(redis_url, tmp_path):
-    cmd = [sys.executable, "-m", "shared.cli", "--log-level", "WARNING", "up", "--redis-url", redis_url, "--encoder-port", "0",
+    cmd = [sys.executable, "-m", "encdec.cli", "--log-level", "WARNING", "up", "--redis-url", redis_url, "--encoder-port", "0",
            "--decoder-port", "0", "--decoder-args", "--stream-interval 4 --max-num-seqs 2", "--encoder-args=--max-batch-wait-ms 50"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True, cwd=Path(__file__).parents[1])
     try:
@@ -50,7 +51,7 @@ def _pid_of(*argv_parts: str) -> int:
 
 
 def test_up_exits_nonzero_when_a_service_dies(redis_url):
-    cmd = [sys.executable, "-m", "shared.cli", "--log-level", "WARNING", "up", "--redis-url", redis_url, "--encoder-port", "0",
+    cmd = [sys.executable, "-m", "encdec.cli", "--log-level", "WARNING", "up", "--redis-url", redis_url, "--encoder-port", "0",
            "--decoder-port", "0", "--decoder-args=--metrics-port 0", "--encoder-args=--metrics-port 0"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             cwd=Path(__file__).parents[1])

@@ -11,6 +11,7 @@ and sends a Generate and an Embed through the published ports.
 
 from __future__ import annotations
 
+from encdec import DATA_DIR
 import dataclasses
 import re
 import subprocess
@@ -35,12 +36,12 @@ from embed_sentences import SENTENCES
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shared.config import DecoderServiceConfig, EncoderServiceConfig, config_from
-from shared.redis_server import free_port
+from encdec.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-DATA = ROOT / "tests" / "data"
+DATA = DATA_DIR
 CONFIG_OF = {"serve-encoder": EncoderServiceConfig, "serve-decoder": DecoderServiceConfig}
-CLI_ENV = {"ENCDEC_LOG_LEVEL"}  # read by shared.cli, not a config field
+CLI_ENV = {"ENCDEC_LOG_LEVEL"}  # read by encdec.cli, not a config field
 DECODER_PORT, EMBED_PORT = 50051, 50071  # the public ports
 
 

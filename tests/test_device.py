@@ -7,6 +7,7 @@ The GPU side (model on cuda, torch and triton attention) is checked by scripts/g
 
 from __future__ import annotations
 
+from encdec import DATA_DIR
 import subprocess
 import sys
 import wave
@@ -30,7 +31,7 @@ from shared.device import resolve_device, same_device, torch_dtype
 from shared.kv_transport import create_writer
 from shared.models.registry import load_model
 from shared.models.whisper_features import log_mel_spectrogram
-from shared.sampling_params import SamplingParams
+from decoder_svc.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
 CLIPS = ["short.wav", "weather.wav"]
@@ -123,7 +124,7 @@ def test_resolve_device_without_cuda_says_what_to_do():
     ["serve-encoder", "--device", "cuda", "--model", "all-MiniLM-L6-v2"],
 ])
 def test_service_started_on_a_missing_gpu_exits_with_the_reason(argv):
-    result = subprocess.run([sys.executable, "-m", "shared.cli", *argv], check=False, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-m", "encdec.cli", *argv], check=False, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr[-2000:]
     assert "encdec: error: device 'cuda" in result.stderr and "set device cpu" in result.stderr, result.stderr[-2000:]
 
@@ -138,7 +139,7 @@ def test_torch_dtype():
 
 
 def _pcm(name: str) -> np.ndarray:
-    with wave.open(str(ROOT / "tests" / "data" / name)) as w:
+    with wave.open(str(DATA_DIR / name)) as w:
         return np.frombuffer(w.readframes(w.getnframes()), dtype=np.int16).astype(np.float32) / 32768.0
 
 

@@ -19,7 +19,7 @@ from test_detokenizer import byte_level_tokenizer
 from text_checkpoints import build_bart, sentence
 
 from decoder_svc.detokenizer import REPLACEMENT_CHAR
-from shared.launcher import Services
+from encdec.launcher import Services
 from shared.proto import decoder_pb2, decoder_pb2_grpc
 
 

@@ -7,6 +7,7 @@ clip's transcript and make int8 batch-invariant), and every KV block must come b
 
 from __future__ import annotations
 
+from encdec import DATA_DIR
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -15,10 +16,10 @@ import grpc
 import pytest
 from test_e2e_whisper import assert_all_blocks_free, generate
 
-from shared.launcher import Services
+from encdec.launcher import Services
 from shared.proto import decoder_pb2, decoder_pb2_grpc
 
-DATA = Path(__file__).parent / "data"
+DATA = DATA_DIR
 
 
 @pytest.fixture(scope="module")

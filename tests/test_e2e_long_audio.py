@@ -1,6 +1,6 @@
 """Whisper audio longer than 30 s, end to end: Redis + encoder_svc + decoder_svc as separate processes.
 
-A 45 s clip is built at test time from the committed clips (tests/data/*.wav,
+A 45 s clip is built at test time from the committed clips (encdec/data/*.wav,
 in name order, each followed by 0.6 s of silence, repeated and cut at 45 s;
 the 30 s window edge falls inside a word). The decoder runs it as two
 consecutive windows (30 s + 15 s) in one request; the reference is HF
@@ -11,6 +11,7 @@ without stride, joined.
 
 from __future__ import annotations
 
+from encdec import DATA_DIR
 import io
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -24,12 +25,12 @@ import torch
 from test_e2e_whisper import assert_all_blocks_free, wait_state
 
 from decoder_svc.inputs import WINDOW_SAMPLES, RequestInput
-from shared.launcher import Services
+from encdec.launcher import Services
 from shared.models.registry import resolve_model
 from shared.models.whisper_features import load_tokenizer, log_mel_spectrogram
 from shared.proto import decoder_pb2, decoder_pb2_grpc
 
-DATA = Path(__file__).parent / "data"
+DATA = DATA_DIR
 RATE = 16000
 LONG_S = 45.0
 GAP_S = 0.6

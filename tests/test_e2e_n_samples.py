@@ -14,7 +14,7 @@ import torch
 from test_e2e_whisper import assert_all_blocks_free, wait_state
 from text_checkpoints import build_bart, sentence
 
-from shared.launcher import Services
+from encdec.launcher import Services
 from shared.proto import decoder_pb2, decoder_pb2_grpc
 
 

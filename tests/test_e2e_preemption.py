@@ -20,9 +20,9 @@ import pytest
 from test_metrics import scrape
 from text_checkpoints import build_bart, sentence
 
-from shared.launcher import Services
+from encdec.launcher import Services
 from shared.proto import decoder_pb2, decoder_pb2_grpc
-from shared.redis_server import free_port
+from encdec.redis_server import free_port
 
 BLOCK_SIZE, NUM_SELF_BLOCKS, NEW_TOKENS = 4, 64, 64  # one 256-position request fits; 8 x 64 tokens need ~2x the pool
 PREEMPTIONS = ("encdec_decoder_num_preemptions_total", ())

@@ -14,7 +14,7 @@ import grpc
 import pytest
 import torch
 
-from shared.launcher import Services
+from encdec.launcher import Services
 from shared.models.registry import load_tokenizer
 from shared.proto import decoder_pb2, decoder_pb2_grpc
 from text_checkpoints import sentence

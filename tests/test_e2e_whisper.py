@@ -7,6 +7,7 @@ the real services.
 
 from __future__ import annotations
 
+from encdec import DATA_DIR
 import io
 import time
 import uuid
@@ -18,12 +19,12 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from shared.launcher import Services
+from encdec.launcher import Services
 from shared.models.registry import resolve_model
 from shared.models.whisper_features import load_tokenizer
 from shared.proto import decoder_pb2, decoder_pb2_grpc
 
-DATA = Path(__file__).parent / "data"
+DATA = DATA_DIR
 CLIPS = ["sample.wav", "numbers.wav", "short.wav"]
 
 

@@ -16,7 +16,7 @@ from decoder_svc.engine import DecoderEngine
 from decoder_svc.engine_loop import HOLD_GAP_STEPS, EngineLoop
 from shared.kv_transport import write_blocks
 from shared.models.registry import load_model, load_tokenizer
-from shared.sampling_params import SamplingParams
+from decoder_svc.sampling_params import SamplingParams
 from text_paged import encode_batch
 
 BLOCK = 4

@@ -8,6 +8,7 @@ then calls ``mark_encoded`` (some clips one step late, so ENCODING is seen).
 
 from __future__ import annotations
 
+from encdec import DATA_DIR
 import wave
 from pathlib import Path
 
@@ -18,10 +19,10 @@ import torch
 from decoder_svc.engine import CapacityError, DecoderEngine
 from shared.models.registry import load_model
 from shared.models.whisper import load_tokenizer
-from shared.sampling_params import SamplingParams
+from decoder_svc.sampling_params import SamplingParams
 
 
-DATA = Path(__file__).parent / "data"
+DATA = DATA_DIR
 CLIPS = sorted(p.name for p in DATA.glob("*.wav"))
 BLOCK = 16
 ENC_LEN = 1500
@@ -36,7 +37,7 @@ def read_wav(path: Path) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def setup(whisper_model_dir, whisper_features, hf_whisper_tokens):
-    assert CLIPS, "no clips in tests/data"
+    assert CLIPS, "no clips in encdec/data"
     model = load_model(whisper_model_dir)
     tokenizer = load_tokenizer(whisper_model_dir)
     feats = torch.stack([whisper_features[c] for c in CLIPS])  # [B, 80, 3000]

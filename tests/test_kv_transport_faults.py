@@ -1,6 +1,6 @@
 """Cross-KV transport end to end and under faults, per transport, with the real services.
 
-Redis + encoder + decoder run as separate processes (``shared.launcher``).
+Redis + encoder + decoder run as separate processes (``encdec.launcher``).
 Encoders are killed (SIGKILL) or frozen (SIGSTOP) mid-request, decoders
 restarted; every time the request fails with UNAVAILABLE, its Redis record is
 FAILED, GetStats shows every block free again, and the next request is served
@@ -11,6 +11,7 @@ in tests/test_kv_transport_dist.py.
 
 from __future__ import annotations
 
+from encdec import DATA_DIR
 import math
 import os
 import signal
@@ -25,11 +26,11 @@ import pytest
 import torch
 
 from shared.kv_transport import create_pool
-from shared.launcher import Services
+from encdec.launcher import Services
 from shared.proto import decoder_pb2, decoder_pb2_grpc, encoder_pb2, encoder_pb2_grpc
 from test_e2e_whisper import assert_all_blocks_free, wait_state
 
-DATA = Path(__file__).parent / "data"
+DATA = DATA_DIR
 ENCODE_TIMEOUT_S = 20  # the frozen-encoder case waits this long
 WHISPER = dict(layers=4, heads=6, head_dim=64, encoder_len=1500)
 

@@ -8,6 +8,7 @@ saw when its decoder shared a port with an encoder).
 
 from __future__ import annotations
 
+from encdec import DATA_DIR
 import asyncio
 import subprocess
 import sys
@@ -17,13 +18,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from shared import launcher
+from encdec import launcher
 from shared.errors import BIND_ERROR_EXIT, BindError
 from shared.grpc_server import serve
 from shared.proto import decoder_pb2, decoder_pb2_grpc
-from shared.redis_server import free_ports
+from encdec.redis_server import free_ports
 
-DATA = Path(__file__).parent / "data"
+DATA = DATA_DIR
 
 
 @pytest.fixture
@@ -69,7 +70,7 @@ def test_services_start_again_on_other_ports_when_one_is_taken(redis_url, squatt
 
 def test_a_service_on_a_taken_port_exits_with_bind_error_exit(squatter):
     """What ``encdec serve-encoder --port P`` tells a user whose port P is in use (and what the launcher retries on)."""
-    result = subprocess.run([sys.executable, "-m", "shared.cli", "--log-level", "WARNING", "serve-encoder", "--port", str(squatter),
+    result = subprocess.run([sys.executable, "-m", "encdec.cli", "--log-level", "WARNING", "serve-encoder", "--port", str(squatter),
                              "--metrics-port", "0"], capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == BIND_ERROR_EXIT, result.stderr
     assert f"encdec: error: cannot listen on 127.0.0.1:{squatter}: the port is taken" in result.stderr
@@ -79,7 +80,7 @@ def test_a_fixed_port_in_use_fails_before_anything_starts(squatter, redis_url):
     """A second `encdec up` on the same ports: refused at once, not 'ready' through the first one's services."""
     with pytest.raises(launcher.ServicesError, match=f"127.0.0.1:{squatter} is already in use"):
         launcher.Services(redis_url=redis_url, encoder_port=squatter).start()
-    result = subprocess.run([sys.executable, "-m", "shared.cli", "up", "--redis-url", redis_url, "--decoder-port", str(squatter),
+    result = subprocess.run([sys.executable, "-m", "encdec.cli", "up", "--redis-url", redis_url, "--decoder-port", str(squatter),
                              "--encoder-port", "0"], capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 1 and f"encdec: error: 127.0.0.1:{squatter} is already in use" in result.stderr, result
     assert "ready" not in result.stdout and "Traceback" not in result.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from encdec import DATA_DIR
 import logging
 import socket
 import threading
@@ -13,12 +14,12 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from shared.launcher import Services
+from encdec.launcher import Services
 from shared.metrics import EncoderMetrics, start_metrics_server
 from shared.proto import decoder_pb2, decoder_pb2_grpc
-from shared.redis_server import free_port, free_ports
+from encdec.redis_server import free_port, free_ports
 
-DATA = Path(__file__).parent / "data"
+DATA = DATA_DIR
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:

@@ -1,7 +1,7 @@
 """The build generates shared/proto/*_pb2*.py importable as shared.proto.*."""
 
 from shared.proto import decoder_pb2, decoder_pb2_grpc, encoder_pb2, encoder_pb2_grpc
-from shared.request_state import RequestState
+from decoder_svc.request_state import RequestState
 
 
 def test_modules_import_under_shared_proto():

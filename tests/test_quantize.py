@@ -122,7 +122,7 @@ def test_int8_encoder_is_batch_invariant(whisper_model_dir, whisper_features):
 def test_int8_embed_service_exits_with_the_reason():
     """The Embed service (encoder-only models) has no int8 path: asking for one is an error, not silently fp32."""
     root = Path(__file__).resolve().parents[1]
-    result = subprocess.run([sys.executable, "-m", "shared.cli", "serve-encoder", "--model", "all-MiniLM-L6-v2", "--quantize", "int8",
+    result = subprocess.run([sys.executable, "-m", "encdec.cli", "serve-encoder", "--model", "all-MiniLM-L6-v2", "--quantize", "int8",
                              "--port", "0", "--metrics-port", "0"], check=False, cwd=root, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr[-2000:]
     assert "encdec: error: quantize int8 is for Whisper models only" in result.stderr, result.stderr[-2000:]

@@ -8,8 +8,8 @@ import pytest
 import redis
 
 from shared.errors import UnavailableError
-from shared.redis_server import free_port
-from shared.request_state import (
+from encdec.redis_server import free_port
+from decoder_svc.request_state import (
     InvalidTransitionError,
     RequestExistsError,
     RequestRecord,
@@ -172,7 +172,7 @@ def test_keys_use_prefix(store, redis_url, redis_key_prefix):
 
 
 def test_local_redis_server_start_stop():
-    from shared.redis_server import LocalRedisServer, find_redis_server
+    from encdec.redis_server import LocalRedisServer, find_redis_server
 
     assert find_redis_server()
     with LocalRedisServer() as server:

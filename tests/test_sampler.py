@@ -11,7 +11,7 @@ from transformers.generation.logits_process import (
 )
 
 from decoder_svc.sampler import Sampler, SamplingRow
-from shared.sampling_params import SamplingParams
+from decoder_svc.sampling_params import SamplingParams
 
 V = 97
 SUPPRESS = [3, 5, 50, 96]
@@ -117,7 +117,7 @@ def test_global_rng_untouched_and_release():
 
 def test_tiny_temperatures_are_greedy_and_never_fail_the_batch():
     """1e-45 would overflow logits / temperature; such rows sample greedily, companions are unharmed."""
-    from shared.sampling_params import SAMPLING_EPS
+    from decoder_svc.sampling_params import SAMPLING_EPS
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 50, generator=g) * 30
@@ -262,7 +262,7 @@ def test_logprobs_are_of_the_scores_the_token_was_picked_from():
 
 def test_every_proto_sampling_field_is_implemented_or_refused():
     """A SamplingParams proto field the server does not read would be silently ignored: each one must map
-    onto a ``shared.sampling_params.SamplingParams`` attribute, and a set field outside that list is refused."""
+    onto a ``decoder_svc.sampling_params.SamplingParams`` attribute, and a set field outside that list is refused."""
     import dataclasses
 
     from decoder_svc.server import _REPEATED_SAMPLING_FIELDS, _SCALAR_SAMPLING_FIELDS

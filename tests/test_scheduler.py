@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from decoder_svc.block_manager import BlockManager
 from decoder_svc.scheduler import CapacityError, Scheduler
 from decoder_svc.sequence import Sequence, SequenceStatus
-from shared.sampling_params import SamplingParams
+from decoder_svc.sampling_params import SamplingParams
 
 EOS = 0
 

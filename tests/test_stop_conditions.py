@@ -7,7 +7,7 @@ from test_detokenizer import MULTIBYTE, byte_level_tokenizer
 
 from decoder_svc.detokenizer import REPLACEMENT_CHAR, OutputText
 from decoder_svc.sequence import Sequence, SequenceStatus
-from shared.sampling_params import SamplingParams
+from decoder_svc.sampling_params import SamplingParams
 
 EOS = 2
 

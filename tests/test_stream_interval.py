@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from decoder_svc.server import _Coalescer
-from shared.launcher import Services
+from encdec.launcher import Services
 from shared.models.registry import load_tokenizer
 from shared.proto import decoder_pb2, decoder_pb2_grpc
 

@@ -17,7 +17,7 @@ import torch
 from decoder_svc.engine import DecoderEngine
 from shared.kv_transport import write_blocks
 from shared.models.registry import load_model, load_tokenizer
-from shared.sampling_params import SamplingParams
+from decoder_svc.sampling_params import SamplingParams
 from text_checkpoints import sentence
 from text_paged import encode_batch, teacher_forced_logits
 

@@ -210,7 +210,7 @@ def test_t5_engine_triton_backend_same_greedy_tokens(tmp_path, monkeypatch):
     """
     from decoder_svc.engine import DecoderEngine
     from shared.models.registry import load_model, load_tokenizer
-    from shared.sampling_params import SamplingParams
+    from decoder_svc.sampling_params import SamplingParams
     from text_checkpoints import build_t5
     from text_paged import encode_batch
 

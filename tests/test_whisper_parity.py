@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from encdec import DATA_DIR
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,7 @@ from shared.models.registry import load_model, resolve_model
 
 from paged_greedy import paged_greedy_decode
 
-DATA = Path(__file__).parent / "data"
+DATA = DATA_DIR
 CLIPS = sorted(p.name for p in DATA.glob("*.wav"))
 LOGIT_ATOL = 1e-3
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from shared.bench.seq2seq_checkpoints import random_init
+from encdec.bench.seq2seq_checkpoints import random_init
 
 WORDS = ("the a cat dog house river blue green quick slow runs jumps over under near far tree stone light dark "
          "morning evening rain snow wind sun moon star city road bridge boat train small large old new red white "
@@ -52,7 +52,7 @@ def _pieces(proc, skip: set[str]) -> list[tuple[str, float]]:
 
 
 def _reinit(model: torch.nn.Module, seed: int) -> None:
-    """Large random weights (``shared.bench.seq2seq_checkpoints.random_init``, logits bias included)."""
+    """Large random weights (``encdec.bench.seq2seq_checkpoints.random_init``, logits bias included)."""
     random_init(model, seed, final_logits_bias=True)
 
 

@@ -11,6 +11,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from encdec import DATA_DIR
 
 from shared.config import (
     DEFAULT_DECODER_ADDRESS,
@@ -20,7 +21,7 @@ from shared.config import (
     config_from,
 )
 
-BUNDLED_CLIP = Path(__file__).resolve().parent.parent / "tests" / "data" / "sample.wav"
+BUNDLED_CLIP = DATA_DIR / "sample.wav"
 
 
 def _serve_encoder(args: argparse.Namespace) -> int:
@@ -44,7 +45,7 @@ def _serve_decoder(args: argparse.Namespace) -> int:
 
 
 def _services(args: argparse.Namespace, log_level: str = "INFO"):
-    from shared.launcher import Services
+    from encdec.launcher import Services
 
     return Services(
         log_level=log_level,
@@ -77,7 +78,7 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _print_results(results, start: float) -> int:
-    from shared.client import Transcript
+    from encdec.client import Transcript
 
     failed = 0
     for r in results:
@@ -92,7 +93,7 @@ def _print_results(results, start: float) -> int:
 
 
 def _transcribe(args: argparse.Namespace) -> int:
-    from shared.client import transcribe_files
+    from encdec.client import transcribe_files
 
     start = time.perf_counter()
     keys = ("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", "min_tokens", "repetition_penalty", "no_repeat_ngram_size", "stop")
@@ -101,7 +102,7 @@ def _transcribe(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from shared.client import transcribe_files
+    from encdec.client import transcribe_files
 
     files = args.files or [str(BUNDLED_CLIP)]
     print("starting redis, encoder and decoder as separate processes ...", file=sys.stderr, flush=True)
@@ -114,13 +115,13 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench_whisper(args: argparse.Namespace) -> int:
-    from shared.bench.whisper import main as bench_main
+    from encdec.bench.whisper import main as bench_main
 
     return bench_main(args)
 
 
 def _bench_embed(args: argparse.Namespace) -> int:
-    from shared.bench.embed import main as bench_main
+    from encdec.bench.embed import main as bench_main
 
     return bench_main(args)
 
@@ -131,7 +132,7 @@ def _bench_module(name: str):
     def run(args: argparse.Namespace) -> int:
         import importlib
 
-        return importlib.import_module(f"shared.bench.{name}").main(args)
+        return importlib.import_module(f"encdec.bench.{name}").main(args)
 
     return run
 
@@ -144,9 +145,9 @@ def _bench_default(args: argparse.Namespace) -> int:
 
 def _add_bench(sub) -> None:
     """``encdec bench <name>``: one sub-command per benchmark; each prints a Markdown table.
-    No sub-command (or ``all``) runs them all (``shared.bench.suite``)."""
-    from shared.bench import online, seq2seq, suite
-    from shared.bench.table import positive_int
+    No sub-command (or ``all``) runs them all (``encdec.bench.suite``)."""
+    from encdec.bench import online, seq2seq, suite
+    from encdec.bench.table import positive_int
 
     bench = sub.add_parser("bench", help="benchmarks against HF transformers / CTranslate2 / sentence-transformers; "
                                          "no sub-command runs them all")
@@ -187,7 +188,7 @@ def _add_bench(sub) -> None:
     p.add_argument("--json", default=None, help="also write the results here")
     p.set_defaults(func=_bench_embed)
 
-    from shared.bench import transfer  # imports torch only when the bench runs
+    from encdec.bench import transfer  # imports torch only when the bench runs
 
     p = benches.add_parser("transfer", help="cross-KV transports (shm, torch_dist, cuda_ipc) in GB/s next to a plain memcpy")
     transfer.add_arguments(p)

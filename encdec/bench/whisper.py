@@ -26,8 +26,8 @@ from pathlib import Path
 import grpc
 import torch
 
-from shared.audio import decode_audio
-from shared.bench.table import markdown_table, median_run, write_json
+from decoder_svc.audio import decode_audio
+from encdec.bench.table import markdown_table, median_run, write_json
 from shared.models.registry import resolve_model
 from shared.models.whisper_features import log_mel_spectrogram
 from shared.proto import decoder_pb2, decoder_pb2_grpc
@@ -50,7 +50,7 @@ def _row(system: str, mode: str, audio_s: float, wall: float, tokens: list[list[
 
 def run_hf(audio: list, threads: int, repeats: int = 1) -> tuple[dict[str, float], dict[str, list[list[int]]]]:
     """HF ``generate`` one request at a time and as one batch (the median of ``repeats`` batched runs)."""
-    from shared.bench.hf_whisper import build_hf_whisper
+    from encdec.bench.hf_whisper import build_hf_whisper
 
     torch.set_num_threads(threads)
     model = build_hf_whisper(resolve_model("whisper-tiny.en")[1])
@@ -73,7 +73,7 @@ def run_hf(audio: list, threads: int, repeats: int = 1) -> tuple[dict[str, float
 def run_ct2(files: list[str], compute_type: str, mode: str, threads: int, repeats: int = 1) -> tuple[float, list[list[int]]]:
     """CTranslate2 in a subprocess: ``(wall_s, tokens)``, the median of ``repeats`` runs."""
     model_dir = str(resolve_model("whisper-tiny.en")[1])
-    cmd = [sys.executable, "-m", "shared.bench.ct2_worker", model_dir, compute_type, mode, str(threads), str(repeats), *files]
+    cmd = [sys.executable, "-m", "encdec.bench.ct2_worker", model_dir, compute_type, mode, str(threads), str(repeats), *files]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
     result = json.loads(out)
     return result["wall_s"], result["tokens"]
@@ -102,7 +102,7 @@ def run_ours(files: list[str], concurrencies: list[int], threads: int, address: 
              quantize: str = "none", repeats: int = 1) -> dict[int, tuple[float, list[list[int]]]]:
     """Our services end to end over gRPC (started here unless ``address`` is given): per concurrency level, the
     median of ``repeats`` runs against the same services."""
-    from shared.launcher import Services
+    from encdec.launcher import Services
 
     def median_of_runs(address: str, concurrency: int) -> tuple[float, list[list[int]]]:
         return median_run([asyncio.run(_ours_once(address, files, concurrency)) for _ in range(max(repeats, 1))])

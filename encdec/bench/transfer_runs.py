@@ -1,4 +1,4 @@
-"""The processes and timings behind ``encdec bench transfer`` (``shared.bench.transfer``).
+"""The processes and timings behind ``encdec bench transfer`` (``encdec.bench.transfer``).
 
 One transport's measurement runs in a spawned decoder process (it owns each
 payload's pool), which drives a spawned encoder process (it owns the writer):
@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from shared.bench.transfer import TRANSPORTS, Payload
+from encdec.bench.transfer import TRANSPORTS, Payload
 from shared.kv_transport import create_pool, create_writer
 
 TIMEOUT_S = 60.0  # bound on every wait for the other process

@@ -19,7 +19,7 @@ import time
 
 import grpc
 
-from shared.bench.table import markdown_table, write_json
+from encdec.bench.table import markdown_table, write_json
 
 WORDS = ("the a serving system batches requests of different lengths together while every padded position costs compute "
          "sorting by length and packing tokens keeps waste small encoder models embed sentences into vectors for search "
@@ -83,7 +83,7 @@ def run_st(model_dir: str, work: dict[int, list[list[str]]], threads: int) -> di
 
 
 def main(args) -> int:
-    from shared.launcher import encoder_service
+    from encdec.launcher import encoder_service
     from shared.models.registry import resolve_model
 
     model_dir = str(resolve_model(args.model)[1])

@@ -24,11 +24,12 @@ import sys
 import time
 from pathlib import Path
 
-from shared.bench.table import markdown_table, write_json
+from encdec.bench.table import markdown_table, write_json
+from encdec import DATA_DIR
 
 COLUMNS = ["workload", "rate req/s", "duration s", "requests", "failed", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms",
            "TPOT p99 ms", "e2e mean s", "req/s", "tokens/s"]
-BUNDLED_CLIPS = Path(__file__).resolve().parent.parent.parent / "tests" / "data"
+BUNDLED_CLIPS = DATA_DIR
 
 
 def add_arguments(p) -> None:
@@ -79,8 +80,8 @@ def _workload(args):
             raise ValueError(f"no .wav/.flac clips in {clip_dir}")
         payloads = [p.read_bytes() for p in clips]
         return None, lambda i: decoder_pb2.GenerateRequest(audio=payloads[i % len(payloads)])
-    from shared.bench.seq2seq import DEFAULT_CACHE, sampling_for
-    from shared.bench.seq2seq_checkpoints import SHAPES, build_checkpoint, source_ids
+    from encdec.bench.seq2seq import DEFAULT_CACHE, sampling_for
+    from encdec.bench.seq2seq_checkpoints import SHAPES, build_checkpoint, source_ids
 
     if args.workload not in SHAPES:
         raise ValueError(f"unknown workload {args.workload!r}; use whisper or one of {', '.join(SHAPES)}")
@@ -160,7 +161,7 @@ def run(args, progress: bool = True) -> dict:
     if args.address:
         results, _ = asyncio.run(_drive(args.address, make_request, offsets, progress))
     else:
-        from shared.launcher import Services
+        from encdec.launcher import Services
 
         flags = ["--num-threads", str(args.threads)]
         with Services(model=model, log_level="WARNING", extra_encoder_args=flags,

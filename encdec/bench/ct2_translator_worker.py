@@ -40,13 +40,13 @@ def main() -> None:
     import subprocess
 
     if not (Path(job["ct2_dir"]) / "model.bin").is_file():
-        code = f"from shared.bench.ct2_translator_worker import convert; print(convert({job['model_dir']!r}, {job['ct2_dir']!r}))"
+        code = f"from encdec.bench.ct2_translator_worker import convert; print(convert({job['model_dir']!r}, {job['ct2_dir']!r}))"
         out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
         result["convert_s"] = float(out.strip().splitlines()[-1])
 
     import ctranslate2
 
-    from shared.bench.table import median_run
+    from encdec.bench.table import median_run
 
     vocab = json.loads((Path(job["ct2_dir"]) / "shared_vocabulary.json").read_text())
     index = {t: i for i, t in enumerate(vocab)}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shared.bench.table import format_number
+from encdec.bench.table import format_number
 
 # The bar each bench plots, in order of preference (the first present in the rows).
 METRICS = {"whisper": ["tokens/s"], "seq2seq": ["tokens/s"], "embed": ["sentences/s"], "transfer": ["GB/s"]}

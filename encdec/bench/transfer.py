@@ -4,7 +4,7 @@ For each payload (a model's cross-attention KV, ``[num_layers, 2,
 encoder_len, num_heads, head_dim]``) and each transport available here, a
 decoder process owns the pool and an encoder process writes the whole payload
 into shuffled (non-contiguous) reserved blocks; the time runs from ``write``
-starting until the blocks hold the data (``shared.bench.transfer_runs`` says
+starting until the blocks hold the data (``encdec.bench.transfer_runs`` says
 how). The memcpy baseline is ``dst.copy_(src)`` of the same bytes on the
 transport's device (CPU for ``shm`` / gloo, the GPU for ``cuda_ipc`` / NCCL);
 ``x memcpy`` is transport GB/s over memcpy GB/s. GB is 1e9 bytes; times are
@@ -25,9 +25,9 @@ import platform
 import sys
 from dataclasses import dataclass
 
-from shared.bench.table import markdown_table, write_json
+from encdec.bench.table import markdown_table, write_json
 
-# torch, the transports and shared.bench.transfer_runs are imported inside the functions:
+# torch, the transports and encdec.bench.transfer_runs are imported inside the functions:
 # `encdec` builds this bench's flags for every command and must not pay for importing torch.
 
 # name: (num_layers, num_heads, head_dim, encoder_len) of the decoder's cross-attention
@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     """
     import torch
 
-    from shared.bench.transfer_runs import memcpy_gbps, run_transport
+    from encdec.bench.transfer_runs import memcpy_gbps, run_transport
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -176,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m shared.bench.transfer", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m encdec.bench.transfer", description=__doc__.splitlines()[0])
     add_arguments(parser)
     try:
         return run(parser.parse_args(argv))

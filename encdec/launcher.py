@@ -21,7 +21,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shared.errors import BIND_ERROR_EXIT, ServicesError
-from shared.redis_server import free_port, free_ports
+from encdec.redis_server import free_port, free_ports
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def shutdown_timeout_s(service_args: list[str], margin_s: float = 7.0) -> float:
     """How long to wait for a decoder started as ``encdec <service_args>`` (``["serve-decoder", ...]``) to exit
     after SIGTERM: the ``shutdown_grace_s`` it drains for, read as the decoder reads it (its flags, abbreviated or
     not, over the ``ENCDEC_*`` environment it inherits, over the default), plus ``margin_s`` to end the rest."""
-    from shared.cli import build_parser
+    from encdec.cli import build_parser
     from shared.config import DecoderServiceConfig, config_from
 
     try:
@@ -134,7 +134,7 @@ class Services:
         return f"127.0.0.1:{self.decoder_port}"
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "shared.cli", "--log-level", self.log_level, *args]
+        cmd = [sys.executable, "-m", "encdec.cli", "--log-level", self.log_level, *args]
         out = None
         if self.log_dir:
             os.makedirs(self.log_dir, exist_ok=True)
@@ -193,7 +193,7 @@ class Services:
                 check_port_free(port)
         try:
             if self.redis_url is None:
-                from shared.redis_server import LocalRedisServer
+                from encdec.redis_server import LocalRedisServer
 
                 self._redis = LocalRedisServer()
                 self._redis.start()
@@ -265,7 +265,7 @@ def encoder_service(model: str, extra_args: list[str] | None = None, log_level: 
     """
     for attempt in range(1, BIND_ATTEMPTS + 1):
         port = free_port()
-        cmd = [sys.executable, "-m", "shared.cli", "--log-level", log_level, "serve-encoder", "--port", str(port),
+        cmd = [sys.executable, "-m", "encdec.cli", "--log-level", log_level, "serve-encoder", "--port", str(port),
                "--model", model, *(extra_args or [])]
         proc = subprocess.Popen(cmd, start_new_session=True)
         address = f"127.0.0.1:{port}"

@@ -1,6 +1,6 @@
 """``encdec bench`` / ``encdec bench all``: every bench in one invocation.
 
-Runs whisper, seq2seq, embed, transfer (when ``shared/bench/transfer.py``
+Runs whisper, seq2seq, embed, transfer (when ``encdec/bench/transfer.py``
 exists) and online one after another, each exactly as its own sub-command
 would with its defaults (the CLI parser builds each one's arguments, plus
 ``--threads`` / ``--skip-ct2`` and any ``--<bench>-args``), collects each
@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from shared.bench.table import markdown_table, write_json
+from encdec.bench.table import markdown_table, write_json
 
 ORDER = ["whisper", "seq2seq", "embed", "transfer", "online"]
 # Benches that take --threads / --skip-ct2.
@@ -43,7 +43,7 @@ def add_arguments(p) -> None:
 
 def available() -> list[str]:
     """The benches this checkout has (transfer only when its module exists)."""
-    has_transfer = importlib.util.find_spec("shared.bench.transfer") is not None
+    has_transfer = importlib.util.find_spec("encdec.bench.transfer") is not None
     return [b for b in ORDER if b != "transfer" or has_transfer]
 
 
@@ -51,14 +51,14 @@ def _columns(name: str, payload: dict) -> list[str]:
     if payload.get("columns"):
         return list(payload["columns"])
     try:
-        return list(importlib.import_module(f"shared.bench.{name}").COLUMNS)
+        return list(importlib.import_module(f"encdec.bench.{name}").COLUMNS)
     except (ImportError, AttributeError):
         return list(payload["rows"][0]) if payload.get("rows") else []
 
 
 
 def _bench_args(name: str, args, json_path: str) -> "object":
-    from shared.cli import build_parser
+    from encdec.cli import build_parser
 
     argv = ["bench", name, "--json", json_path]
     if name in THREADED:
@@ -79,7 +79,7 @@ def run(args) -> dict:
     if unknown:
         raise ValueError(f"unknown bench(es) {unknown}; choose from {', '.join(ORDER)}")
     if "transfer" in names and "transfer" not in available():
-        raise ValueError("the transfer bench is not in this checkout (shared/bench/transfer.py)")
+        raise ValueError("the transfer bench is not in this checkout (encdec/bench/transfer.py)")
     names = [n for n in ORDER if n in names and n not in skip]
     benches: dict[str, dict] = {}
     failed: dict[str, str] = {}
@@ -123,7 +123,7 @@ def main(args) -> int:
     if args.json:
         write_json(args.json, result)
     if args.plot and result["benches"]:
-        from shared.bench.plot import plot_results
+        from encdec.bench.plot import plot_results
 
         print(f"plot: {plot_results(result['benches'], args.plot)}", file=sys.stderr)
     return 1 if result["failed"] else 0

@@ -4,7 +4,7 @@ CTranslate2 and torch each ship an OpenMP runtime; in one process with
 multi-threaded torch, CT2 decoding runs up to ~50% slower (notes/facts.md), so
 the bench calls this module as a subprocess and reads one JSON line back.
 
-Usage: ``python -m shared.bench.ct2_worker MODEL_DIR COMPUTE_TYPE MODE THREADS REPEATS FILE...``
+Usage: ``python -m encdec.bench.ct2_worker MODEL_DIR COMPUTE_TYPE MODE THREADS REPEATS FILE...``
 (MODE ``sequential`` or ``batched``; the run of median wall time of REPEATS timed runs is printed).
 """
 
@@ -19,8 +19,8 @@ def main(argv: list[str]) -> None:
     import ctranslate2
     import numpy as np
 
-    from shared.audio import decode_audio
-    from shared.bench.table import median_run
+    from decoder_svc.audio import decode_audio
+    from encdec.bench.table import median_run
     from shared.models.whisper_features import log_mel_spectrogram
 
     model_dir, compute_type, mode, threads, repeats, *files = argv

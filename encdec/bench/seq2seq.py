@@ -4,7 +4,7 @@ Per model shape (``t5-small`` and ``bart-base`` by default; random weights,
 ``seq2seq_checkpoints``): ``--requests`` sources of ``--source-len`` token ids,
 each decoded greedily to exactly ``--new-tokens`` tokens:
 
-- ours: redis + encoder + decoder started by ``shared.launcher.Services`` on
+- ours: redis + encoder + decoder started by ``encdec.launcher.Services`` on
   the checkpoint directory, every request sent at once over gRPC (one
   ``Generate`` stream each, ``input_ids``); ``min_tokens`` / ``ignore_eos``
   are set when the proto has them, else only ``max_tokens`` (a sampled end
@@ -43,8 +43,8 @@ import sys
 import time
 from pathlib import Path
 
-from shared.bench.seq2seq_checkpoints import SHAPES, build_checkpoint, source_ids
-from shared.bench.table import markdown_table, median_run, positive_int, write_json
+from encdec.bench.seq2seq_checkpoints import SHAPES, build_checkpoint, source_ids
+from encdec.bench.table import markdown_table, median_run, positive_int, write_json
 
 COLUMNS = ["model", "system", "mode", "requests", "tokens", "wall s", "tokens/s", "x best batched", "same as HF"]
 DEFAULT_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "encdec-serve", "bench")
@@ -107,7 +107,7 @@ def run_ct2(model_dir: Path, ct2_dir: Path, sources: list[list[int]], new_tokens
     ``repeats`` runs."""
     job = {"model_dir": str(model_dir), "ct2_dir": str(ct2_dir), "compute_type": compute_type, "threads": threads,
            "sources": sources, "new_tokens": new_tokens, "modes": modes, "repeats": repeats}
-    proc = subprocess.run([sys.executable, "-m", "shared.bench.ct2_translator_worker"], input=json.dumps(job),
+    proc = subprocess.run([sys.executable, "-m", "encdec.bench.ct2_translator_worker"], input=json.dumps(job),
                           capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"CTranslate2 worker failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
@@ -168,7 +168,7 @@ def run_ours(model_dir: Path, sources: list[list[int]], new_tokens: int, threads
              stream_interval: int = 1, repeats: int = 1) -> tuple[float, list[list[int]]]:
     """Our services (started and stopped here) on ``model_dir``: all requests at once over gRPC, ``repeats`` times
     against the same services; the median run."""
-    from shared.launcher import Services
+    from encdec.launcher import Services
 
     enc, dec = service_args(threads, max(len(sources), 1), quantize)
     dec = [*dec, "--stream-interval", str(stream_interval)]
