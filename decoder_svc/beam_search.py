@@ -22,9 +22,10 @@ vectorised rewrite) for one batch item:
   and ``early_stopping=True``, or when every kept continuation hit a stop.
 
 The same float32 tensor operations, in HF's order, keep scores and
-tie-breaking equal to HF's. Beams are token tuples here; the engine maps each
-distinct running tuple to one ``Sequence`` (beams with equal tokens share one,
-since their logits are equal) and reorders sequences by fork / free.
+tie-breaking equal to HF's. Beams are token tuples here;
+``decoder_svc.sequence_group`` maps each distinct running tuple to one
+``Sequence`` (beams with equal tokens share one, since their logits are equal)
+and reorders sequences by fork / free.
 """
 
 from __future__ import annotations

@@ -66,10 +66,13 @@ class EngineLoop:
         engine: a ``decoder_svc.engine.DecoderEngine``.
         loop: the event loop the callbacks run on.
         on_encode: ``(request_id, cross_block_ids)`` called on the loop when
-            the engine reserved a request's cross blocks and wants them filled.
-        on_output: ``(RequestOutput)`` called on the loop for each output.
+            the engine reserved a request's cross blocks and wants them filled
+            (the service's: ``decoder_svc.request_session.Sessions.on_encode``).
+        on_output: ``(RequestOutput)`` called on the loop for each output
+            (``Sessions.on_output``: on to the request's session).
         on_step_error: ``(exception)`` called on the loop when a step raised;
-            the requests of that step are then failed by the caller.
+            the requests of that step are then failed by the caller
+            (``Sessions.on_step_error``).
         num_threads: torch intra-op threads of the engine thread
             (``shared.compute_thread``); None keeps the process setting.
         max_decode_hold_s: longest hold of model steps while requests wait

@@ -4,7 +4,7 @@ Audio models (Whisper): decoded / resampled PCM, a fixed ``encoder_len``, the
 model's default decoder prompt. Audio longer than Whisper's 30 s input is
 split into consecutive 30 s windows (``RequestInput.windows``), each decoded
 as its own sequence one after another within the request
-(``decoder_svc.server``); up to ``max_audio_s`` is accepted, never cut.
+(``decoder_svc.request_session``); up to ``max_audio_s`` is accepted, never cut.
 
 Text models (T5, BART, mBART, Marian): source token ids (from ``text``
 through the checkpoint's tokenizer, or ``input_ids`` as given),
@@ -69,6 +69,13 @@ class RequestInput:
         return [RequestInput(self.encoder_len, pcm=self.pcm[start:start + WINDOW_SAMPLES],
                              prompt_token_ids=self.prompt_token_ids, applied=self.applied)
                 for start in range(0, len(self.pcm), WINDOW_SAMPLES)]
+
+    def encoder_source(self) -> dict:
+        """The encoder input as Encode sends it and the encoder cache keys it: ``{"input_ids": [...]}``
+        (source token ids), or ``{"pcm": bytes}`` (float32 little-endian samples at 16 kHz)."""
+        if self.input_ids is not None:
+            return {"input_ids": list(self.input_ids)}
+        return {"pcm": self.pcm.astype("<f4").tobytes()}
 
 
 def parse_input(request, model, tokenizer, max_audio_s: float) -> RequestInput:

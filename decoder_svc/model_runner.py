@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from decoder_svc.outputs import ModelRunnerOutput
 from decoder_svc.sampler import Sampler, SamplingRow
-from kernels.attention_backend import check_attention_backend
+from kernels.attention_backend import make_attention_backend
 from decoder_svc.scheduler import SchedulerOutput
 from shared.attention_metadata import AttentionMetadata
 from shared.device import model_device
@@ -27,7 +28,7 @@ class ModelRunner:
         block_size: tokens per block (both caches).
         sampler: picks tokens from logits.
         attention_backend: ``torch`` or ``triton``; the model's attention call
-            sites run it (``kernels.attention_backend``).
+            sites call it (``kernels.attention_backend``), made and checked here.
 
     Raises:
         ValueError: bad cache layout, or an attention backend this machine
@@ -36,7 +37,7 @@ class ModelRunner:
 
     def __init__(self, model, cross_kv_cache: torch.Tensor, num_self_blocks: int, block_size: int, sampler: Sampler,
                  attention_backend: str = "torch") -> None:
-        check_attention_backend(attention_backend, cross_kv_cache.device)
+        self.attn_backend = make_attention_backend(attention_backend, cross_kv_cache.device)
         c = model.config
         expected = (c.decoder_layers, 2, cross_kv_cache.shape[2], block_size, c.num_heads, c.head_dim)
         if tuple(cross_kv_cache.shape) != expected:
@@ -109,17 +110,41 @@ class ModelRunner:
             max_seq_len=max(seq_lens, default=0),
             max_encoder_len=max(encoder_lens, default=0),
             cross_kv_spans=spans,
-            attention_backend=self.attention_backend,
+            attn_backend=self.attn_backend,
         )
+        self.attn_backend.prepare(md)  # the step's attention plan, once for every layer
         return t(input_ids), t(positions), md
 
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> list[int]:
-        """Runs one step; returns one sampled token id per scheduled sequence, in order."""
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Runs one step: per scheduled sequence, in order, its sampled token id and what the sampler
+        computed with it (logprobs, extra samples, beam log-probabilities; ``ModelRunnerOutput``)."""
         if so.is_empty:
-            return []
+            return ModelRunnerOutput()
         input_ids, positions, md = self.prepare_inputs(so)
         hidden = self.model.forward(input_ids, positions, md, self.self_kv_cache, self.cross_kv_cache)  # [T, d]
         logits = self.model.compute_logits(hidden[md.logits_indices])  # [B, V] float32
         rows = [SamplingRow.from_sequence(s) for s in so.scheduled_seqs]
-        return self.sampler(logits, rows)  # sampled on the model's device (per-request generators live there)
+        sampled = self.sampler(logits, rows)  # on the model's device (per-request generators live there)
+        return ModelRunnerOutput(
+            seq_ids=[s.request_id for s in so.scheduled_seqs],
+            sampled_token_ids=sampled.sampled_token_ids,
+            logprobs=sampled.logprobs,
+            extra_token_ids=sampled.extra_token_ids,
+            beam_logprobs=sampled.beam_logprobs,
+        )
+
+    @torch.inference_mode()
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write after a fork: self KV block ``dst`` := block ``src``, every layer, K and V.
+
+        Args:
+            copies: ``(src, dst)`` self block id pairs (``Scheduler.fork`` /
+                ``BlockManager.fork``); nothing to do when empty.
+        """
+        if not copies:
+            return
+        cache = self.self_kv_cache  # [L, 2, num_blocks, block_size, H, Dh]
+        src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=cache.device)
+        dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=cache.device)
+        cache[:, :, dst] = cache[:, :, src]

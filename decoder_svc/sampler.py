@@ -23,14 +23,14 @@ same tokens whatever else shares its batch; greedy rows take the argmax.
 Parallel samples (``params.n > 1``): the prompt step's row (``num_samples
 == n``) draws sample 0 from the request's generator and sample i from the
 generator of ``sample_seq_id(request_id, i)`` seeded ``sample_seed(seed, i)``,
-all from the same warped scores; the engine forks the other samples with those
-first tokens (``take_extra_samples``), and each sample's later rows use its own
-generator. So every sample is reproducible and independent of what shares the
+all from the same warped scores; the other samples are forked with those first
+tokens (``SamplerOutput.extra_token_ids``, ``decoder_svc.sequence_group``), and
+each sample's later rows use its own generator. So every sample is reproducible and independent of what shares the
 batch.
 
 Beam rows (``params.num_beams > 1``) are not sampled: as HF ``_beam_search``
 does, the processors run on ``log_softmax(logits)`` and the processed
-log-probabilities are handed to the engine (``take_beam_logprobs``); their
+log-probabilities are returned (``SamplerOutput.beam_logprobs``); their
 returned token is a placeholder -1.
 
 Log-probabilities (rows with ``params.logprobs``) are ``log_softmax`` of the
@@ -44,15 +44,23 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from decoder_svc.logits_processors import (
+    NEG_INF,
+    apply_min_p,
+    apply_repetition_penalty,
+    apply_temperature,
+    apply_top_k,
+    apply_top_p,
+    banned_ngram_tokens,
+)
+from decoder_svc.outputs import SamplerOutput, TokenLogprobs
+from decoder_svc.sampling_params import SamplingParams
 from decoder_svc.sequence import sample_seq_id
 from kernels.cpu_argmax import argmax_rows
-from decoder_svc.sampling_params import SamplingParams
-
-NEG_INF = -float("inf")
 
 
 def sample_seed(seed: int | None, index: int) -> int | None:
@@ -90,86 +98,6 @@ class SamplingRow:
                    seq.num_output_tokens, seq.stop_token_ids, history, seq.index, num_samples)
 
 
-@dataclass
-class TokenLogprobs:
-    """Log-probabilities of one sampled token.
-
-    Attributes:
-        token_id: the sampled token.
-        logprob: its log-probability (natural log; see the module docstring for
-            which distribution).
-        rank: 1 + how many tokens have a strictly larger logprob.
-        top: up to ``params.top_logprobs`` (token_id, logprob) pairs, most likely
-            first; tokens filtered to ``-inf`` are left out.
-    """
-
-    token_id: int
-    logprob: float
-    rank: int
-    top: list[tuple[int, float]] = field(default_factory=list)
-
-
-def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    return logits / temperature
-
-
-def apply_top_k(logits: torch.Tensor, top_k: int, filter_value: float = NEG_INF) -> torch.Tensor:
-    """``[..., V]``: keep scores >= the k-th largest (ties kept), as HF ``TopKLogitsWarper``."""
-    if top_k <= 0:
-        return logits
-    k = min(max(top_k, 1), logits.size(-1))
-    kth = torch.topk(logits, k)[0][..., -1, None]
-    return logits.masked_fill(logits < kth, filter_value)
-
-
-def apply_top_p(logits: torch.Tensor, top_p: float, filter_value: float = NEG_INF) -> torch.Tensor:
-    """``[..., V]``: nucleus filter exactly as HF ``TopPLogitsWarper`` (keeps at least one token)."""
-    if top_p >= 1.0:
-        return logits
-    sorted_logits, sorted_idx = torch.sort(logits, descending=False)
-    cum_probs = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    sorted_remove = cum_probs <= (1 - top_p)
-    sorted_remove[..., -1:] = False
-    remove = sorted_remove.scatter(-1, sorted_idx, sorted_remove)
-    return logits.masked_fill(remove, filter_value)
-
-
-def apply_min_p(logits: torch.Tensor, min_p: float, filter_value: float = NEG_INF) -> torch.Tensor:
-    """``[..., V]``: drop tokens with probability < ``min_p * p_max`` (HF ``MinPLogitsWarper``; the top token is kept)."""
-    if min_p <= 0.0:
-        return logits
-    probs = logits.softmax(dim=-1)
-    top = probs.amax(dim=-1, keepdim=True)
-    remove = probs < min_p * top
-    remove.scatter_(-1, probs.argmax(dim=-1, keepdim=True), False)
-    return logits.masked_fill(remove, filter_value)
-
-
-def apply_repetition_penalty(logits: torch.Tensor, token_ids: Seq[int], penalty: float) -> torch.Tensor:
-    """``[V]`` in place: every id in ``token_ids`` scores ``s / penalty`` if ``s >= 0`` else ``s * penalty``
-    (HF ``RepetitionPenaltyLogitsProcessor``; ids outside ``[0, V)`` are ignored)."""
-    if penalty == 1.0 or not token_ids:
-        return logits
-    v = logits.shape[-1]
-    ids = torch.tensor(sorted({t for t in token_ids if 0 <= t < v}), dtype=torch.long, device=logits.device)
-    scores = logits[ids]
-    logits[ids] = torch.where(scores < 0, scores * penalty, scores / penalty)
-    return logits
-
-
-def banned_ngram_tokens(token_ids: Seq[int], n: int) -> list[int]:
-    """Tokens that would complete an n-gram already in ``token_ids`` (HF ``NoRepeatNGramLogitsProcessor``).
-
-    The last ``n - 1`` tokens are matched against every earlier window of
-    ``n - 1`` tokens; each match bans the token that followed it. O(len * n).
-    """
-    cur = len(token_ids)
-    if n <= 0 or cur < n:
-        return []
-    ids = list(token_ids)
-    prefix = ids[cur - n + 1 :]
-    return [ids[j + n - 1] for j in range(cur - n + 1) if ids[j : j + n - 1] == prefix]
-
 
 class Sampler:
     """Picks one token per row.
@@ -180,8 +108,9 @@ class Sampler:
         forced_bos_token_id: the only allowed token when ``row.num_tokens == 1``.
         forced_eos_token_id: the only allowed token when ``row.num_tokens == row.max_len - 1``.
 
-    After each call, ``take_logprobs()`` returns the step's ``TokenLogprobs`` of
-    the rows that asked for them.
+    Each call returns a ``decoder_svc.outputs.SamplerOutput``: the tokens, and the
+    ``TokenLogprobs``, extra samples and beam log-probabilities of the rows that have
+    them. The only state kept between calls is each request's generator.
     """
 
     def __init__(self, suppress_tokens: Seq[int] = (), begin_suppress_tokens: Seq[int] = (),
@@ -191,9 +120,6 @@ class Sampler:
         self.forced_bos_token_id = forced_bos_token_id
         self.forced_eos_token_id = forced_eos_token_id
         self._generators: dict[str, torch.Generator] = {}
-        self._logprobs: dict[str, TokenLogprobs] = {}
-        self._extra_samples: dict[str, list[int]] = {}
-        self._beam_logprobs: dict[str, torch.Tensor] = {}
 
     def generator(self, request_id: str, seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
         """The request's own generator, created (seeded) on first use on ``device`` (the logits').
@@ -211,22 +137,6 @@ class Sampler:
     def release(self, request_id: str) -> None:
         """Forgets a finished or aborted request's generator."""
         self._generators.pop(request_id, None)
-
-    def take_logprobs(self) -> dict[str, TokenLogprobs]:
-        """request_id -> logprobs of the token the last call picked (rows with ``params.logprobs`` only);
-        an n > 1 prompt step also lists samples 1..n-1 under their ``sample_seq_id``."""
-        out, self._logprobs = self._logprobs, {}
-        return out
-
-    def take_extra_samples(self) -> dict[str, list[int]]:
-        """request_id -> first tokens of samples 1..n-1 drawn by the last call (n > 1 prompt steps)."""
-        out, self._extra_samples = self._extra_samples, {}
-        return out
-
-    def take_beam_logprobs(self) -> dict[str, torch.Tensor]:
-        """Sequence id -> ``[V]`` float32 processed log-probabilities of the last call's beam rows."""
-        out, self._beam_logprobs = self._beam_logprobs, {}
-        return out
 
     def process_logits(self, logits: torch.Tensor, rows: list[SamplingRow], inplace: bool = False) -> torch.Tensor:
         """``[N, V]`` float32 -> ``[N, V]`` after the logits processors (steps 1-5 of the module docstring).
@@ -270,18 +180,24 @@ class Sampler:
         logits = apply_top_p(logits, params.top_p)
         return apply_min_p(logits, params.min_p)
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
-        """``logits``: ``[N, V]`` (row i for ``rows[i]``) -> N token ids. Overwrites ``logits`` (the step's own)."""
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """``logits``: ``[N, V]`` (row i for ``rows[i]``) -> N token ids and what came with them.
+
+        Overwrites ``logits`` (the step's own).
+
+        Raises:
+            ValueError: ``logits`` does not have one row per sampling row.
+        """
         if logits.shape[0] != len(rows):
             raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} sampling rows")
-        self._logprobs, self._extra_samples, self._beam_logprobs = {}, {}, {}
+        result = SamplerOutput()
         if not rows:
-            return []
+            return result
         beam = [i for i, r in enumerate(rows) if r.beam]
         if beam:  # HF _beam_search: processors over log_softmax(logits)
             idx = torch.tensor(beam, dtype=torch.long, device=logits.device)
             lp = self.process_logits(torch.log_softmax(logits[idx].float(), dim=-1), [rows[i] for i in beam]).cpu()
-            self._beam_logprobs = {rows[i].request_id: lp[j] for j, i in enumerate(beam)}
+            result.beam_logprobs = {rows[i].request_id: lp[j] for j, i in enumerate(beam)}
         logits = self.process_logits(logits, rows, inplace=True)
         out = argmax_rows(logits).tolist()  # greedy rows are done in one batched op (kernels/cpu_argmax.py)
         for i, row in enumerate(rows):
@@ -297,22 +213,26 @@ class Sampler:
                     out[i] = int(torch.multinomial(probs, 1, generator=gen).item())
                     scores = warped
                     if row.num_samples > 1:
-                        self._draw_extra_samples(row, probs, warped)
+                        extra = self._draw_extra_samples(row, probs, warped, result.logprobs)
+                        result.extra_token_ids[row.request_id] = extra
                 # else: keeps the row's argmax (and reports the processed scores' logprobs)
             if row.params.logprobs:
-                self._logprobs[row.request_id] = token_logprobs(scores, out[i], row.params.top_logprobs)
-        return out
+                result.logprobs[row.request_id] = token_logprobs(scores, out[i], row.params.top_logprobs)
+        result.sampled_token_ids = out
+        return result
 
-    def _draw_extra_samples(self, row: SamplingRow, probs: torch.Tensor, warped: torch.Tensor) -> None:
-        """First tokens of samples 1..n-1 of ``row``'s request, each from its own generator."""
+    def _draw_extra_samples(self, row: SamplingRow, probs: torch.Tensor, warped: torch.Tensor,
+                            logprobs: dict[str, TokenLogprobs]) -> list[int]:
+        """First tokens of samples 1..n-1 of ``row``'s request, each from its own generator;
+        their logprobs go into ``logprobs`` under their ``sample_seq_id`` when the row asks for them."""
         extra = []
         for k in range(1, row.num_samples):
             sid = sample_seq_id(row.request_id, k)
             tok = int(torch.multinomial(probs, 1, generator=self.generator(sid, sample_seed(row.params.seed, k), probs.device)).item())
             extra.append(tok)
             if row.params.logprobs:
-                self._logprobs[sid] = token_logprobs(warped, tok, row.params.top_logprobs)
-        self._extra_samples[row.request_id] = extra
+                logprobs[sid] = token_logprobs(warped, tok, row.params.top_logprobs)
+        return extra
 
 
 def token_logprobs(scores: torch.Tensor, token_id: int, top_n: int) -> TokenLogprobs:

@@ -39,56 +39,30 @@ admitted again its prefill recomputes the self KV of prompt + output tokens
 ``max_num_batched_tokens``) and then samples the next token exactly as the
 uninterrupted run would have: the per-request sampler state (seeded
 generator) lives outside the scheduler and is untouched by preemption.
+
+After the model step, ``update_from_output`` appends the sampled tokens and
+finishes sequences on token ids and lengths only; stop strings and text are
+the output stage's (``decoder_svc.output_processor``). The queues and the
+request life cycle (add, mark_encoded, fork, abort, the finish that frees
+blocks) live in ``decoder_svc.request_queues``; ``SchedulerOutput`` in
+``decoder_svc.scheduler_output``.
 """
 
 from __future__ import annotations
 
 from bisect import insort
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 
-from decoder_svc.block_manager import BlockManager
-from decoder_svc.encoder_cache import EncoderCache
+from decoder_svc.outputs import ModelRunnerOutput
+from decoder_svc.request_queues import CapacityError, RequestQueues, queue_key
+from decoder_svc.scheduler_output import SchedulerOutput
 from decoder_svc.sequence import Sequence, SequenceStatus
 
-
-def queue_key(seq: Sequence) -> tuple[int, int]:
-    """Queue order: lower ``priority`` first, then earlier arrival (FCFS)."""
-    return (seq.priority, seq.arrival_order)
+__all__ = ["CapacityError", "Scheduler", "SchedulerOutput", "queue_key"]
 
 
-class CapacityError(ValueError):
-    """A request can never fit this decoder's KV pools or batch limits."""
-
-
-@dataclass
-class SchedulerOutput:
-    """What one step runs.
-
-    Attributes:
-        scheduled_seqs: sequences in batch order (decodes first, then prefills).
-        num_scheduled_tokens: per scheduled sequence, its uncomputed tokens
-            (``num_tokens - num_computed_tokens``; 1 for a decode step).
-        to_encode: sequences whose cross blocks were just reserved; the owner
-            asks the encoder to fill them and then calls ``mark_encoded``.
-        preempted: sequences preempted this step.
-    """
-
-    scheduled_seqs: list[Sequence] = field(default_factory=list)
-    num_scheduled_tokens: list[int] = field(default_factory=list)
-    to_encode: list[Sequence] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled_seqs
-
-
-class Scheduler:
-    """Decides, each step, which sequences run and with how many tokens.
+class Scheduler(RequestQueues):
+    """Decides, each step, which sequences run and with how many tokens, and applies each step's tokens.
 
     Args:
         block_manager: the self / cross block pools.
@@ -96,136 +70,6 @@ class Scheduler:
         max_num_batched_tokens: most query tokens in one step; must cover the
             longest recompute prefill, so longer requests are rejected.
     """
-
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int = 64, max_num_batched_tokens: int = 4096) -> None:
-        if max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-        if max_num_batched_tokens < max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs ({max_num_seqs})"
-            )
-        self.block_manager = block_manager
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.requests: dict[str, Sequence] = {}  # every unfinished sequence
-        self.waiting_cross: list[Sequence] = []  # sorted by queue_key
-        self.encoding: dict[str, Sequence] = {}
-        self.waiting: list[Sequence] = []  # sorted by queue_key
-        self.running: list[Sequence] = []
-        self.num_preemptions = 0  # since start, for metrics
-        self.encoder_cache = EncoderCache()
-
-    # --- admission ------------------------------------------------------
-    def check_capacity(self, seq: Sequence) -> None:
-        """Raises CapacityError if ``seq`` could never run on an idle decoder."""
-        bm = self.block_manager
-        cross_needed = bm.num_blocks_for(seq.encoder_len)
-        if cross_needed > bm.num_cross_blocks:
-            raise CapacityError(
-                f"request {seq.request_id!r}: encoder_len {seq.encoder_len} needs {cross_needed} cross blocks "
-                f"of {bm.block_size} tokens, the cross pool has {bm.num_cross_blocks}"
-            )
-        # The last token is sampled but never fed back, so it needs no slot.
-        max_fed = max(seq.max_len - 1, seq.num_prompt_tokens)
-        self_needed = bm.num_blocks_for(max_fed)
-        if self_needed > bm.num_self_blocks:
-            raise CapacityError(
-                f"request {seq.request_id!r}: max length {seq.max_len} needs {self_needed} self blocks "
-                f"of {bm.block_size} tokens, the self pool has {bm.num_self_blocks}"
-            )
-        if max_fed > self.max_num_batched_tokens:
-            raise CapacityError(
-                f"request {seq.request_id!r}: max length {seq.max_len} exceeds max_num_batched_tokens "
-                f"{self.max_num_batched_tokens} (a recompute prefill must fit one step)"
-            )
-
-    def add(self, seq: Sequence, encoder_cache_key: str | None = None) -> None:
-        """Queues ``seq`` for cross blocks (in ``(priority, arrival_order)`` order).
-
-        Args:
-            seq: a new sequence.
-            encoder_cache_key: content key of its encoder input
-                (``decoder_svc.encoder_cache.encoder_cache_key``); while another
-                unfinished request with the same key holds cross KV, ``seq``
-                shares it instead of being encoded. None: never shared.
-
-        Raises:
-            CapacityError: it can never fit (message names the numbers).
-            ValueError: its request id is already unfinished here.
-        """
-        if seq.request_id in self.requests:
-            raise ValueError(f"duplicate request id {seq.request_id!r}")
-        self.check_capacity(seq)
-        seq.status = SequenceStatus.WAITING_CROSS_BLOCKS
-        self.requests[seq.request_id] = seq
-        if encoder_cache_key is not None:
-            self.encoder_cache.keys[seq.request_id] = encoder_cache_key
-        insort(self.waiting_cross, seq, key=queue_key)
-
-    def mark_encoded(self, request_id: str) -> None:
-        """The encoder has filled ``request_id``'s cross blocks: it may now run, and so may the
-        requests that attached to the same encoder input meanwhile (encoder cache)."""
-        seq = self.encoding.get(request_id)
-        if seq is None:
-            raise KeyError(f"request {request_id!r} is not encoding")
-        entry = self.encoder_cache.held_by(request_id)
-        if entry is not None and entry.leader != request_id and not entry.ready:
-            raise KeyError(f"request {request_id!r} shares {entry.leader!r}'s encoding; mark that one")
-        del self.encoding[request_id]
-        seq.status = SequenceStatus.WAITING
-        insort(self.waiting, seq, key=queue_key)
-        for rid in self.encoder_cache.mark_ready(request_id):  # attached while it was encoding
-            follower = self.encoding.pop(rid)
-            follower.status = SequenceStatus.WAITING
-            insort(self.waiting, follower, key=queue_key)
-
-    def fork(self, parent_id: str, child: Sequence) -> list[tuple[int, int]]:
-        """Adds ``child`` (n > 1 samples, beams) sharing ``parent_id``'s cross KV and computed self KV.
-
-        ``child`` must carry the parent's token ids up to the parent's
-        ``num_computed_tokens`` (later ones may differ) and its own request id
-        and sampling params. A RUNNING parent's child runs from the next step
-        with the parent's full self blocks shared and the partly filled one
-        copied (``BlockManager.fork``) when a batch seat and a self block are
-        free; otherwise, and for a WAITING parent, the child waits with only
-        the cross blocks shared and prefills its tokens when admitted.
-
-        Returns:
-            ``(src, dst)`` self block copies for the model runner (see ``BlockManager.fork``).
-
-        Raises:
-            KeyError: ``parent_id`` is not unfinished here.
-            ValueError: the parent's cross KV is not written yet (still queued
-                or encoding), the child's id is taken, or its tokens differ
-                from the parent's computed ones.
-        """
-        parent = self.requests[parent_id]
-        if parent.status not in (SequenceStatus.RUNNING, SequenceStatus.WAITING):
-            raise ValueError(f"cannot fork {parent_id!r} while {parent.status.name}: its cross KV is not written yet")
-        if child.request_id in self.requests:
-            raise ValueError(f"duplicate request id {child.request_id!r}")
-        computed = parent.num_computed_tokens
-        if child.all_token_ids[:computed] != parent.all_token_ids[:computed]:
-            raise ValueError(f"{child.request_id!r} does not start with {parent_id!r}'s {computed} computed tokens")
-        self.check_capacity(child)
-        bm = self.block_manager
-        copies: list[tuple[int, int]] = []
-        runs = (
-            parent.status is SequenceStatus.RUNNING
-            and len(self.running) < self.max_num_seqs
-            and (computed % bm.block_size == 0 or bm.num_free_self_blocks >= 1)
-        )
-        if runs:
-            copies = bm.fork(parent, child)
-            child.status = SequenceStatus.RUNNING
-            self.running.append(child)
-        else:
-            bm.share_cross(parent, child)
-            child.status = SequenceStatus.WAITING
-            insort(self.waiting, child, key=queue_key)
-        self.requests[child.request_id] = child
-        self.encoder_cache.hold(parent_id, child.request_id)
-        return copies
 
     def _promised_self_blocks(self, before: Sequence) -> int:
         """Self blocks the encoding and waiting sequences queued ahead of ``before`` (by ``queue_key``)
@@ -243,11 +87,6 @@ class Scheduler:
                                              if r.priority > seq.priority and r.status is SequenceStatus.RUNNING)
 
     # --- one step -------------------------------------------------------
-    @property
-    def num_encoding(self) -> int:
-        """Requests whose cross KV is being written (handed out, not yet ``mark_encoded``)."""
-        return len(self.encoding)
-
     def reserve_cross(self) -> SchedulerOutput:
         """Step (1) alone: reserves cross blocks for waiting requests; only ``to_encode`` is filled.
 
@@ -366,9 +205,11 @@ class Scheduler:
         return victims
 
     def preempt(self, request_id: str) -> bool:
-        """Recompute-preempts ``request_id`` now if it is RUNNING (the engine does so for every running
-        beam of a beam group that could not run whole in a step, so the group waits and is admitted
-        together: its members share one queue place). Returns whether it was running."""
+        """Recompute-preempts ``request_id`` now if it is RUNNING; returns whether it was running.
+
+        ``decoder_svc.sequence_group`` does so for every running beam of a beam group
+        that could not run whole in a step, so the group waits and is admitted
+        together (its members share one queue place)."""
         seq = self.requests.get(request_id)
         if seq is None or seq.status is not SequenceStatus.RUNNING:
             return False
@@ -384,63 +225,60 @@ class Scheduler:
         insort(self.waiting, seq, key=queue_key)
         self.num_preemptions += 1
 
-    def update_from_output(self, seq_ids: list[str], token_ids: list[int]) -> list[Sequence]:
-        """Appends each scheduled sequence's sampled token; returns the sequences that finished.
+    def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput,
+                           forked: Iterable[Sequence] = ()) -> list[Sequence]:
+        """Applies one model step: appends each scheduled sequence's sampled token; returns those that finished.
 
-        Finished sequences (end token "stop"; ``max_tokens`` or model max length
-        "length") have all their blocks freed and leave the scheduler. Ids no
-        longer running (aborted in between) are ignored.
+        Decides on token ids and lengths only (``Sequence.check_token_stop``): a
+        stop token id "stop"; ``max_tokens`` or the model max length "length".
+        Stop strings are the output stage's (``decoder_svc.output_processor``,
+        which calls ``finish_request``). Finished sequences have all their blocks
+        freed and leave the scheduler. Beam rows are skipped (their tokens are
+        chosen by the request's search, ``decoder_svc.sequence_group``), and so
+        are sequences no longer running (aborted in between).
+
+        Args:
+            scheduler_output: the step's plan (``schedule()``).
+            model_runner_output: its result, one token per scheduled sequence.
+            forked: sequences forked this step with their first token already
+                appended (samples 1..n-1 off a prompt step); checked after the rest.
+
+        Raises:
+            ValueError: the output does not name the scheduled sequences.
         """
-        if len(seq_ids) != len(token_ids):
-            raise ValueError(f"{len(seq_ids)} sequence ids but {len(token_ids)} tokens")
+        seqs, token_ids = scheduler_output.scheduled_seqs, model_runner_output.sampled_token_ids
+        if len(seqs) != len(token_ids) or model_runner_output.seq_ids != [s.request_id for s in seqs]:
+            raise ValueError(f"{len(token_ids)} tokens for {model_runner_output.seq_ids}, "
+                             f"but {[s.request_id for s in seqs]} were scheduled")
         finished = []
-        for rid, tok in zip(seq_ids, token_ids):
-            seq = self.requests.get(rid)
+        for scheduled, tok in zip(seqs, token_ids):
+            if scheduled.sampling_params.num_beams > 1:
+                continue
+            seq = self.requests.get(scheduled.request_id)
             if seq is None or seq.status is not SequenceStatus.RUNNING:
                 continue
             seq.num_computed_tokens = seq.num_tokens  # every token fed this step now has K/V
             seq.append_token(int(tok))
-            status = seq.check_stop()
-            if status is not None:
-                self._finish(seq, status)
+            if self._check_stop(seq):
                 finished.append(seq)
+        finished.extend(seq for seq in forked if self._check_stop(seq))
         return finished
 
-    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
-        if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
-        elif seq.status is SequenceStatus.WAITING:
-            self.waiting.remove(seq)
-        elif seq.status is SequenceStatus.ENCODING:
-            del self.encoding[seq.request_id]
-        elif seq.status is SequenceStatus.WAITING_CROSS_BLOCKS:
-            self.waiting_cross.remove(seq)
-        for rid in self.encoder_cache.release(seq.request_id):  # its Encode never landed: encode afresh
-            orphan = self.encoding.pop(rid)
-            self.block_manager.free_cross(orphan)
-            orphan.status = SequenceStatus.WAITING_CROSS_BLOCKS
-            insort(self.waiting_cross, orphan, key=queue_key)
-        self.block_manager.free(seq)
-        seq.status = status
-        del self.requests[seq.request_id]
-
-    def abort(self, request_id: str) -> bool:
-        """Frees every block of ``request_id`` in any state; False if it is not unfinished here."""
-        seq = self.requests.get(request_id)
-        if seq is None:
+    def _check_stop(self, seq: Sequence) -> bool:
+        """Finishes ``seq`` if its last token ends it by ids or length; returns whether it did."""
+        status = seq.check_token_stop()
+        if status is None:
             return False
-        self._finish(seq, SequenceStatus.FINISHED_ABORTED)
+        self._finish(seq, status)
         return True
 
-    # --- introspection --------------------------------------------------
-    def has_unfinished(self) -> bool:
-        return bool(self.requests)
+    def finish_request(self, seq: Sequence, status: SequenceStatus) -> None:
+        """Ends ``seq`` with ``status`` (the output stage found a stop string in its text).
 
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    @property
-    def num_waiting(self) -> int:
-        """Sequences not running: waiting for cross blocks, encoding, or waiting for self blocks."""
-        return len(self.waiting_cross) + len(self.encoding) + len(self.waiting)
+        A sequence that this step's ``update_from_output`` already finished (the
+        same token reached its length) only takes the new status: its blocks are free.
+        """
+        if seq.is_finished:
+            seq.status = status
+        else:
+            self._finish(seq, status)

@@ -52,7 +52,8 @@ class Sequence:
         sampling_params: how to pick each next token.
         eos_token_id: token that stops the sequence ("stop").
         max_total_len: model's max decoder length (prompt + output), e.g. 448.
-        output_text: the engine's detokenizer + stop-string matcher, or None.
+        output_text: the output stage's detokenizer + stop-string matcher
+            (``decoder_svc.detokenizer.OutputText``), or None.
         stop_reason: the stop token id or stop string that ended a "stop" sequence.
         status: a `SequenceStatus`.
         block_table: self-attention KV block ids, in order.
@@ -63,7 +64,7 @@ class Sequence:
         priority: scheduling priority, lower value = earlier (vLLM's convention);
             ties are first come first served.
         group_id: the request this sequence belongs to (``request_id`` unless it is
-            one of several samples / beams of a request, ``decoder_svc.engine``).
+            one of several samples / beams of a request, ``decoder_svc.sequence_group``).
         index: which sample of the request (0..n-1); beams use 0 while running.
     """
 
@@ -91,7 +92,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.arrival_time = time.monotonic()
         self.arrival_order = next(_arrival_counter)
-        # Set by the engine: the ``decoder_svc.detokenizer.OutputText`` that turns
+        # Set by the output stage (``decoder_svc.output_processor``): the ``OutputText`` that turns
         # output tokens into streamed text and finds stop strings (None: token-level stops only).
         self.output_text = None
         # What ended a "stop": the stop token id (the end token included) or the stop string.
@@ -142,34 +143,62 @@ class Sequence:
         extra = self.sampling_params.stop_token_ids
         return extra if self.sampling_params.ignore_eos else (self.eos_token_id, *extra)
 
-    def check_stop(self) -> SequenceStatus | None:
-        """The finished status the last appended token implies, or None; sets ``stop_reason``.
+    def check_token_stop(self) -> SequenceStatus | None:
+        """The finished status the last appended token implies by ids and lengths alone, or None.
 
-        Order: a stop token id ("stop", ``stop_reason`` = the id), then the new
-        text via ``output_text`` (a stop string: "stop", ``stop_reason`` = the
-        string), then the length limit ("length"). Before ``min_tokens`` new
-        tokens only the length limit can end the sequence (a forced end token
-        at the model's max length ends it as "length").
+        The scheduler's check: a stop token id ("stop", sets ``stop_reason`` to
+        the id), then the length limit (``max_tokens`` / model max length,
+        "length"). Before ``min_tokens`` new tokens only the length limit can end
+        the sequence (a forced end token at the model's max length ends it as "length").
         """
         if not self.output_token_ids:
             return None
         last = self.output_token_ids[-1]
-        can_stop = self.num_output_tokens >= self.sampling_params.min_tokens
-        if can_stop and last in self.stop_token_ids:
+        if self.num_output_tokens >= self.sampling_params.min_tokens and last in self.stop_token_ids:
             self.stop_reason = last
-            if self.output_text is not None:
-                self.output_text.finish(last if self.sampling_params.include_stop_str_in_output else None)
             return SequenceStatus.FINISHED_STOPPED
-        if self.output_text is not None:
-            matched = self.output_text.add_token(last, check_stop=can_stop)
-            if matched is not None:
-                self.stop_reason = matched
-                return SequenceStatus.FINISHED_STOPPED
         if self.num_tokens >= self.max_len:
-            if self.output_text is not None:
-                self.output_text.finish()
             return SequenceStatus.FINISHED_LENGTH
         return None
+
+    def update_text(self, status: SequenceStatus | None) -> SequenceStatus | None:
+        """The output stage's check: detokenizes the last token into ``output_text`` and matches stop strings.
+
+        Args:
+            status: what ``check_token_stop`` decided for that token.
+
+        Returns:
+            ``status``, or FINISHED_STOPPED when the new text completed a stop
+            string (``stop_reason`` = the string; it wins over a length limit
+            reached by the same token). A stop token's text is kept only with
+            ``include_stop_str_in_output``; at a finish the held-back text and
+            trailing bytes are released.
+
+        Raises:
+            RuntimeError: ``output_text`` is None or already finished.
+        """
+        text = self.output_text
+        if text is None:
+            raise RuntimeError(f"{self.request_id!r} has no output_text")
+        last = self.output_token_ids[-1]
+        if status is SequenceStatus.FINISHED_STOPPED:  # a stop token id (the only "stop" decided on ids)
+            text.finish(last if self.sampling_params.include_stop_str_in_output else None)
+            return status
+        matched = text.add_token(last, check_stop=self.num_output_tokens >= self.sampling_params.min_tokens)
+        if matched is not None:
+            self.stop_reason = matched
+            return SequenceStatus.FINISHED_STOPPED
+        if status is not None:
+            text.finish()
+        return status
+
+    def check_stop(self) -> SequenceStatus | None:
+        """Both checks in the engine's order: ``check_token_stop``, then ``update_text`` when
+        ``output_text`` is set. Order: a stop token id, a stop string, the length limit."""
+        status = self.check_token_stop()
+        if self.output_text is not None and self.output_token_ids:
+            status = self.update_text(status)
+        return status
 
     def __repr__(self) -> str:
         return (

@@ -11,6 +11,7 @@ import logging
 
 from decoder_svc.engine import DecoderEngine
 from decoder_svc.kv_budget import block_bytes, resolve_budget, size_kv_cache
+from decoder_svc.request_state import RequestStateStore
 from decoder_svc.server import DecoderServicer
 from shared.compute_thread import single_threaded_main
 from shared.config import DecoderServiceConfig
@@ -21,7 +22,6 @@ from shared.metrics import start_metrics_server
 from shared.models.quantize import apply_quantization
 from shared.models.registry import load_model, load_tokenizer
 from shared.proto import decoder_pb2_grpc
-from decoder_svc.request_state import RequestStateStore
 
 __all__ = ["KV_DTYPE_BYTES", "build_engine", "run"]
 

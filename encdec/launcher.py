@@ -51,7 +51,7 @@ def shutdown_timeout_s(service_args: list[str], margin_s: float = 7.0) -> float:
     """How long to wait for a decoder started as ``encdec <service_args>`` (``["serve-decoder", ...]``) to exit
     after SIGTERM: the ``shutdown_grace_s`` it drains for, read as the decoder reads it (its flags, abbreviated or
     not, over the ``ENCDEC_*`` environment it inherits, over the default), plus ``margin_s`` to end the rest."""
-    from encdec.cli import build_parser
+    from encdec.parser import build_parser
     from shared.config import DecoderServiceConfig, config_from
 
     try:

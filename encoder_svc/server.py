@@ -1,29 +1,26 @@
-"""The encoder service process: gRPC ``EncoderService`` over an ``EncodeBatcher``."""
+"""The encoder service's RPCs: gRPC ``EncoderService`` over an ``EncodeBatcher``.
+
+``EncoderServicer.Encode`` checks and converts the request into an ``EncodeItem``,
+submits it to the batcher and converts the result back. Errors raised here become
+status codes in ``shared.grpc_server.ErrorStatusInterceptor``. Loading the model
+and serving: ``encoder_svc.startup``.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import math
 import time
 
 import numpy as np
-import torch
 
 from encoder_svc.batcher import WRITE_MARGIN_S, EncodeBatcher, EncodeItem
-from shared.compute_thread import single_threaded_main
 from shared.config import EncoderServiceConfig
-from shared.device import resolve_device, torch_dtype
 from shared.errors import InvalidRequestError, NotFoundError
-from shared.grpc_server import abort_with, serve
 from shared.kv_transport import KVTargetSpec, WriterSet
-from shared.metrics import EncoderMetrics, start_metrics_server
-from shared.models.quantize import apply_quantization
-from shared.models.registry import is_encoder_only, load_model, model_names
-from shared.models.whisper_features import log_mel_spectrogram
+from shared.metrics import EncoderMetrics
+from shared.models.registry import model_names
 from shared.proto import encoder_pb2, encoder_pb2_grpc
-
-log = logging.getLogger(__name__)
 
 
 class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
@@ -81,61 +78,11 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             if remaining is not None:
                 item.write_deadline = time.monotonic() + remaining - WRITE_MARGIN_S
             encoder_len, encode_ms, batch_size, stats = await asyncio.wrap_future(self.batcher.submit(item))
-        except Exception as exc:  # noqa: BLE001 - mapped to a status code
+        except Exception:
             self.metrics.requests.labels(outcome="error").inc()
-            await abort_with(context, exc)
+            raise  # ErrorStatusInterceptor turns it into the status code
         self.metrics.observe_encode(encode_ms, batch_size, stats.nbytes, stats.ms)
         return encoder_pb2.EncodeResponse(
             request_id=request.request_id, encoder_len=encoder_len, encode_ms=encode_ms, batch_size=batch_size,
             transfer_bytes=stats.nbytes, transfer_ms=stats.ms,
         )
-
-
-def _warm_up(model, device: torch.device) -> None:
-    """One encoder forward before reporting healthy, so the first request does not pay for it
-    (nor, on a GPU, for CUDA context and kernel setup)."""
-    if getattr(model, "input_modality", "audio") != "audio":
-        return
-    with torch.inference_mode():
-        model.compute_cross_kv(model.encode(log_mel_spectrogram(np.zeros(16000, dtype=np.float32))[None].to(device)))
-
-
-def run(config: EncoderServiceConfig) -> None:
-    """Loads the model and serves until SIGINT/SIGTERM: ``EncoderService`` for an
-    encoder-decoder model, ``EmbedService`` for an encoder-only one."""
-    threads = single_threaded_main(config.num_threads)  # loading stays on one thread; the batcher thread gets these
-    device = resolve_device(config.device)  # ValueError (a clear one) when the GPU is missing
-    if is_encoder_only(config.model):  # BERT family: EmbedService instead of Encode
-        if config.quantize != "none":
-            raise ValueError(f"quantize {config.quantize} is for Whisper models only; the Embed service runs "
-                             f"{config.model} in {config.dtype}: use quantize none")
-        from encoder_svc.embed_servicer import run_embed
-
-        return run_embed(config, threads)
-    model = load_model(config.model, torch_dtype(config.dtype))
-    apply_quantization(model, config.quantize, "encoder")  # CPU only (the config refuses int8 on CUDA)
-    model.to(device)
-    log.info("encoder model %s on %s (%s%s)", config.model, device, config.dtype, ", int8 linears" if config.quantize == "int8" else "")
-    max_batch_size = config.max_batch_size  # int8 too: its activation scales are per row (shared.models.quantize)
-    writer = WriterSet(
-        [t.strip() for t in config.kv_transport.split(",") if t.strip()],
-        {"torch_dist": dict(backend=config.kv_dist_backend, device=config.kv_device, timeout_s=config.kv_transfer_timeout_s)},
-    )
-    batcher = EncodeBatcher(model, log_mel_spectrogram, writer, max_batch_size, config.batch_wait_ms, threads,
-                            warm_up=lambda: _warm_up(model, device), max_batch_tokens=config.max_batch_tokens,
-                            max_batch_wait_ms=config.max_batch_wait_ms)
-    servicer = EncoderServicer(config, model, batcher)
-    start_metrics_server(config.metrics_port, config.host, servicer.metrics.registry)
-
-    async def on_stop() -> None:
-        batcher.stop()
-        writer.close()
-
-    asyncio.run(
-        serve(
-            lambda server: encoder_pb2_grpc.add_EncoderServiceServicer_to_server(servicer, server),
-            ["encdec.v1.EncoderService"],
-            f"{config.host}:{config.port}",
-            on_stop,
-        )
-    )

@@ -5,8 +5,8 @@ every sequence's K/V blocks into a dense copy, builds a mask and calls
 ``F.scaled_dot_product_attention``: for a t5-small batch-32 decode step that
 was ~13 ms of the step's ~75 ms (gathers, SDPA, masks) on our 2-core AVX2
 machines. With one query per sequence, this C kernel reads each key and value
-where it lies, once, through the block table. ``kernels.attention_backend``
-sends every call on float32 CPU caches here (backend ``torch``); half-precision
+where it lies, once, through the block table. The ``torch`` attention backend
+(``kernels.attention_backends.torch_backend``) sends every call on float32 CPU caches here; half-precision
 caches and other devices go to the reference; tests/test_cpu_paged_attention.py
 compares the two. A step with several queries per sequence (a prefill, a
 recompute after preemption, next to other sequences' decode rows) is run as

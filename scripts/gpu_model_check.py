@@ -271,7 +271,7 @@ def check_embed(device: str, rows: list) -> None:
     a padded packed batch of several lengths, every pooling; max |difference| within 1e-4."""
     from embed_checkpoints import build_classifier
 
-    from encoder_svc.embed_engine import load_embed_engine
+    from encoder_svc.embed.engine import load_embed_engine
 
     with tempfile.TemporaryDirectory() as tmp:
         path = build_classifier(Path(tmp) / "bert", "bert", num_labels=3)

@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels.attention_backends.base import AttentionBackend
+from kernels.attention_backends.torch_backend import TorchAttentionBackend
+
 
 @dataclass
 class AttentionMetadata:
@@ -42,11 +45,14 @@ class AttentionMetadata:
             one ascending run of ids, so its cross K/V is the slice
             ``first_slot : first_slot + encoder_len`` of the flat cross cache
             (read in place by ``kernels.cross_attention``); None otherwise.
-        attention_backend: ``torch`` or ``triton``: which implementation the
-            model's attention call sites run (``kernels.attention_backend``).
-        step_cache: scratch dict for this step only: the torch attention
-            builds its masks and index tensors once per step here and every
-            layer reuses them (``kernels.paged_attention``, ``step_cache``).
+        attn_backend: the model runner's attention backend, which the model's
+            layers call (``write_kv``, ``paged``, ``cross``); its ``prepare``
+            has planned this step (``kernels.attention_backend``). Default:
+            a ``torch`` backend (metadata built by hand, in tests).
+        step_cache: scratch dict for this step only: the backend's ``prepare``
+            and the first layer put the step's plan here (query rows, masks,
+            index tensors) and every other layer reuses it
+            (``kernels.paged_attention``, ``step_cache``).
     """
 
     query_start_loc: torch.Tensor
@@ -60,8 +66,13 @@ class AttentionMetadata:
     max_seq_len: int
     max_encoder_len: int
     cross_kv_spans: list[tuple[int, int, int, int]] | None = None
-    attention_backend: str = "torch"
+    attn_backend: AttentionBackend = field(default_factory=TorchAttentionBackend)
     step_cache: dict = field(default_factory=dict)
+
+    @property
+    def attention_backend(self) -> str:
+        """The backend's name: ``torch`` or ``triton``."""
+        return self.attn_backend.name
 
     @property
     def num_seqs(self) -> int:

@@ -110,7 +110,7 @@ def test_median_run_is_the_middle_wall_time():
 
 @pytest.mark.parametrize("bench", ["whisper", "seq2seq"])
 def test_repeats_must_be_a_positive_count(bench, capsys):
-    from encdec.cli import build_parser
+    from encdec.parser import build_parser
 
     parser = build_parser()
     assert parser.parse_args(["bench", bench]).repeats == 3

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from encdec.bench.transfer import COLUMNS, PAYLOADS, parse_payloads
-from encdec.cli import build_parser, main
+from encdec.cli import main
+from encdec.parser import build_parser
 
 
 def test_payload_sizes_match_the_models():

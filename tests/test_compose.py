@@ -220,7 +220,7 @@ def test_generate_through_the_published_decoder_port(deployment, hf_whisper, whi
 
 
 def test_embed_through_the_published_embed_port(deployment):
-    from encoder_svc.embed_engine import finish_embedding, load_embed_engine
+    from encoder_svc.embed.engine import finish_embedding, load_embed_engine
     from shared.proto import embed_pb2, embed_pb2_grpc
 
     address = deployment.published(EMBED_PORT)

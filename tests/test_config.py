@@ -1,4 +1,4 @@
-"""shared/config.py: CLI flags over ENCDEC_* environment variables over defaults, and their errors."""
+"""shared/config/: CLI flags over ENCDEC_* environment variables over defaults, and their errors."""
 
 from __future__ import annotations
 

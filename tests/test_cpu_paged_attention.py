@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import attention_backend
+from kernels import attention_backend, cpu_paged_attention
 from kernels.cpu_paged_attention import applies, is_available, paged_decode_attention, write_applies, write_kv
 from kernels.paged_attention import paged_attention as reference
 from kernels.paged_attention import write_kv as write_kv_reference
@@ -104,8 +104,8 @@ def test_backend_sends_float32_cpu_calls_here_one_row_per_query(monkeypatch):
     queries a sequence) included, as one kernel row per query; half-precision caches keep the reference."""
     query, k, v, tables, lens = _case([4, 9], 2, 8, 4, seed=9)
     calls = []
-    real = attention_backend._cpu_decode.paged_decode_attention
-    monkeypatch.setattr(attention_backend._cpu_decode, "paged_decode_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = cpu_paged_attention.paged_decode_attention
+    monkeypatch.setattr(cpu_paged_attention, "paged_decode_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     qsl = torch.arange(3)
     got = attention_backend.paged_attention(query, k, v, tables, lens, qsl, causal=True, scale=0.5, max_query_len=1)
     assert calls == [1]
@@ -199,8 +199,8 @@ def test_write_kv_refuses_a_slot_past_the_cache_before_writing():
 
 def test_backend_write_kv_sends_half_caches_to_the_reference(monkeypatch):
     calls = []
-    real = attention_backend._cpu_decode.write_kv
-    monkeypatch.setattr(attention_backend._cpu_decode, "write_kv", lambda *a: calls.append(1) or real(*a))
+    real = cpu_paged_attention.write_kv
+    monkeypatch.setattr(cpu_paged_attention, "write_kv", lambda *a: calls.append(1) or real(*a))
     key = value = torch.randn(2, 1, 8)
     for dtype, expect in ((torch.float32, [1]), (torch.float16, [1])):
         k_cache, v_cache = torch.zeros(2, 4, 1, 8, dtype=dtype), torch.zeros(2, 4, 1, 8, dtype=dtype)

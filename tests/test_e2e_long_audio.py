@@ -124,7 +124,7 @@ def test_windows_split_the_whole_clip(clip):
 
 
 def test_window_texts_join_with_one_space():
-    from decoder_svc.server import _Active
+    from decoder_svc.request_progress import RequestProgress as _Active
 
     active = _Active(RequestInput(1500))
     streamed = [active.stream_text(t) for t in ["", " One", " two."]]

@@ -7,7 +7,7 @@ import pytest
 import torch
 from embed_checkpoints import build_classifier
 
-from encoder_svc.embed_engine import label_scores, load_embed_engine
+from encoder_svc.embed.engine import label_scores, load_embed_engine
 from shared.models.registry import is_encoder_only, resolve_model
 
 TOL = 1e-5

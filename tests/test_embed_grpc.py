@@ -14,7 +14,7 @@ from embed_checkpoints import build_classifier
 from embed_sentences import SENTENCES
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from encoder_svc.embed_engine import finish_embedding, load_embed_engine
+from encoder_svc.embed.engine import finish_embedding, load_embed_engine
 from encdec.launcher import encoder_service
 from shared.proto import embed_pb2, embed_pb2_grpc
 

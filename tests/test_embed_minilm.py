@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from embed_sentences import SENTENCES
 
-from encoder_svc.embed_batcher import EmbedBatcher, plan_forwards
-from encoder_svc.embed_engine import finish_embedding, load_embed_engine
+from encoder_svc.embed.batcher import EmbedBatcher, plan_forwards
+from encoder_svc.embed.engine import finish_embedding, load_embed_engine
 from shared.errors import InvalidRequestError
 from shared.models.registry import is_encoder_only, resolve_model
 
@@ -206,7 +206,7 @@ def test_small_job_runs_between_the_forwards_of_a_big_one(engine):
 def test_servicer_cancels_the_batcher_job_of_a_cancelled_call(engine):
     import asyncio
 
-    from encoder_svc.embed_servicer import EmbedServicer
+    from encoder_svc.embed.server import EmbedServicer
 
     gated = GatedEngine(engine)
     b = EmbedBatcher(gated, max_batch_tokens=32)

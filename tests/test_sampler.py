@@ -65,7 +65,7 @@ def test_greedy_respects_suppression():
     logits[:, 3] = 20.0  # always suppressed
     logits[:, 9] = 5.0
     rows = [SamplingRow("a", SamplingParams(), True), SamplingRow("b", SamplingParams(), False)]
-    assert Sampler(SUPPRESS, BEGIN)(logits, rows) == [9, 7]
+    assert Sampler(SUPPRESS, BEGIN)(logits, rows).sampled_token_ids == [9, 7]
 
 
 def run_seeded(companions, steps=6):
@@ -83,7 +83,7 @@ def run_seeded(companions, steps=6):
         pos = len(rows) // 2
         rows.insert(pos, SamplingRow("x", px, t == 0))
         logits.insert(pos, row_logits[t])
-        got.append(sampler(torch.stack(logits), rows)[pos])
+        got.append(sampler(torch.stack(logits), rows).sampled_token_ids[pos])
     return got
 
 
@@ -126,9 +126,9 @@ def test_tiny_temperatures_are_greedy_and_never_fail_the_batch():
         SamplingRow("below-eps", SamplingParams(temperature=SAMPLING_EPS / 2), False),
         SamplingRow("companion", SamplingParams(temperature=1.0, seed=7), False),
     ]
-    out = Sampler()(logits, rows)
+    out = Sampler()(logits, rows).sampled_token_ids
     assert out[:2] == logits[:2].argmax(-1).tolist()
-    alone = Sampler()(logits[2:], rows[2:])
+    alone = Sampler()(logits[2:], rows[2:]).sampled_token_ids
     assert out[2] == alone[0]
 
 
@@ -244,9 +244,10 @@ def test_logprobs_are_of_the_scores_the_token_was_picked_from():
         SamplingRow("none", SamplingParams(temperature=1.0), False),
     ]
     sampler = Sampler(SUPPRESS, BEGIN)
-    toks = sampler(logits, rows)
-    lps = sampler.take_logprobs()
-    assert set(lps) == {"greedy", "sampled"} and sampler.take_logprobs() == {}
+    result = sampler(logits, rows)
+    toks = result.sampled_token_ids
+    lps = result.logprobs
+    assert set(lps) == {"greedy", "sampled"} and sampler(logits[2:].clone(), rows[2:]).logprobs == {}
     processed = sampler.process_logits(logits, rows)
     greedy = lps["greedy"]
     ref = torch.log_softmax(processed[0], -1)
@@ -265,7 +266,7 @@ def test_every_proto_sampling_field_is_implemented_or_refused():
     onto a ``decoder_svc.sampling_params.SamplingParams`` attribute, and a set field outside that list is refused."""
     import dataclasses
 
-    from decoder_svc.server import _REPEATED_SAMPLING_FIELDS, _SCALAR_SAMPLING_FIELDS
+    from decoder_svc.convert import _REPEATED_SAMPLING_FIELDS, _SCALAR_SAMPLING_FIELDS
     from shared.proto import decoder_pb2
 
     proto_fields = {f.name for f in decoder_pb2.SamplingParams.DESCRIPTOR.fields}

@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from decoder_svc.block_manager import BlockManager
+from decoder_svc.outputs import ModelRunnerOutput
 from decoder_svc.scheduler import CapacityError, Scheduler
 from decoder_svc.sequence import Sequence, SequenceStatus
 from decoder_svc.sampling_params import SamplingParams
@@ -34,7 +35,7 @@ def step(sched, stop_at=None):
         assert n == seq.num_tokens - seq.num_computed_tokens
         assert len(seq.block_table) * sched.block_manager.block_size >= seq.num_tokens
     toks = [fake_token(s, stop_at.get(s.request_id) if stop_at else None) for s in so.scheduled_seqs]
-    finished = sched.update_from_output([s.request_id for s in so.scheduled_seqs], toks)
+    finished = sched.update_from_output(so, ModelRunnerOutput([s.request_id for s in so.scheduled_seqs], toks))
     return so, finished
 
 
@@ -65,7 +66,7 @@ def test_cross_blocks_fcfs_then_encoded_admission():
     sched.mark_encoded("a")
     so = sched.schedule()
     assert [s.request_id for s in so.scheduled_seqs] == ["a"] and so.num_scheduled_tokens == [2]
-    sched.update_from_output(["a"], [5])
+    sched.update_from_output(so, ModelRunnerOutput(["a"], [5]))
     so = sched.schedule()
     assert so.num_scheduled_tokens == [1] and a.num_computed_tokens == 2
     with pytest.raises(KeyError):
@@ -170,7 +171,7 @@ def test_abort_in_every_state():
     for rid in states:
         assert sched.abort(rid)
         assert not sched.abort(rid)
-    sched.update_from_output(["run"], [7])  # aborted between schedule and update: ignored
+    sched.update_from_output(so, ModelRunnerOutput(["run"], [7]))  # aborted between schedule and update: ignored
     assert not sched.has_unfinished()
     assert bm.num_free_self_blocks == 8 and bm.num_free_cross_blocks == 8
 
@@ -251,7 +252,7 @@ def test_property_no_leaks(ops, num_self, num_cross, block_size):
                 to_mark.remove(rid)
                 sched.mark_encoded(rid)
             toks = [EOS if (y and fake_token(s) % 100 < y // 10) else fake_token(s) for s in so.scheduled_seqs]
-            sched.update_from_output([s.request_id for s in so.scheduled_seqs], toks)
+            sched.update_from_output(so, ModelRunnerOutput([s.request_id for s in so.scheduled_seqs], toks))
         elif op == "fork":
             forkable = [s for s in sched.requests.values() if s.status in (SequenceStatus.RUNNING, SequenceStatus.WAITING)]
             if forkable:
@@ -397,8 +398,8 @@ def test_fork_shares_full_blocks_and_copies_the_partial_one():
     with pytest.raises(ValueError, match="ENCODING"):
         sched.fork("p", make_seq("c0"))
     sched.mark_encoded("p")
-    sched.schedule()
-    sched.update_from_output(["p"], [7])  # 5 computed tokens: block 0 full, block 1 holds 1
+    so = sched.schedule()
+    sched.update_from_output(so, ModelRunnerOutput(["p"], [7]))  # 5 computed tokens: block 0 full, block 1 holds 1
     child = make_seq("c", prompt=(1, 2, 3, 4, 5), max_tokens=8)
     child.output_token_ids = [8]  # a different sample after the shared prefix
     copies = sched.fork("p", child)

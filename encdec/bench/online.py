@@ -25,28 +25,9 @@ import time
 from pathlib import Path
 
 from encdec.bench.table import markdown_table, write_json
-from encdec import DATA_DIR
 
 COLUMNS = ["workload", "rate req/s", "duration s", "requests", "failed", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms",
            "TPOT p99 ms", "e2e mean s", "req/s", "tokens/s"]
-BUNDLED_CLIPS = DATA_DIR
-
-
-def add_arguments(p) -> None:
-    """The ``encdec bench online`` flags (also used by ``encdec bench all``)."""
-    p.add_argument("--workload", default="whisper",
-                   help="whisper (bundled clips, or --clips) or a text model shape: t5-small, bart-base, t5-tiny, bart-tiny")
-    p.add_argument("--rate", type=float, default=1.0, help="mean arrival rate, requests/s (Poisson)")
-    p.add_argument("--duration", type=float, default=30.0, help="seconds during which requests arrive")
-    p.add_argument("--seed", type=int, default=0, help="seed of the arrival times")
-    p.add_argument("--clips", default=str(BUNDLED_CLIPS), help="whisper: folder of .wav/.flac clips")
-    p.add_argument("--source-len", type=int, default=24, help="text workloads: source tokens per request")
-    p.add_argument("--new-tokens", type=int, default=64, help="text workloads: generated tokens per request")
-    p.add_argument("--threads", type=int, default=2, help="torch threads per service")
-    p.add_argument("--max-num-seqs", type=int, default=32, help="decoder --max-num-seqs")
-    p.add_argument("--cache-dir", default=None, help="text workloads: checkpoint cache (default: the seq2seq bench's)")
-    p.add_argument("--address", default=None, help="use running services at this decoder address instead of starting them")
-    p.add_argument("--json", default=None, help="also write the results here")
 
 
 def arrival_times(rate: float, duration: float, seed: int) -> list[float]:
@@ -80,8 +61,8 @@ def _workload(args):
             raise ValueError(f"no .wav/.flac clips in {clip_dir}")
         payloads = [p.read_bytes() for p in clips]
         return None, lambda i: decoder_pb2.GenerateRequest(audio=payloads[i % len(payloads)])
-    from encdec.bench.seq2seq import DEFAULT_CACHE, sampling_for
-    from encdec.bench.seq2seq_checkpoints import SHAPES, build_checkpoint, source_ids
+    from encdec.bench.seq2seq import sampling_for
+    from encdec.bench.seq2seq_checkpoints import DEFAULT_CACHE, SHAPES, build_checkpoint, source_ids
 
     if args.workload not in SHAPES:
         raise ValueError(f"unknown workload {args.workload!r}; use whisper or one of {', '.join(SHAPES)}")

@@ -44,27 +44,9 @@ import time
 from pathlib import Path
 
 from encdec.bench.seq2seq_checkpoints import SHAPES, build_checkpoint, source_ids
-from encdec.bench.table import markdown_table, median_run, positive_int, write_json
+from encdec.bench.table import markdown_table, median_run, write_json
 
 COLUMNS = ["model", "system", "mode", "requests", "tokens", "wall s", "tokens/s", "x best batched", "same as HF"]
-DEFAULT_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "encdec-serve", "bench")
-
-
-def add_arguments(p) -> None:
-    """The ``encdec bench seq2seq`` flags (also used by ``encdec bench all``)."""
-    p.add_argument("--models", default="t5-small,bart-base", help=f"comma-separated shapes from {', '.join(SHAPES)}")
-    p.add_argument("--requests", type=int, default=32)
-    p.add_argument("--source-len", type=int, default=24, help="source tokens per request (special tokens included)")
-    p.add_argument("--new-tokens", type=int, default=64, help="generated tokens per request (exactly, where the system allows)")
-    p.add_argument("--threads", type=int, default=2, help="torch / CTranslate2 threads per system (per service for ours)")
-    p.add_argument("--cache-dir", default=DEFAULT_CACHE, help="where the random checkpoints and their CT2 conversions are kept")
-    p.add_argument("--skip-ct2", action="store_true", help="skip CTranslate2 (needs the [bench] extra)")
-    p.add_argument("--skip-hf-sequential", action="store_true", help="skip the (slow) one-at-a-time HF and CT2 runs")
-    p.add_argument("--int8", action="store_true", help="also run CTranslate2 int8 and our --quantize int8")
-    p.add_argument("--repeats", type=positive_int, default=3, help="timed runs of each batched system; the median is reported")
-    p.add_argument("--stream-intervals", default="1,16",
-                   help="our decoder's --stream-interval values, comma-separated: one row each (int8: the first only)")
-    p.add_argument("--json", default=None, help="also write the results here")
 
 
 def _gen_kwargs(n: int) -> dict:

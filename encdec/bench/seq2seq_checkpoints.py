@@ -14,10 +14,13 @@ bench sends token ids, the tokenizer only detokenizes. No hub access.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 CACHE_VERSION = 4
+DEFAULT_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "encdec-serve", "bench")
+"""Where the checkpoints and their CT2 conversions are kept unless ``--cache-dir`` says otherwise."""
 
 
 @dataclass(frozen=True)

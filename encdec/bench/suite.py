@@ -21,24 +21,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from encdec.bench import ORDER
 from encdec.bench.table import markdown_table, write_json
+from encdec.parser import build_parser
 
-ORDER = ["whisper", "seq2seq", "embed", "transfer", "online"]
 # Benches that take --threads / --skip-ct2.
 THREADED = {"whisper", "seq2seq", "embed", "transfer", "online"}
 CT2 = {"whisper", "seq2seq"}
-
-
-def add_arguments(p) -> None:
-    """The ``encdec bench all`` flags."""
-    p.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(ORDER)}")
-    p.add_argument("--skip", default="", help="comma-separated benches to leave out")
-    p.add_argument("--threads", type=int, default=2, help="threads per system (per service for ours), passed to every bench")
-    p.add_argument("--skip-ct2", action="store_true", help="no CTranslate2 rows")
-    for name in ORDER:
-        p.add_argument(f"--{name}-args", default="", help=f"extra flags for the {name} bench (see encdec bench {name} -h)")
-    p.add_argument("--json", default=None, help="write every bench's results here (one JSON object)")
-    p.add_argument("--plot", default=None, help="write a PNG plot here (matplotlib)")
 
 
 def available() -> list[str]:
@@ -56,10 +45,7 @@ def _columns(name: str, payload: dict) -> list[str]:
         return list(payload["rows"][0]) if payload.get("rows") else []
 
 
-
 def _bench_args(name: str, args, json_path: str) -> "object":
-    from encdec.cli import build_parser
-
     argv = ["bench", name, "--json", json_path]
     if name in THREADED:
         argv += ["--threads", str(args.threads)]

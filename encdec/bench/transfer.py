@@ -19,68 +19,17 @@ Payload shapes: Whisper tiny / small / large-v3 decoders (4 / 12 / 32 layers,
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import platform
 import sys
-from dataclasses import dataclass
 
 from encdec.bench.table import markdown_table, write_json
+from encdec.bench.transfer_payloads import PAYLOADS, TRANSPORTS, parse_payloads  # noqa: F401 - PAYLOADS: re-exported
 
-# torch, the transports and encdec.bench.transfer_runs are imported inside the functions:
-# `encdec` builds this bench's flags for every command and must not pay for importing torch.
+# torch, the transports and encdec.bench.transfer_runs are imported inside the functions, when the bench runs:
+# importing this module (`encdec bench all` reads COLUMNS; `--help`) must not pay for importing torch.
 
-# name: (num_layers, num_heads, head_dim, encoder_len) of the decoder's cross-attention
-PAYLOADS = {
-    "whisper-tiny": (4, 6, 64, 1500),
-    "whisper-small": (12, 12, 64, 1500),
-    "whisper-large-v3": (32, 20, 64, 1500),
-}
-# transport row name: (kv_transport, device kind, pool/writer options)
-TRANSPORTS = {
-    "shm": ("shm", "cpu", {}),
-    "torch_dist gloo": ("torch_dist", "cpu", {"backend": "gloo", "device": "cpu"}),
-    "cuda_ipc": ("cuda_ipc", "cuda", {}),
-    "torch_dist nccl": ("torch_dist", "cuda", {"backend": "nccl", "device": "cuda"}),
-}
 COLUMNS = ["payload", "MB", "transport", "device", "GB/s", "p50 ms", "memcpy GB/s", "x memcpy", "bit-exact", "note"]
-_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
-
-
-@dataclass(frozen=True)
-class Payload:
-    """One cross-KV payload shape. ``dims`` = ``(num_layers, num_heads, head_dim, encoder_len)``."""
-
-    name: str
-    dims: tuple[int, int, int, int]
-    dtype: str
-
-    @property
-    def shape(self) -> tuple[int, ...]:  # [L, 2, S, H, D]
-        layers, heads, head_dim, encoder_len = self.dims
-        return (layers, 2, encoder_len, heads, head_dim)
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * _ITEMSIZE[self.dtype]
-
-
-def parse_payloads(text: str, dtype: str) -> list[Payload]:
-    """``whisper-tiny,2x3x8x13`` -> payloads; ``LxHxDxS`` = layers x heads x head_dim x encoder_len.
-
-    Raises:
-        ValueError: an unknown name or a malformed ``LxHxDxS``.
-    """
-    out = []
-    for item in (t.strip() for t in text.split(",") if t.strip()):
-        if item in PAYLOADS:
-            out.append(Payload(item, PAYLOADS[item], dtype))
-            continue
-        parts = item.split("x")
-        if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
-            raise ValueError(f"payload {item!r} is neither one of {sorted(PAYLOADS)} nor LxHxDxS (e.g. 4x6x64x1500)")
-        out.append(Payload(item, tuple(int(p) for p in parts), dtype))
-    return out
 
 
 def available_transports() -> list[str]:
@@ -115,20 +64,6 @@ def _environment() -> dict:
         if torch.distributed.is_available() and torch.distributed.is_nccl_available():
             env["nccl"] = ".".join(str(v) for v in torch.cuda.nccl.version())
     return env
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``encdec bench transfer`` flags."""
-    parser.add_argument("--payloads", default="whisper-tiny,whisper-small,whisper-large-v3",
-                        help=f"comma-separated: {', '.join(PAYLOADS)} or LxHxDxS (layers x heads x head_dim x encoder_len)")
-    parser.add_argument("--transports", default="auto",
-                        help=f"comma-separated rows among {', '.join(TRANSPORTS)}; auto = every one available here")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"], help="pool and payload dtype")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    parser.add_argument("--iters", type=int, default=10, help="timed transfers per payload (median reported)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed transfers first (mapping, connection set-up)")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads in both processes; 0 keeps torch's default")
-    parser.add_argument("--json", default=None, help="also write the results here")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -176,8 +111,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from encdec.parser import add_transfer_arguments
+
     parser = argparse.ArgumentParser(prog="python -m encdec.bench.transfer", description=__doc__.splitlines()[0])
-    add_arguments(parser)
+    add_transfer_arguments(parser)
     try:
         return run(parser.parse_args(argv))
     except ValueError as exc:

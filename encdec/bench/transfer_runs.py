@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from encdec.bench.transfer import TRANSPORTS, Payload
+from encdec.bench.transfer_payloads import TRANSPORTS, Payload
 from shared.kv_transport import create_pool, create_writer
 
 TIMEOUT_S = 60.0  # bound on every wait for the other process

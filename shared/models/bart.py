@@ -14,6 +14,8 @@ Token embeddings are multiplied by ``sqrt(d_model)`` when ``scale_embedding``;
 logits are ``lm_head(x) + final_logits_bias``; ``lm_head`` is the decoder
 embedding unless the checkpoint unties it. Attention is scaled by
 ``head_dim ** -0.5``. Weights: HF names (``load_weights`` is the explicit map).
+Over 300 lines: one model per file (the family's encoder, decoder, weight map and
+decode-step packing together).
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from kernels import decode_layer
-from kernels.attention_backend import paged_attention, write_kv
 from kernels.decode_layer import FusedDecodeLayer, LayerWeights
 from kernels.packed_linear import ACTIVATIONS
 from shared.attention_metadata import AttentionMetadata
@@ -168,17 +169,13 @@ class DecoderLayer(_FeedForward):
         def self_attend(h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
             a = self.self_attn
             q, k, v = (p.view(t, a.h, a.dh) for p in a.qkv(h))  # [T, H, Dh]
-            write_kv(self_kv[0], self_kv[1], k, v, md.slot_mapping)
-            out = paged_attention(q, self_kv[0], self_kv[1], md.block_tables, md.seq_lens, md.query_start_loc, causal=True,
-                                  scale=a.dh**-0.5, max_query_len=md.max_query_len, max_context_len=md.max_seq_len,
-                                  backend=md.attention_backend, step_cache=md.step_cache)
+            md.attn_backend.write_kv(self_kv, k, v, md)
+            out = md.attn_backend.paged(q, self_kv, md, scale=a.dh**-0.5)
             return linear_add(a.out_proj, out.reshape(t, d), residual)
 
         def cross_attend(h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
             a = self.encoder_attn
-            out = paged_attention(a.q_proj(h).view(t, a.h, a.dh), cross_kv[0], cross_kv[1], md.cross_block_tables, md.encoder_lens,
-                                  md.query_start_loc, causal=False, scale=a.dh**-0.5, max_query_len=md.max_query_len,
-                                  max_context_len=md.max_encoder_len, backend=md.attention_backend, step_cache=md.step_cache)
+            out = md.attn_backend.cross(a.q_proj(h).view(t, a.h, a.dh), cross_kv, md, scale=a.dh**-0.5)
             return linear_add(a.out_proj, out.reshape(t, d), residual)
 
         x = self.self_block(x, self_attend)

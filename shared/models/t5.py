@@ -13,6 +13,8 @@ v1.0: ReLU FFN, output projection tied to the embedding with hidden states
 scaled by ``d_model ** -0.5``. v1.1 / flan: gated-GELU FFN (``wi_0``, ``wi_1``),
 no output scaling, untied ``lm_head`` (when the checkpoint stores one).
 Decoder start token = pad. Weights: HF names (``load_weights`` is the explicit map).
+Over 300 lines: one model per file (encoder, decoder, position bias, weight map and
+decode-step packing together).
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from kernels import decode_layer
-from kernels.attention_backend import paged_attention, write_kv
 from kernels.cpu_norm import reference_rms_norm, rms_norm
 from kernels.decode_layer import FusedDecodeLayer, LayerWeights
 from kernels.packed_linear import ACTIVATIONS
@@ -181,16 +182,13 @@ class DecoderLayer(nn.Module):
         t = x.shape[0]
         a, h = self.self_attn, self.self_norm(x)
         q, k, v = (p.view(t, a.h, a.dh) for p in a.qkv(h))  # [T, H, Dh]
-        write_kv(self_kv[0], self_kv[1], k, v, md.slot_mapping)
-        out = paged_attention(q, self_kv[0], self_kv[1], md.block_tables, md.seq_lens, md.query_start_loc, causal=True, scale=1.0,
-                              max_query_len=md.max_query_len, max_context_len=md.max_seq_len, position_bias=bias,
-                              backend=md.attention_backend, step_cache=md.step_cache)
+        attn = md.attn_backend
+        attn.write_kv(self_kv, k, v, md)
+        out = attn.paged(q, self_kv, md, scale=1.0, position_bias=bias)
         x = linear_add(a.o, out.reshape(t, -1), x)
         a = self.cross_attn
         q = a.q(self.cross_norm(x)).view(t, a.h, a.dh)
-        out = paged_attention(q, cross_kv[0], cross_kv[1], md.cross_block_tables, md.encoder_lens, md.query_start_loc, causal=False,
-                              scale=1.0, max_query_len=md.max_query_len, max_context_len=md.max_encoder_len,
-                              backend=md.attention_backend, step_cache=md.step_cache)
+        out = attn.cross(q, cross_kv, md, scale=1.0)
         x = linear_add(a.o, out.reshape(t, -1), x)
         return self.ffn(self.ffn_norm(x), x)
 

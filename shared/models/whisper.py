@@ -8,7 +8,8 @@ KV cache (written by the encoder service from ``compute_cross_kv``), FFN; the
 output projection is tied to the token embedding.
 
 Weights come from a CTranslate2 ``model.bin`` (``WhisperSpec``); ``load_weights``
-is the explicit name map.
+is the explicit name map. Over 300 lines: one model per file (encoder, decoder,
+cross-KV projection, weight map and decode-step packing together).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import decode_layer
-from kernels.attention_backend import contiguous_cross_attention, cpu_decode_kernel_serves, paged_attention, write_kv
 from kernels.decode_layer import FusedDecodeLayer, LayerWeights
 from shared.attention_metadata import AttentionMetadata
 from shared.models.ct2_reader import load_ct2_weights
@@ -145,20 +145,12 @@ class DecoderLayer(nn.Module):
             return y  # a CPU decode step in one C call, equal to the rest of this method bit for bit
         t, d = x.shape
         q, k, v = self.self_qkv(self.self_attn_norm(x)).view(t, 3, self.h, self.dh).unbind(1)  # [T, H, Dh] each
-        write_kv(self_kv[0], self_kv[1], k, v, md.slot_mapping)
-        a = paged_attention(q, self_kv[0], self_kv[1], md.block_tables, md.seq_lens, md.query_start_loc,
-                            causal=True, scale=self.scale, max_query_len=md.max_query_len, max_context_len=md.max_seq_len,
-                            backend=md.attention_backend, step_cache=md.step_cache)
+        attn = md.attn_backend
+        attn.write_kv(self_kv, k, v, md)
+        a = attn.paged(q, self_kv, md, scale=self.scale)
         x = linear_add(self.self_out, a.reshape(t, d), x)
         q = self.cross_q(self.cross_attn_norm(x)).view(t, self.h, self.dh)
-        if md.cross_kv_spans is not None and not cpu_decode_kernel_serves(q, cross_kv[0], cross_kv[1], md.attention_backend):
-            # every sequence's cross blocks are one run: read them in place (the C kernel does so anyway)
-            a = contiguous_cross_attention(q, cross_kv[0], cross_kv[1], md.cross_kv_spans, self.scale,
-                                           backend=md.attention_backend)
-        else:
-            a = paged_attention(q, cross_kv[0], cross_kv[1], md.cross_block_tables, md.encoder_lens, md.query_start_loc,
-                                causal=False, scale=self.scale, max_query_len=md.max_query_len, max_context_len=md.max_encoder_len,
-                                backend=md.attention_backend, step_cache=md.step_cache)
+        a = attn.cross(q, cross_kv, md, scale=self.scale, in_place=True)  # 1500 keys: read one-run blocks as a slice
         x = linear_add(self.cross_out, a.reshape(t, d), x)
         return linear_add(self.fc2, linear_act(self.fc1, self.ffn_norm(x), "gelu", F.gelu), x)
 

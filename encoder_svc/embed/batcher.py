@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from encoder_svc.embed_engine import EmbedEngine, Encoded
+from encoder_svc.embed.engine import EmbedEngine, Encoded
 from shared.compute_thread import use_threads
 
 log = logging.getLogger(__name__)

@@ -1,28 +1,23 @@
 """``EmbedService`` (Embed, Rerank, Classify, Tokenize) for encoder-only models.
 
 Thin: validate and convert the request, tokenize off the event loop, submit to
-the ``EmbedBatcher``, convert back. Errors become status codes in
-``shared.grpc_server.abort_with``. A call cancelled while it waits on the
-batcher (client gone, deadline passed) cancels its batcher job, so the model
-stops spending forwards on it.
+the ``EmbedBatcher``, convert back. Errors raised here become status codes in
+``shared.grpc_server.ErrorStatusInterceptor``. A call cancelled while it waits on
+the batcher (client gone, deadline passed) cancels its batcher job, so the model
+stops spending forwards on it. Loading and serving: ``encoder_svc.embed.startup``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import logging
 
 import grpc
 
-from encoder_svc.embed_batcher import EmbedBatcher
-from encoder_svc.embed_engine import EmbedEngine, finish_embedding, label_scores
-from shared.config import EncoderServiceConfig
+from encoder_svc.embed.batcher import EmbedBatcher
+from encoder_svc.embed.engine import EmbedEngine, finish_embedding, label_scores
 from shared.errors import InvalidRequestError, NotFoundError, ResourceExhaustedError, ServiceError
-from shared.grpc_server import abort_with
 from shared.proto import embed_pb2, embed_pb2_grpc
-
-log = logging.getLogger(__name__)
 
 _POOLING = {embed_pb2.POOLING_CLS: "cls", embed_pb2.POOLING_MEAN: "mean", embed_pb2.POOLING_LAST: "last"}
 
@@ -85,19 +80,16 @@ class EmbedServicer(embed_pb2_grpc.EmbedServiceServicer):
             raise
 
     async def Embed(self, request, context):
-        try:
-            self._check(request.model, len(request.inputs))
-            if request.dimensions > self.engine.hidden_size:
-                raise InvalidRequestError(f"dimensions {request.dimensions} is more than the model's {self.engine.hidden_size}")
-            if request.pooling != embed_pb2.POOLING_UNSPECIFIED and request.pooling not in _POOLING:
-                raise InvalidRequestError(f"pooling {request.pooling} is not a known Pooling value; use POOLING_CLS, "
-                                          "POOLING_MEAN, POOLING_LAST or leave it unset for the model's default")
-            pooling = _POOLING.get(request.pooling, self.engine.spec.pooling)
-            normalize = request.normalize if request.HasField("normalize") else self.engine.spec.normalize
-            seqs = await self._tokenize(list(request.inputs), truncate=request.truncate)
-            outs = await self._batch(seqs, pooling)
-        except Exception as exc:  # noqa: BLE001 - mapped to a status code
-            await abort_with(context, exc)
+        self._check(request.model, len(request.inputs))
+        if request.dimensions > self.engine.hidden_size:
+            raise InvalidRequestError(f"dimensions {request.dimensions} is more than the model's {self.engine.hidden_size}")
+        if request.pooling != embed_pb2.POOLING_UNSPECIFIED and request.pooling not in _POOLING:
+            raise InvalidRequestError(f"pooling {request.pooling} is not a known Pooling value; use POOLING_CLS, "
+                                      "POOLING_MEAN, POOLING_LAST or leave it unset for the model's default")
+        pooling = _POOLING.get(request.pooling, self.engine.spec.pooling)
+        normalize = request.normalize if request.HasField("normalize") else self.engine.spec.normalize
+        seqs = await self._tokenize(list(request.inputs), truncate=request.truncate)
+        outs = await self._batch(seqs, pooling)
         embeddings = [
             embed_pb2.Embedding(values=finish_embedding(v, normalize, request.dimensions).tolist(), num_tokens=len(s.ids))
             for v, s in zip(outs, seqs)
@@ -105,14 +97,11 @@ class EmbedServicer(embed_pb2_grpc.EmbedServiceServicer):
         return embed_pb2.EmbedResponse(model=self.model_name, embeddings=embeddings, usage=_usage(seqs))
 
     async def Rerank(self, request, context):
-        try:
-            self._check(request.model, len(request.documents), "documents")
-            self._head(rerank=True)
-            docs = list(request.documents)
-            seqs = await self._tokenize([request.query] * len(docs), docs, truncate=request.truncate)
-            outs = await self._batch(seqs, "logits")
-        except Exception as exc:  # noqa: BLE001
-            await abort_with(context, exc)
+        self._check(request.model, len(request.documents), "documents")
+        self._head(rerank=True)
+        docs = list(request.documents)
+        seqs = await self._tokenize([request.query] * len(docs), docs, truncate=request.truncate)
+        outs = await self._batch(seqs, "logits")
         scores = [float(label_scores(o, True, request.raw_scores)[0]) for o in outs]
         order = sorted(range(len(docs)), key=lambda i: -scores[i])
         if request.top_n:
@@ -121,15 +110,12 @@ class EmbedServicer(embed_pb2_grpc.EmbedServiceServicer):
         return embed_pb2.RerankResponse(model=self.model_name, results=results, usage=_usage(seqs))
 
     async def Classify(self, request, context):
-        try:
-            self._check(request.model, len(request.inputs))
-            self._head(rerank=False)
-            texts = [i.text for i in request.inputs]
-            pairs = [i.text_pair if i.HasField("text_pair") else None for i in request.inputs]
-            seqs = await self._tokenize(texts, pairs, truncate=request.truncate)
-            outs = await self._batch(seqs, "logits")
-        except Exception as exc:  # noqa: BLE001
-            await abort_with(context, exc)
+        self._check(request.model, len(request.inputs))
+        self._head(rerank=False)
+        texts = [i.text for i in request.inputs]
+        pairs = [i.text_pair if i.HasField("text_pair") else None for i in request.inputs]
+        seqs = await self._tokenize(texts, pairs, truncate=request.truncate)
+        outs = await self._batch(seqs, "logits")
         labels = self.engine.labels
         results = []
         for o in outs:
@@ -140,15 +126,12 @@ class EmbedServicer(embed_pb2_grpc.EmbedServiceServicer):
         return embed_pb2.ClassifyResponse(model=self.model_name, results=results, usage=_usage(seqs))
 
     async def Tokenize(self, request, context):
-        try:
-            self._check(request.model, len(request.inputs), allow_empty=True)
-            texts = [i.text for i in request.inputs]
-            pairs = [i.text_pair if i.HasField("text_pair") else None for i in request.inputs]
-            special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-            seqs = await self._tokenize(texts, pairs, truncate=request.truncate, add_special_tokens=special,
-                                        check_length=False, offsets=True)
-        except Exception as exc:  # noqa: BLE001
-            await abort_with(context, exc)
+        self._check(request.model, len(request.inputs), allow_empty=True)
+        texts = [i.text for i in request.inputs]
+        pairs = [i.text_pair if i.HasField("text_pair") else None for i in request.inputs]
+        special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        seqs = await self._tokenize(texts, pairs, truncate=request.truncate, add_special_tokens=special,
+                                    check_length=False, offsets=True)
         tok = self.engine.tokenizer
         out = []
         for s in seqs:
@@ -161,27 +144,3 @@ class EmbedServicer(embed_pb2_grpc.EmbedServiceServicer):
 
 def _usage(seqs) -> embed_pb2.EmbedUsage:
     return embed_pb2.EmbedUsage(prompt_tokens=sum(len(s.ids) for s in seqs))
-
-
-def run_embed(config: EncoderServiceConfig, num_threads: int | None = None) -> None:
-    """Loads an encoder-only model and serves ``EmbedService`` until SIGINT/SIGTERM.
-
-    ``num_threads``: torch intra-op threads of the batcher thread (``shared.compute_thread``).
-    """
-    from encoder_svc.embed_engine import load_embed_engine
-    from shared.grpc_server import serve
-    from shared.models.registry import model_names
-
-    from shared.device import resolve_device, torch_dtype
-
-    engine = load_embed_engine(config.model, torch_dtype(config.dtype), resolve_device(config.device))
-    log.info("encoder-only model %s on %s (%s): pooling %s, normalize %s, max input %d tokens, %d labels", config.model,
-             engine.device, config.dtype, engine.spec.pooling, engine.spec.normalize, engine.max_input_length, engine.num_labels)
-    batcher = EmbedBatcher(engine, max(config.max_batch_tokens, engine.max_input_length), num_threads)
-    servicer = EmbedServicer(engine, batcher, config.model, model_names(config.model), config.max_inputs_per_request)
-
-    async def on_stop() -> None:
-        batcher.stop()
-
-    asyncio.run(serve(lambda server: embed_pb2_grpc.add_EmbedServiceServicer_to_server(servicer, server),
-                      ["encdec.v1.EmbedService"], f"{config.host}:{config.port}", on_stop))

@@ -1,0 +1,358 @@
+"""One Generate request's life on this replica: windows, samples, usage, Redis states, the coalesced stream.
+
+``RequestSession.run`` drives a request after the servicer parsed it and
+created its Redis record (QUEUED): it adds the request to the engine (through
+``decoder_svc.engine_loop.EngineLoop``; the engine reserves its cross blocks),
+has ``decoder_svc.encode_client`` fill those blocks when the engine asks
+(ENCODING), marks it runnable (DECODING), turns the engine's outputs into
+stream messages (``decoder_svc.convert``) merged per ``--stream-interval``,
+and records FINISHED / ABORTED / FAILED with the blocks freed. ``Sessions``
+holds the running sessions by request id: the engine loop's deliveries (an
+encode to start, an output, a failed step) go to it and on to the session.
+Redis sees a handful of writes per request, never one per token.
+
+Long audio (over Whisper's 30 s window, up to ``max_audio_s``): the request
+runs its windows (``RequestInput.windows``) one after another, each added to
+the engine as a fresh sequence under the request's id with the same prompt
+and suppressions, so scheduling, batching, preemption and the encoder cache
+treat it like any 30 s request; it queues behind requests already waiting, so
+a long transcript does not hold back short ones. A window ends on its end
+token (or the model max length) and the next one is added only then: its
+cross blocks are reserved after the previous window's self and cross blocks
+were freed (never one ahead, so a long request holds at most one window's KV;
+the price is that window i+1's Encode does not overlap window i's decode).
+One Redis record, one stream: each window's tokens end with its end token
+(so ``token_ids`` split per window), its text continues the previous window's
+(a space inserted only when neither side has one), ``usage`` sums prompt,
+completion and encoder tokens over the windows. ``max_tokens`` / ``min_tokens``
+count over the whole request (a window gets what is left; ``max_tokens`` used
+up with windows left ends the request with "length"); a stop string or stop
+token id ends the request (stop strings are matched within a window); a seed
+restarts each window's generator. Abort / disconnect mid-window frees that
+window's blocks and records ABORTED with the tokens streamed so far.
+
+Several outputs per request (``SamplingParams.n`` > 1, ``num_beams`` > 1;
+``decoder_svc.engine``): every message carries its ``index``; n samples stream
+interleaved as their tokens come, each index ends with its own finish_reason /
+stop_reason, and the request's last message also carries ``usage`` (prompt
+tokens once, completion tokens summed over the samples); Redis records the
+finish reason of the index that finished last. Beam search streams nothing
+while the beams run, then one message per returned beam (index 0 = best) with
+all its tokens, text, finish_reason and ``score``. Abort frees every sequence
+of the request. Audio over 30 s (windows) takes n = 1 and num_beams = 1 only.
+
+The bookkeeping without I/O (token counts, window text joins, message
+merging) is ``decoder_svc.request_progress``.
+
+Why over ~300 lines: a third is this docstring (the request rules); the session and the registry that routes
+the engine loop's deliveries to it share the replica's state (running ids, open records, the shutdown cut), and
+apart they would import each other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+
+from decoder_svc import convert
+from decoder_svc.encode_client import EncodeClient
+from decoder_svc.encoder_cache import encoder_cache_key
+from decoder_svc.engine import CapacityError, DecoderEngine, RequestOutput
+from decoder_svc.engine_loop import EngineLoop
+from decoder_svc.inputs import RequestInput
+from decoder_svc.request_progress import RequestProgress, StreamCoalescer
+from decoder_svc.request_state import RequestExistsError, RequestState, RequestStateStore
+from decoder_svc.sampling_params import SamplingParams
+from shared.config import DecoderServiceConfig
+from shared.errors import AlreadyExistsError, ResourceExhaustedError, UnavailableError
+from shared.metrics import DecoderMetrics
+
+log = logging.getLogger(__name__)
+
+
+class Sessions:
+    """The requests this replica is serving, by id, and what their sessions share.
+
+    The engine loop's callbacks are ``on_encode``, ``on_output`` and
+    ``on_step_error`` (run on the event loop); each goes to the session of its
+    request, if it is still running.
+
+    Args:
+        config: ``model``, ``stream_interval``, ``encoder_cache``, the decode hold settings.
+        engine: the engine (called only on the engine thread, through ``loop``).
+        store: the Redis request-state store.
+        encoder: the Encode client.
+        metrics: requests, time to first token, time per output token.
+    """
+
+    def __init__(self, config: DecoderServiceConfig, engine: DecoderEngine, store: RequestStateStore,
+                 encoder: EncodeClient, metrics: DecoderMetrics) -> None:
+        self.config = config
+        self.engine = engine
+        self.store = store
+        self.encoder = encoder
+        self.metrics = metrics
+        self.active: dict[str, RequestSession] = {}
+        self.open_records: set[str] = set()  # Redis records this replica created and has not yet ended
+        self.cutting = False  # the shutdown grace ran out: every running request ends with UNAVAILABLE
+        self.shutdown_grace_s = 0.0
+        self.loop: EngineLoop | None = None
+
+    def start(self, num_threads: int | None) -> None:
+        """Starts the engine thread (``num_threads`` torch threads; None keeps the process setting)."""
+        self.loop = EngineLoop(self.engine, asyncio.get_running_loop(), self.on_encode, self.on_output, self.on_step_error,
+                               num_threads, self.config.max_decode_hold_ms / 1000.0, self.config.decode_hold_gap_steps)
+
+    async def close(self) -> None:
+        """Stops the engine thread and the Encode channel; records FAILED for the records still open."""
+        self.loop.stop()
+        await self.encoder.close()
+        if self.open_records:  # handlers the server's stop cancelled before they recorded an end
+            await asyncio.to_thread(self._record_shutdown, sorted(self.open_records))
+
+    def _record_shutdown(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            try:
+                self.store.set_state(request_id, RequestState.FAILED, error="the decoder shut down before the request finished")
+            except Exception:  # noqa: BLE001 - ended meanwhile (terminal), or Redis gone: nothing more to do
+                log.warning("could not record the shutdown of %s", request_id, exc_info=True)
+        self.open_records.difference_update(request_ids)
+
+    async def create_record(self, request_id: str) -> None:
+        """Records the request QUEUED in Redis; the record stays open until its session ends it.
+
+        Raises:
+            AlreadyExistsError: ``request_id`` is running here, or its record exists (this or another replica's).
+        """
+        if request_id in self.active:
+            raise AlreadyExistsError(f"request id {request_id!r} is already running")
+        ours = request_id not in self.open_records  # else a call with this id is still parsing here
+        self.open_records.add(request_id)  # before the await: a cancel during it still leaves it to close()
+        try:
+            await asyncio.to_thread(self.store.create, request_id, self.config.model)
+        except RequestExistsError as exc:
+            if ours:
+                self.open_records.discard(request_id)  # another replica's (or an earlier) record
+            raise AlreadyExistsError(f"request id {request_id!r} was already used; pick a new one") from exc
+
+    def open(self, request_id: str, inp: RequestInput, params: SamplingParams, priority: int,
+             arrival: float) -> RequestSession:
+        """The session of a request whose record ``create_record`` made; ``arrival``: monotonic time of its call."""
+        session = self.active[request_id] = RequestSession(self, request_id, inp, params, priority, arrival)
+        return session
+
+    def shutdown_error(self, session: RequestSession) -> UnavailableError:
+        return UnavailableError(f"the decoder shut down before request {session.request_id!r} finished "
+                                f"({session.progress.completion_tokens} tokens generated, "
+                                f"shutdown_grace_s={self.shutdown_grace_s:g}); send it again")
+
+    def cut(self) -> None:
+        """Shutdown grace over: every running request ends with UNAVAILABLE, its blocks freed without waiting for
+        its Encode."""
+        self.cutting = True
+        for session in list(self.active.values()):
+            session.stream.put_nowait(self.shutdown_error(session))
+
+    # -- the engine loop's callbacks (event loop) ---------------------------
+    def on_encode(self, request_id: str, block_ids: list[int]) -> None:
+        session = self.active.get(request_id)
+        if session is not None:
+            session.start_encode(block_ids)
+
+    def on_output(self, output: RequestOutput) -> None:
+        session = self.active.get(output.request_id)
+        if session is not None:
+            session.stream.put_nowait(output)
+
+    def on_step_error(self, exc: BaseException) -> None:
+        for session in self.active.values():
+            session.stream.put_nowait(exc)
+
+
+class RequestSession:
+    """One request this replica is serving, from its engine admission to its recorded end.
+
+    Attributes:
+        progress: token counts, the current window, the streamed text's join (``RequestProgress``).
+        stream: what ``run`` consumes: ``RequestOutput``s, or an exception that ends the request.
+        encoding: the current window's Encode task, once the engine asked for it.
+        abort_requested: Abort RPC or end of the call: no Encode is started, no next window added.
+        decoding_recorded: the Redis record moved to DECODING (after the Encode, or on an
+            encoder-cache hit's first output).
+    """
+
+    def __init__(self, sessions: Sessions, request_id: str, inp: RequestInput, params: SamplingParams, priority: int,
+                 arrival: float) -> None:
+        self._sessions = sessions
+        self.request_id = request_id
+        self.params = params
+        self.priority = priority
+        self.windows = inp.windows()
+        self.applied = inp.applied
+        self.progress = RequestProgress(inp)
+        self.stream: asyncio.Queue = asyncio.Queue()
+        self.encoding: asyncio.Task | None = None
+        self.abort_requested = False
+        self.decoding_recorded = False
+        self.arrival = arrival  # Generate call received (time to first token's start)
+        self.last_token_at: float | None = None
+
+    def abort(self) -> None:
+        """The Abort RPC: the request ends with "abort" and the tokens so far (each running sample its own)."""
+        self.abort_requested = True
+        self.stream.put_nowait(RequestOutput(self.request_id, [], "", True, "abort", **self.progress.usage()))
+
+    def start_encode(self, block_ids: list[int]) -> None:
+        """The engine reserved the current window's cross blocks: have the encoder fill them."""
+        # An aborting request's engine.abort is queued behind the step that reserved these blocks: no Encode into them.
+        if not self.abort_requested:
+            self.encoding = asyncio.create_task(self._encode(block_ids))
+
+    async def run(self):
+        """Runs the request to its end; yields its ``GenerateResponse`` messages.
+
+        Raises:
+            ResourceExhaustedError: a window can never fit this decoder's KV pools.
+            UnavailableError: the encoder failed, or the decoder shut down first.
+            Exception: whatever failed the request's engine step (recorded FAILED, blocks freed, before it is raised).
+        """
+        sessions, params, progress = self._sessions, self.params, self.progress
+        state, fields = RequestState.FAILED, {}
+        try:
+            if sessions.cutting:  # its input was parsed after the grace ran out
+                raise sessions.shutdown_error(self)
+            await self._start_window(self.windows[0])
+            finished_indices: set[int] = set()  # n > 1 / beams: the request ends with its last index (or an abort)
+            coalesce = StreamCoalescer(sessions.config.stream_interval if params.num_beams == 1 else 1)
+            while True:
+                got = await self.stream.get()
+                if isinstance(got, BaseException):
+                    raise got
+                for item in _each_unfinished_sample(got, params.n, finished_indices):
+                    if not self.decoding_recorded and self.encoding is None and item.finish_reason != "abort":
+                        # An encoder-cache hit decodes over another request's cross KV without an Encode of its own.
+                        self.decoding_recorded = True
+                        await asyncio.to_thread(sessions.store.set_state, self.request_id, RequestState.DECODING)
+                    progress.count(item)
+                    self._observe_tokens(len(item.new_token_ids))
+                    text = progress.stream_text(item.text)
+                    reason = self._finish_reason(item) if item.finished else None
+                    final = item.finished and reason is not None  # this index's last message
+                    if final:
+                        finished_indices.add(item.index)
+                    request_done = final and len(finished_indices) >= params.n
+                    message = convert.generate_response(self.request_id, item, text, reason if final else None)
+                    if request_done:
+                        convert.add_usage(message, progress.usage(), progress.encoder_tokens, self.applied)
+                        state = RequestState.ABORTED if reason == "abort" else RequestState.FINISHED
+                        fields = {"finish_reason": reason, **progress.usage()}
+                    # Every sample's final message flushes what the coalescer held for it (an abort ends each one).
+                    if text or item.new_token_ids or final:
+                        if (out := coalesce.add(message, len(item.new_token_ids), final)) is not None:
+                            yield out
+                    if request_done:
+                        return
+                    if item.finished and reason is None and not self.abort_requested:  # the next window follows (unless the Abort RPC's output is queued next)
+                        await self._start_window(self.windows[progress.window + 1])
+        except (asyncio.CancelledError, GeneratorExit):  # client went away (GeneratorExit: cancelled while paused at a yield)
+            state, fields = RequestState.ABORTED, {"finish_reason": "abort", **progress.usage()}
+            raise
+        except Exception as exc:  # noqa: BLE001 - recorded, then mapped to a status code by the server's interceptor
+            fields = {"error": str(exc), **progress.usage()}
+            raise
+        finally:  # an error is recorded (FAILED) and the blocks freed before the client sees its status
+            await self._release(state, fields)
+
+    async def _start_window(self, window: RequestInput) -> None:
+        """Adds the request's first or next window to the engine as a new sequence (its cross blocks are
+        reserved at a later step; the previous window's sequence has finished and freed its blocks).
+
+        A later window gets what is left of ``max_tokens`` / ``min_tokens``.
+
+        Raises:
+            ResourceExhaustedError: the window can never fit this decoder's KV pools.
+        """
+        sessions = self._sessions
+        params = self.progress.start_window(window, self.params)
+        cache_key = None
+        if sessions.config.encoder_cache:  # the content key of the PCM bytes Encode would get, or of the source ids
+            cache_key = await asyncio.to_thread(lambda: encoder_cache_key(sessions.config.model, **window.encoder_source()))
+        try:
+            await sessions.loop.call(sessions.engine.add_request, self.request_id, window.encoder_len, params,
+                                     window.prompt_token_ids, self.priority, cache_key)
+        except CapacityError as exc:
+            raise ResourceExhaustedError(str(exc)) from exc
+
+    def _finish_reason(self, item: RequestOutput) -> str | None:
+        """The request's finish reason once a window's sequence finished, or None when the next window follows.
+
+        The next window follows a window that ended on the end token (or the
+        model max length) while windows and ``max_tokens`` are left; a stop
+        string / stop token id / abort ends the request, and so does
+        ``max_tokens`` used up ("length").
+        """
+        params, reason = self.params, item.finish_reason
+        window_end = reason == "length" or (item.stop_reason == self._sessions.engine.eos_token_id and not params.ignore_eos)
+        if reason == "abort" or not window_end or self.progress.window + 1 >= len(self.windows):
+            return reason
+        if params.max_tokens is not None and self.progress.completion_tokens >= params.max_tokens:
+            return "length"
+        return None
+
+    async def _encode(self, block_ids: list[int]) -> None:
+        """Has the encoder fill ``block_ids``; marks the request runnable, or fails its stream."""
+        sessions = self._sessions
+        try:
+            if not self.progress.window:  # a later window is encoded while the record stays DECODING
+                await asyncio.to_thread(sessions.store.set_state, self.request_id, RequestState.ENCODING)
+            await sessions.encoder.encode(self.request_id, self.progress.input, block_ids)
+        except Exception as exc:  # noqa: BLE001 - reported on the request's stream
+            self.stream.put_nowait(exc)
+            return
+        if self.abort_requested:
+            return
+        await asyncio.to_thread(sessions.store.set_state, self.request_id, RequestState.DECODING,
+                                **(self.progress.usage() if self.progress.window else {}))
+        self.decoding_recorded = True
+        await sessions.loop.call(sessions.engine.mark_encoded, self.request_id)
+
+    def _observe_tokens(self, num_tokens: int) -> None:
+        """Time to first token on a request's first tokens, then one time-per-output-token sample per token."""
+        if not num_tokens:
+            return
+        metrics, now = self._sessions.metrics, time.monotonic()
+        if self.last_token_at is None:
+            metrics.ttft.observe(now - self.arrival)
+        else:
+            for _ in range(num_tokens):
+                metrics.tpot.observe((now - self.last_token_at) / num_tokens)
+        self.last_token_at = now
+
+    async def _release(self, state: RequestState, fields: dict) -> None:
+        """Frees the request's blocks (after any in-flight Encode wrote them) and records its end."""
+        sessions = self._sessions
+        sessions.metrics.requests.labels(state=state.name.lower(), finish_reason=fields.get("finish_reason", "")).inc()
+        self.abort_requested = True
+        if self.encoding is not None and not self.encoding.done() and not sessions.cutting:
+            # The encoder may still write into the reserved cross blocks: keep them until it answers. (Shutting
+            # down, no request can get them again: every running one is being ended and new ones are refused.)
+            # The running requests no longer wait for this one (decode hold).
+            await sessions.loop.call(sessions.loop.release_hold, self.request_id)
+            await asyncio.wait([self.encoding])
+        await sessions.loop.call(sessions.engine.abort, self.request_id)
+        sessions.active.pop(self.request_id, None)
+        try:
+            await asyncio.to_thread(sessions.store.set_state, self.request_id, state, **fields)
+        except Exception:  # noqa: BLE001 - the stream's outcome stands; log the lost record
+            log.exception("could not record %s for %s", state.name, self.request_id)
+        sessions.open_records.discard(self.request_id)
+
+
+def _each_unfinished_sample(item: RequestOutput, n: int, finished: set[int]) -> list[RequestOutput]:
+    """``[item]``; the Abort RPC's one output (index 0) becomes one per sample still running, so each of
+    ``n > 1`` samples ends with its own ABORT and a sample that already finished gets no second final message."""
+    if item.finish_reason != "abort" or n <= 1:
+        return [item]
+    return [dataclasses.replace(item, index=i) for i in range(n) if i not in finished] or [item]

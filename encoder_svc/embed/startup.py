@@ -1,0 +1,40 @@
+"""Starting the Embed service: load the encoder-only model, build its batcher, serve.
+
+``run`` is what ``encoder_svc.startup.run`` calls for an encoder-only model (BERT
+family); the servicer itself (what each RPC does) is
+``encoder_svc.embed.server.EmbedServicer``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from encoder_svc.embed.batcher import EmbedBatcher
+from encoder_svc.embed.engine import load_embed_engine
+from encoder_svc.embed.server import EmbedServicer
+from shared.config import EncoderServiceConfig
+from shared.device import resolve_device, torch_dtype
+from shared.grpc_server import serve
+from shared.models.registry import model_names
+from shared.proto import embed_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+def run(config: EncoderServiceConfig, num_threads: int | None = None) -> None:
+    """Loads an encoder-only model and serves ``EmbedService`` until SIGINT/SIGTERM.
+
+    ``num_threads``: torch intra-op threads of the batcher thread (``shared.compute_thread``).
+    """
+    engine = load_embed_engine(config.model, torch_dtype(config.dtype), resolve_device(config.device))
+    log.info("encoder-only model %s on %s (%s): pooling %s, normalize %s, max input %d tokens, %d labels", config.model,
+             engine.device, config.dtype, engine.spec.pooling, engine.spec.normalize, engine.max_input_length, engine.num_labels)
+    batcher = EmbedBatcher(engine, max(config.max_batch_tokens, engine.max_input_length), num_threads)
+    servicer = EmbedServicer(engine, batcher, config.model, model_names(config.model), config.max_inputs_per_request)
+
+    async def on_stop() -> None:
+        batcher.stop()
+
+    asyncio.run(serve(lambda server: embed_pb2_grpc.add_EmbedServiceServicer_to_server(servicer, server),
+                      ["encdec.v1.EmbedService"], f"{config.host}:{config.port}", on_stop))

@@ -1,0 +1,87 @@
+"""Starting the encoder service: load the model, build the transport writers and the batcher, serve.
+
+``run`` is what ``encdec serve-encoder`` calls; the servicer itself (what each
+RPC does) is ``encoder_svc.server.EncoderServicer``, or, for an encoder-only
+model, ``encoder_svc.embed.server.EmbedServicer`` (started by
+``encoder_svc.embed.startup.run``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import numpy as np
+import torch
+
+from encoder_svc.batcher import EncodeBatcher
+from encoder_svc.server import EncoderServicer
+from shared.compute_thread import single_threaded_main
+from shared.config import EncoderServiceConfig
+from shared.device import resolve_device, torch_dtype
+from shared.grpc_server import serve
+from shared.kv_transport import WriterSet
+from shared.metrics import start_metrics_server
+from shared.models.quantize import apply_quantization
+from shared.models.registry import is_encoder_only, load_model
+from shared.models.whisper_features import log_mel_spectrogram
+from shared.proto import encoder_pb2_grpc
+
+__all__ = ["run"]
+
+log = logging.getLogger(__name__)
+
+
+def _warm_up(model, device: torch.device) -> None:
+    """One encoder forward before reporting healthy, so the first request does not pay for it
+    (nor, on a GPU, for CUDA context and kernel setup)."""
+    if getattr(model, "input_modality", "audio") != "audio":
+        return
+    with torch.inference_mode():
+        model.compute_cross_kv(model.encode(log_mel_spectrogram(np.zeros(16000, dtype=np.float32))[None].to(device)))
+
+
+def run(config: EncoderServiceConfig) -> None:
+    """Loads the model and serves until SIGINT/SIGTERM: ``EncoderService`` for an
+    encoder-decoder model, ``EmbedService`` for an encoder-only one.
+
+    Raises:
+        ValueError: ``device`` names a missing GPU, or ``quantize`` is set for an encoder-only model.
+        BindError: the port is taken (``shared.grpc_server.serve``).
+    """
+    threads = single_threaded_main(config.num_threads)  # loading stays on one thread; the batcher thread gets these
+    device = resolve_device(config.device)  # ValueError (a clear one) when the GPU is missing
+    if is_encoder_only(config.model):  # BERT family: EmbedService instead of Encode
+        if config.quantize != "none":
+            raise ValueError(f"quantize {config.quantize} is for Whisper models only; the Embed service runs "
+                             f"{config.model} in {config.dtype}: use quantize none")
+        from encoder_svc.embed.startup import run as run_embed
+
+        return run_embed(config, threads)
+    model = load_model(config.model, torch_dtype(config.dtype))
+    apply_quantization(model, config.quantize, "encoder")  # CPU only (the config refuses int8 on CUDA)
+    model.to(device)
+    log.info("encoder model %s on %s (%s%s)", config.model, device, config.dtype, ", int8 linears" if config.quantize == "int8" else "")
+    max_batch_size = config.max_batch_size  # int8 too: its activation scales are per row (shared.models.quantize)
+    writer = WriterSet(
+        [t.strip() for t in config.kv_transport.split(",") if t.strip()],
+        {"torch_dist": dict(backend=config.kv_dist_backend, device=config.kv_device, timeout_s=config.kv_transfer_timeout_s)},
+    )
+    batcher = EncodeBatcher(model, log_mel_spectrogram, writer, max_batch_size, config.batch_wait_ms, threads,
+                            warm_up=lambda: _warm_up(model, device), max_batch_tokens=config.max_batch_tokens,
+                            max_batch_wait_ms=config.max_batch_wait_ms)
+    servicer = EncoderServicer(config, model, batcher)
+    start_metrics_server(config.metrics_port, config.host, servicer.metrics.registry)
+
+    async def on_stop() -> None:
+        batcher.stop()
+        writer.close()
+
+    asyncio.run(
+        serve(
+            lambda server: encoder_pb2_grpc.add_EncoderServiceServicer_to_server(servicer, server),
+            ["encdec.v1.EncoderService"],
+            f"{config.host}:{config.port}",
+            on_stop,
+        )
+    )

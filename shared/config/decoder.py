@@ -1,0 +1,170 @@
+"""``DecoderServiceConfig``: the decoder service's settings (Generate, KV caches, continuous batching)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.config.base import DEFAULT_ENCODER_ADDRESS, KV_DTYPES, KV_TRANSPORTS, ServiceConfig, check_port
+from shared.config.memory_size import parse_memory_size
+from shared.device import check_device_name, is_cuda, same_device
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecoderServiceConfig(ServiceConfig):
+    """Settings of the decoder service: the ``ServiceConfig`` fields, and these.
+
+    Attributes:
+        port: gRPC port of the public API.
+        encoder_address: ``host:port`` of the encoder service.
+        redis_url: Redis holding request state.
+        block_size: tokens per KV block (both cache groups).
+        max_num_seqs: most sequences in the running batch.
+        max_num_batched_tokens: most query tokens in one step.
+        num_self_blocks: self-attention KV blocks; 0 sizes the pool for
+            ``max_num_seqs`` sequences of the model's max decoder length.
+        num_cross_blocks: cross-attention KV blocks (the shared pool the
+            encoder writes into); 0 sizes it for ``max_num_seqs`` requests of
+            the model's max encoder length.
+        kv_transport: how cross-attention KV arrives: ``shm`` (same host,
+            shared memory), ``torch_dist`` (Gloo / NCCL point-to-point, any
+            host) or ``cuda_ipc`` (same host, pool on the GPU ``kv_device``
+            names); see docs/kv_transport.md.
+        kv_dist_address: torch_dist: ``host:port`` of the rendezvous store this
+            decoder hosts (port 0 picks a free one); encoders must reach it,
+            and Gloo binds to ``host``.
+        kv_dist_backend: torch_dist: ``gloo`` (CPU pool) or ``nccl`` (needs ``kv_device`` cuda).
+        kv_device: device of both KV caches; empty = ``device``. The model
+            attends over them in place, so a value naming another device is
+            refused.
+        kv_transfer_timeout_s: torch_dist: how long a request waits for its
+            cross KV to land once Encode answered, and the bound on pairing
+            (seconds); past it the request fails with UNAVAILABLE.
+        kv_transfer_dtype: dtype of the cross-KV pool, hence of what the
+            encoder writes / sends: ``float32`` (default), ``float16`` or
+            ``bfloat16`` (half the bytes; accuracy in docs/kv_transport.md).
+        encode_timeout_s: an Encode call slower than this fails the request
+            with UNAVAILABLE and frees its blocks (seconds).
+        max_decode_hold_ms: while requests wait for their cross KV, model steps
+            are held for at most this long before one runs (milliseconds), so
+            a burst starts decoding together and the encoder gets the cores it
+            shares with the decoder (``decoder_svc.engine_loop``); 0 = never hold.
+            The clock starts when some sequence could step.
+        decode_hold_gap_steps: when a hold ran out while the encoder delivered
+            (a long burst), the requests still encoding may hold again after
+            this many model steps (TGI's ``max_waiting_tokens``, default 20).
+        stream_interval: Generate streams a message per new token (1, the default), or, for a
+            larger value, merges a request's messages until this many new tokens are held: its first
+            token and its finish are sent at once. Fewer messages cost less CPU on both ends on busy
+            hosts (SGLang's and vLLM's ``--stream-interval``); beam search always streams per message.
+            Tokens held when the client goes away are never sent, yet count in the request's usage
+            (Redis ``completion_tokens``), as everything generated does.
+        max_audio_s: longest accepted audio (seconds); longer audio gets
+            INVALID_ARGUMENT naming both lengths. Audio over Whisper's 30 s
+            window is decoded as consecutive 30 s windows in one request
+            (``decoder_svc.inputs.RequestInput.windows``). Default 600 s (10 min,
+            20 windows; 38 MB of float32 PCM, within the 64 MiB gRPC message limit).
+        quantize: ``none`` or ``int8`` (opt-in int8 decoder weights and output
+            projection with per-token activation scales, Whisper models; see
+            ``shared.models.quantize``).
+        kv_cache_memory: memory for both KV cache groups: bytes (``2GiB``,
+            ``512MB``, ``1073741824``) or a fraction of the memory free after the
+            model is loaded (``0.3`` or ``30%``; RAM on CPU, GPU memory on a
+            GPU). Split between self and cross blocks in proportion to what one
+            max-length request needs of each (``decoder_svc.kv_budget``); an
+            explicit ``num_self_blocks`` / ``num_cross_blocks`` wins for its
+            group. Empty: size for ``max_num_seqs`` max-length requests.
+        encoder_cache: 1 = a request whose encoder input (audio samples /
+            source ids) equals that of an unfinished request shares its
+            cross-attention KV instead of being encoded (``decoder_svc.encoder_cache``); 0 = off.
+        attention_backend: ``torch`` (default) or ``triton``: what runs the
+            decoder's paged self- and cross-attention (``kernels.attention_backend``);
+            ``triton`` needs the triton package and a CUDA device (or
+            ``TRITON_INTERPRET=1``, tests only).
+        device: where the model and both KV caches live and every step's
+            tensors are built: ``cpu``, ``cuda`` or ``cuda:N`` (``shared.device``).
+            On CUDA the cross-KV pool must be on the GPU too: kv_transport
+            ``cuda_ipc``, or ``torch_dist`` with ``nccl`` (``shm`` is host
+            memory). Seeded sampling draws from a generator on this device, so a
+            seed reproduces its tokens on the same device type only. A missing
+            GPU fails at startup.
+        shutdown_grace_s: on SIGTERM / SIGINT, how long running Generate calls
+            may take to finish (seconds) while health reports NOT_SERVING and
+            new calls get UNAVAILABLE; calls still running then end with
+            UNAVAILABLE ("shutting down ... send it again") and are recorded
+            FAILED. Keep it below the orchestrator's kill timeout (compose's
+            ``stop_grace_period``, 10 s by default; Kubernetes' 30 s).
+    """
+
+    port: int = 50051
+    encoder_address: str = DEFAULT_ENCODER_ADDRESS
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    block_size: int = 16
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 4096
+    num_self_blocks: int = 0
+    num_cross_blocks: int = 0
+    kv_transport: str = "shm"
+    kv_dist_address: str = "127.0.0.1:0"
+    kv_transfer_dtype: str = "float32"
+    encode_timeout_s: float = 120.0
+    max_decode_hold_ms: float = 1000.0
+    decode_hold_gap_steps: int = 20
+    stream_interval: int = 1
+    max_audio_s: float = 600.0
+    kv_cache_memory: str = ""
+    metrics_port: int = 9400
+    encoder_cache: int = 1
+    attention_backend: str = "torch"
+    shutdown_grace_s: float = 8.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 <= self.shutdown_grace_s < float("inf"):  # also refuses NaN
+            raise ValueError(f"shutdown_grace_s must be >= 0 and finite (seconds), got {self.shutdown_grace_s}")
+        parse_memory_size(self.kv_cache_memory)  # ValueError names the accepted forms
+        if self.encoder_cache not in (0, 1):
+            raise ValueError(f"encoder_cache must be 0 (off) or 1 (on), got {self.encoder_cache}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "stream_interval"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("num_self_blocks", "num_cross_blocks"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0 = sized automatically), got {getattr(self, name)}")
+        if self.kv_transport not in KV_TRANSPORTS:
+            raise ValueError(f"kv_transport must be one of: {', '.join(KV_TRANSPORTS)}; got {self.kv_transport!r}")
+        self._check_model_device()
+        self._check_kv_device()
+        self._check_kv_dist(self.kv_transport == "torch_dist")
+        host, _, port = self.kv_dist_address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"kv_dist_address must be host:port, got {self.kv_dist_address!r}")
+        check_port(int(port))
+        if self.kv_transfer_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_transfer_dtype must be one of: {', '.join(KV_DTYPES)}; got {self.kv_transfer_dtype!r}")
+        if self.encode_timeout_s <= 0 or self.max_audio_s <= 0:
+            raise ValueError("encode_timeout_s and max_audio_s must be > 0")
+        if not self.max_decode_hold_ms >= 0:  # also refuses NaN
+            raise ValueError(f"max_decode_hold_ms must be >= 0 (0 = never hold), got {self.max_decode_hold_ms}")
+        if self.decode_hold_gap_steps < 0:
+            raise ValueError(f"decode_hold_gap_steps must be >= 0, got {self.decode_hold_gap_steps}")
+        self._check_quantize()
+        if self.attention_backend != "torch":
+            from kernels.attention_backend import check_attention_backend  # imports torch: only off the default
+
+            check_attention_backend(self.attention_backend, self.device)
+
+    def _check_kv_device(self) -> None:
+        """Resolves an empty ``kv_device`` to ``device``; refuses KV caches the model could not attend over."""
+        if not self.kv_device:
+            object.__setattr__(self, "kv_device", self.device)
+        check_device_name(self.kv_device, "kv_device")
+        if not same_device(self.kv_device, self.device):
+            raise ValueError(f"kv_device {self.kv_device!r} differs from device {self.device!r}: the decoder attends over both "
+                             "KV caches on its model's device; leave kv_device unset (it follows device) or set both alike")
+        if is_cuda(self.device) and self.kv_transport == "shm":
+            raise ValueError(f"kv_transport shm keeps the cross-KV pool in host shared memory, which a decoder on {self.device!r} "
+                             "cannot attend over: use kv_transport cuda_ipc (encoder on the same host) or torch_dist with "
+                             "kv_dist_backend nccl, or device cpu")
+        if not is_cuda(self.device) and self.kv_transport == "cuda_ipc":
+            raise ValueError("kv_transport cuda_ipc puts the cross-KV pool on a GPU: set device cuda (kv_device follows it), "
+                             "or use kv_transport shm on the CPU")
