@@ -50,8 +50,8 @@ def generate_protos(root: str = ROOT) -> list[str]:
     if not protos:
         return []
     # Imported lazily: only the build environment has grpcio-tools.
-    from grpc_tools import protoc
     import grpc_tools
+    from grpc_tools import protoc
 
     well_known = os.path.join(os.path.dirname(grpc_tools.__file__), "_proto")
     out_dir = os.path.join(root, PROTO_PKG_DIR)
@@ -104,9 +104,20 @@ def c_kernels() -> list[Extension]:
     """The optional C kernels: x86-64 Linux only (AVX2/FMA code is chosen per function, checked at run time)."""
     if not sys.platform.startswith("linux") or platform.machine().lower() not in ("x86_64", "amd64"):
         return []
-    sources = [f"kernels/csrc/{name}.c" for name in ("packed_linear", "paged_decode_attention", "decode_layer", "argmax", "row_norm", "parallel")]
-    return [Extension("kernels._cpu_kernels", sources, depends=["kernels/csrc/parallel.h", "kernels/csrc/simd_math.h"],
-                      extra_compile_args=["-O3", "-std=gnu11"], libraries=["pthread", "m"], optional=True)]
+    sources = [
+        f"kernels/csrc/{name}.c"
+        for name in ("packed_linear", "paged_decode_attention", "decode_layer", "argmax", "row_norm", "parallel")
+    ]
+    return [
+        Extension(
+            "kernels._cpu_kernels",
+            sources,
+            depends=["kernels/csrc/parallel.h", "kernels/csrc/simd_math.h"],
+            extra_compile_args=["-O3", "-std=gnu11"],
+            libraries=["pthread", "m"],
+            optional=True,
+        )
+    ]
 
 
 setup(cmdclass={"build_py": build_py, "sdist": sdist}, ext_modules=c_kernels())

@@ -18,9 +18,9 @@ a pool on the engine's device, for:
    a bare GPU machine: the 75 MB model.bin does not travel with the tree) a
    Whisper of tiny.en's shape with seeded random weights and an in-process
    word-level tokenizer stands in, compared CPU vs CUDA only.
-2. A tiny random T5 (tests/text_checkpoints.py ``build_t5``, tokenizer trained
+2. A tiny random T5 (tests/helpers/text_checkpoints.py ``build_t5``, tokenizer trained
    here) on sources of a few lengths: CUDA (torch and triton) vs CPU, greedy.
-3. A tiny random BERT classifier (tests/embed_checkpoints.py) through the
+3. A tiny random BERT classifier (tests/helpers/embed_checkpoints.py) through the
    embed engine: every pooling on CUDA vs CPU.
 
 Prints one table; exit status 0 when every judged row matches, 1 otherwise.
@@ -47,15 +47,14 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the project, and tests/text_checkpoints.py
-from encdec import DATA_DIR  # noqa: E402
-
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the project, and tests/helpers/
 from decoder_svc.engine import DecoderEngine
+from decoder_svc.sampling_params import SamplingParams
+from encdec import DATA_DIR  # noqa: E402
 from encoder_svc.batcher import EncodeBatcher, EncodeItem
 from shared.device import model_device, resolve_device
 from shared.kv_transport.base import KVTargetSpec, TransferStats, write_blocks
 from shared.models.whisper_features import log_mel_spectrogram
-from decoder_svc.sampling_params import SamplingParams
 
 BLOCK = 16
 EOT = 50256
@@ -86,10 +85,19 @@ def run_engine(model, tokenizer, inputs: list[dict], params: SamplingParams, bac
     num_cross = sum(math.ceil(n / BLOCK) for n in enc_lens)
     pool = torch.zeros(c.decoder_layers, 2, num_cross, BLOCK, c.num_heads, c.head_dim, device=model_device(model))
     max_len = min(model.generation.max_length, c.max_target_positions)
-    engine = DecoderEngine(model, tokenizer, pool, num_self_blocks=len(inputs) * math.ceil(max_len / BLOCK), block_size=BLOCK,
-                           max_num_seqs=len(inputs), attention_backend=backend)
+    engine = DecoderEngine(
+        model,
+        tokenizer,
+        pool,
+        num_self_blocks=len(inputs) * math.ceil(max_len / BLOCK),
+        block_size=BLOCK,
+        max_num_seqs=len(inputs),
+        attention_backend=backend,
+    )
     spec = KVTargetSpec("local", "in-process", tuple(pool.shape), "float32", "gpu-model-check")
-    batcher = EncodeBatcher(model, lambda pcm: log_mel_spectrogram(pcm, c.num_mel_bins), PoolWriter(pool), len(inputs), 0)
+    batcher = EncodeBatcher(
+        model, lambda pcm: log_mel_spectrogram(pcm, c.num_mel_bins), PoolWriter(pool), len(inputs), 0
+    )
     tokens = {f"r{i}": [] for i in range(len(inputs))}
     logprobs = {f"r{i}": [] for i in range(len(inputs))}
     try:
@@ -102,7 +110,9 @@ def run_engine(model, tokenizer, inputs: list[dict], params: SamplingParams, bac
             futures = []
             for rid, blocks in out.to_encode:
                 x = inputs[int(rid[1:])]
-                futures.append((rid, batcher.submit(EncodeItem(rid, x.get("pcm"), spec, blocks, input_ids=x.get("input_ids")))))
+                futures.append(
+                    (rid, batcher.submit(EncodeItem(rid, x.get("pcm"), spec, blocks, input_ids=x.get("input_ids"))))
+                )
             for rid, fut in futures:  # submitted together: one encoder batch
                 fut.result(timeout=300)
                 engine.mark_encoded(rid)
@@ -141,7 +151,7 @@ def compare(got: list[list[int]], want: list[list[int]], want_logprobs: list | N
         verdict = "NO" if not tie else ("yes (tie)" if verdict != "NO" else "NO")
         if not shown or not tie:
             note = "" if margin is None else f", reference top-2 margin {margin:.2g} nats"
-            text = text.split("; ")[0] + f"; input {i} parts at token {at} ({g[at:at + 3]} vs {w[at:at + 3]}{note})"
+            text = text.split("; ")[0] + f"; input {i} parts at token {at} ({g[at : at + 3]} vs {w[at : at + 3]}{note})"
             shown = True
     return text, verdict
 
@@ -187,7 +197,7 @@ def whisper_model(name: str):
 def random_whisper():
     """Whisper of tiny.en's shape with seeded unit-scale random weights (outputs vary token to token), and a
     word-level tokenizer over its 51864 ids (detokenizing only)."""
-    from text_checkpoints import _reinit
+    from helpers.text_checkpoints import _reinit
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
     from transformers import PreTrainedTokenizerFast
@@ -199,10 +209,14 @@ def random_whisper():
     )
 
     config = WhisperConfig()
-    model = WhisperForConditionalGeneration(config, WhisperGenerationDefaults([50257, 50362], EOT, [], [], max_length=96))
+    model = WhisperForConditionalGeneration(
+        config, WhisperGenerationDefaults([50257, 50362], EOT, [], [], max_length=96)
+    )
     _reinit(model, seed=5)
     vocab = {f"w{i}": i for i in range(config.vocab_size)}
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="w0")), eos_token=f"w{EOT}")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="w0")), eos_token=f"w{EOT}"
+    )
     return model.eval(), tokenizer
 
 
@@ -214,8 +228,18 @@ def check_whisper(device: str, name: str, backends: list[str], rows: list) -> No
     t = time.perf_counter()
     cpu = run_engine(model, tokenizer, inputs, greedy)
     cpu_logprobs = run_engine.last_logprobs
-    rows.append(("whisper", what, "cpu", "torch", "float32", f"reference ({len(names)} clips, {lengths(cpu)} tokens)", "",
-                 f"{time.perf_counter() - t:.1f}"))
+    rows.append(
+        (
+            "whisper",
+            what,
+            "cpu",
+            "torch",
+            "float32",
+            f"reference ({len(names)} clips, {lengths(cpu)} tokens)",
+            "",
+            f"{time.perf_counter() - t:.1f}",
+        )
+    )
     if hf is not None:
         with torch.inference_mode():
             ref = [hf.generate(log_mel_spectrogram(p)[None]).tolist()[0] + [EOT] for p in pcms]
@@ -232,18 +256,39 @@ def check_whisper(device: str, name: str, backends: list[str], rows: list) -> No
         rows.append(("whisper", what, device, backend, "float32", "vs cpu: " + text, verdict, wall))
     seeded = SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=11, max_tokens=24)
     first, second = (run_engine(gpu_model, tokenizer, inputs, seeded) for _ in range(2))
-    rows.append(("whisper", what, device, "torch", "float32", "seeded sampling, run twice: " + compare(second, first)[0],
-                 "yes" if first == second else "NO", ""))
+    rows.append(
+        (
+            "whisper",
+            what,
+            device,
+            "torch",
+            "float32",
+            "seeded sampling, run twice: " + compare(second, first)[0],
+            "yes" if first == second else "NO",
+            "",
+        )
+    )
     if torch.device(device).type == "cuda":
         half = copy.deepcopy(model).to(device=device, dtype=torch.float16)
         got = run_engine(half, tokenizer, inputs, greedy)
-        rows.append(("whisper", what, device, "torch", "float16", "vs cpu float32: " + compare(got, cpu, cpu_logprobs)[0], "(info)", ""))
+        rows.append(
+            (
+                "whisper",
+                what,
+                device,
+                "torch",
+                "float16",
+                "vs cpu float32: " + compare(got, cpu, cpu_logprobs)[0],
+                "(info)",
+                "",
+            )
+        )
 
 
 def check_t5(device: str, backends: list[str], rows: list) -> None:
     import random
 
-    from text_checkpoints import build_t5, sentence
+    from helpers.text_checkpoints import build_t5, sentence
 
     from shared.models.registry import load_model, load_tokenizer
 
@@ -256,10 +301,23 @@ def check_t5(device: str, backends: list[str], rows: list) -> None:
     params = SamplingParams(max_tokens=40, logprobs=True, top_logprobs=2)
     cpu = run_engine(model, tokenizer, inputs, params)
     cpu_logprobs = run_engine.last_logprobs
-    rows.append(("t5 tiny", "random (build_t5)", "cpu", "torch", "float32", f"reference ({len(inputs)} sources, {lengths(cpu)} tokens)", "", ""))
+    rows.append(
+        (
+            "t5 tiny",
+            "random (build_t5)",
+            "cpu",
+            "torch",
+            "float32",
+            f"reference ({len(inputs)} sources, {lengths(cpu)} tokens)",
+            "",
+            "",
+        )
+    )
     for backend in backends:
         if backend == "triton" and importlib.util.find_spec("triton") is None:
-            rows.append(("t5 tiny", "random (build_t5)", device, backend, "float32", "skipped: no triton package", "", ""))
+            rows.append(
+                ("t5 tiny", "random (build_t5)", device, backend, "float32", "skipped: no triton package", "", "")
+            )
             continue
         got = run_engine(gpu_model, tokenizer, inputs, params, backend)
         text, verdict = compare(got, cpu, cpu_logprobs)
@@ -267,9 +325,9 @@ def check_t5(device: str, backends: list[str], rows: list) -> None:
 
 
 def check_embed(device: str, rows: list) -> None:
-    """Tiny random BERT classifier (tests/embed_checkpoints.py) through ``EmbedEngine`` on ``device`` vs the CPU:
+    """Tiny random BERT classifier (tests/helpers/embed_checkpoints.py) through ``EmbedEngine`` on ``device`` vs the CPU:
     a padded packed batch of several lengths, every pooling; max |difference| within 1e-4."""
-    from embed_checkpoints import build_classifier
+    from helpers.embed_checkpoints import build_classifier
 
     from encoder_svc.embed.engine import load_embed_engine
 
@@ -282,15 +340,29 @@ def check_embed(device: str, rows: list) -> None:
     want, got = cpu.forward(seqs, poolings), gpu.forward(seqs, poolings)
     worst = max(float((g - w).abs().max()) for g, w in zip(got, want))
     ok = all(g.device.type == "cpu" for g in got) and worst < 1e-4
-    rows.append(("bert tiny", "random (build_classifier)", device, "sdpa", "float32",
-                 f"{len(texts)} texts x cls/mean/last/logits vs cpu: max |diff| {worst:.1e}", "yes" if ok else "NO", ""))
+    rows.append(
+        (
+            "bert tiny",
+            "random (build_classifier)",
+            device,
+            "sdpa",
+            "float32",
+            f"{len(texts)} texts x cls/mean/last/logits vs cpu: max |diff| {worst:.1e}",
+            "yes" if ok else "NO",
+            "",
+        )
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", help="device to check against the CPU (default cuda)")
-    parser.add_argument("--whisper-model", default="whisper-tiny.en", help="model name or CTranslate2 Whisper directory")
-    parser.add_argument("--backends", default="torch,triton", help="attention backends to run on --device (comma-separated)")
+    parser.add_argument(
+        "--whisper-model", default="whisper-tiny.en", help="model name or CTranslate2 Whisper directory"
+    )
+    parser.add_argument(
+        "--backends", default="torch,triton", help="attention backends to run on --device (comma-separated)"
+    )
     args = parser.parse_args(argv)
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         print(f"skipped: no CUDA (torch {torch.__version__} sees no CUDA device)")
@@ -298,7 +370,9 @@ def main(argv: list[str] | None = None) -> int:
     if torch.device(args.device).type == "cpu":
         import os
 
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # a CPU self-check (--backends torch advised) runs triton interpreted
+        os.environ.setdefault(
+            "TRITON_INTERPRET", "1"
+        )  # a CPU self-check (--backends torch advised) runs triton interpreted
     device = resolve_device(args.device)  # as the services do: current device set, TF32 off for float32
     if device.type == "cuda":
         args.device = str(device)
@@ -307,13 +381,26 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[tuple] = []
     start = time.perf_counter()
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    for part, run in (("whisper", lambda: check_whisper(args.device, args.whisper_model, backends, rows)),
-                      ("t5 tiny", lambda: check_t5(args.device, backends, rows)),
-                      ("bert tiny", lambda: check_embed(args.device, rows))):
+    for part, run in (
+        ("whisper", lambda: check_whisper(args.device, args.whisper_model, backends, rows)),
+        ("t5 tiny", lambda: check_t5(args.device, backends, rows)),
+        ("bert tiny", lambda: check_embed(args.device, rows)),
+    ):
         try:
             run()
         except Exception as exc:  # noqa: BLE001 - one part failing still prints the others
-            rows.append((part, "", args.device, "", "", f"FAILED: {type(exc).__name__}: {exc}"[:200].replace("|", "/"), "NO", ""))
+            rows.append(
+                (
+                    part,
+                    "",
+                    args.device,
+                    "",
+                    "",
+                    f"FAILED: {type(exc).__name__}: {exc}"[:200].replace("|", "/"),
+                    "NO",
+                    "",
+                )
+            )
     print("| model | weights | device | attention | dtype | result | match | s |")
     print("|---|---|---|---|---|---|---|---|")
     for row in rows:

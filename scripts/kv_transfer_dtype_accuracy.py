@@ -18,11 +18,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-from encdec import DATA_DIR  # noqa: E402
-
-from paged_greedy import _Seq, build_metadata  # noqa: E402
+from helpers.paged_greedy import _Seq, build_metadata  # noqa: E402
 
 from decoder_svc.engine import DecoderEngine  # noqa: E402
+from encdec import DATA_DIR  # noqa: E402
 from encdec.bench.hf_whisper import build_hf_whisper  # noqa: E402
 from shared.kv_transport import write_blocks  # noqa: E402
 from shared.kv_transport.base import DTYPES  # noqa: E402
@@ -61,7 +60,13 @@ def teacher_forced_logits(model, cross_kv: torch.Tensor, dtype: str, tokens: lis
     ids = list(model.generation.decoder_prompt_ids) + tokens
     n_self = -(-len(ids) // BLOCK)
     self_cache = torch.zeros(c.decoder_layers, 2, n_self, BLOCK, c.num_heads, c.head_dim)
-    seq = _Seq(tokens=ids, prompt_len=len(ids), cross_blocks=list(range(n_cross)), start_step=0, self_blocks=list(range(n_self)))
+    seq = _Seq(
+        tokens=ids,
+        prompt_len=len(ids),
+        cross_blocks=list(range(n_cross)),
+        start_step=0,
+        self_blocks=list(range(n_self)),
+    )
     input_ids, positions, md = build_metadata([seq], [len(ids)], enc_len, BLOCK)
     md.logits_indices = torch.arange(len(ids))
     hidden = model(input_ids, positions, md, self_cache, pool)
@@ -84,8 +89,16 @@ def main() -> None:
             for dtype in ("float32", "float16", "bfloat16"):
                 tokens = engine_greedy(model, tokenizer, cross_kv, dtype)
                 logits = teacher_forced_logits(model, cross_kv, dtype, ref)
-                rows.append((wav.name, dtype, tokens == ref, len(ref), (logits - hf_logits).abs().max().item(),
-                             (cross_kv - cross_kv.to(DTYPES[dtype]).float()).abs().max().item()))
+                rows.append(
+                    (
+                        wav.name,
+                        dtype,
+                        tokens == ref,
+                        len(ref),
+                        (logits - hf_logits).abs().max().item(),
+                        (cross_kv - cross_kv.to(DTYPES[dtype]).float()).abs().max().item(),
+                    )
+                )
     print("| clip | pool dtype | greedy tokens == HF | tokens | max abs logit diff vs HF | max abs cross-KV rounding |")
     print("| --- | --- | --- | --- | --- | --- |")
     for name, dtype, equal, n, dl, dk in rows:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from encdec import DATA_DIR
 import os
 import uuid
 
 import pytest
+
+from encdec import DATA_DIR
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -106,7 +107,7 @@ def text_checkpoints(tmp_path_factory):
 
     Also ``t5-long``: the T5 v1.0 weights with pad and the end token suppressed, for outputs past the bucket boundary.
     """
-    from text_checkpoints import BUILDERS, with_generation
+    from helpers.text_checkpoints import BUILDERS, with_generation
 
     root = tmp_path_factory.mktemp("text-checkpoints")
     dirs = {name: build(root / name) for name, build in BUILDERS.items()}

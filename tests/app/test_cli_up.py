@@ -1,0 +1,108 @@
+"""``encdec up --decoder-args / --encoder-args``: extra service flags reach the services it starts (real processes)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+
+from encdec import DATA_DIR
+from shared.proto import decoder_pb2, decoder_pb2_grpc
+
+CLIP = DATA_DIR / "meeting.wav"
+
+
+def test_up_passes_extra_flags_to_the_services(redis_url, tmp_path):
+    cmd = [
+        sys.executable,
+        "-m",
+        "encdec.cli",
+        "--log-level",
+        "WARNING",
+        "up",
+        "--redis-url",
+        redis_url,
+        "--encoder-port",
+        "0",
+        "--decoder-port",
+        "0",
+        "--decoder-args",
+        "--stream-interval 4 --max-num-seqs 2",
+        "--encoder-args=--max-batch-wait-ms 50",
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, text=True, start_new_session=True, cwd=Path(__file__).parents[2]
+    )
+    try:
+        address = None
+        for line in proc.stdout:  # "ready: decoder (public API) at HOST:PORT, ..."
+            if line.startswith("ready:"):
+                address = line.split(" at ")[1].split(",")[0]
+                break
+        assert address, "encdec up did not become ready"
+        with grpc.insecure_channel(address) as channel:
+            stub = decoder_pb2_grpc.DecoderServiceStub(channel)
+            request = decoder_pb2.GenerateRequest(
+                audio=CLIP.read_bytes(), sampling=decoder_pb2.SamplingParams(max_tokens=10)
+            )
+            messages = list(stub.Generate(request, timeout=120))
+        sizes = [len(m.token_ids) for m in messages]
+        assert sizes[:3] == [1, 4, 4], sizes  # --stream-interval 4 reached the decoder
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=60)
+
+
+def _pid_of(*argv_parts: str) -> int:
+    """The pid of the process whose command line holds ``argv_parts`` in order."""
+    wanted = "\0".join(argv_parts)
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if wanted in cmdline.read_text():
+                return int(cmdline.parent.name)
+        except OSError:  # exited meanwhile
+            continue
+    raise LookupError(argv_parts)
+
+
+def test_up_exits_nonzero_when_a_service_dies(redis_url):
+    cmd = [
+        sys.executable,
+        "-m",
+        "encdec.cli",
+        "--log-level",
+        "WARNING",
+        "up",
+        "--redis-url",
+        redis_url,
+        "--encoder-port",
+        "0",
+        "--decoder-port",
+        "0",
+        "--decoder-args=--metrics-port 0",
+        "--encoder-args=--metrics-port 0",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        cwd=Path(__file__).parents[2],
+    )
+    try:
+        line = proc.stdout.readline()
+        while line and not line.startswith("ready:"):
+            line = proc.stdout.readline()
+        port = line.split(" at ")[1].split(",")[0].rsplit(":", 1)[1]
+        os.kill(_pid_of("serve-decoder", "--port", port), signal.SIGKILL)  # a crash
+        assert proc.wait(timeout=60) == 1
+        assert "encdec: error: decoder (exit code -9) stopped" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -1,0 +1,250 @@
+"""compose.yaml's wiring, proven without a Docker engine.
+
+The structural tests read compose.yaml as ``docker compose`` would and check the
+deployment's promises (only public ports published, health checks over the gRPC
+health service, service_healthy dependencies, the models volume, the gpu
+profile, every ENCDEC_* variable a real config field). The end-to-end test runs
+each service's command as a local process with its compose environment
+(``tests/compose_local.py``; a real redis-server stands in for the redis image)
+and sends a Generate and an Embed through the published ports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import subprocess
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+import torch.nn.functional as F
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from helpers.compose_file import (
+    Project,
+    UnsupportedCompose,
+    check_understood,
+    interpolate,
+    load_project,
+    parse_duration,
+    published_ports,
+)
+from helpers.compose_local import LocalDeployment, local_command, remap
+from helpers.embed_sentences import SENTENCES
+
+from encdec import DATA_DIR
+from encdec.redis_server import free_port
+from shared.config import DecoderServiceConfig, EncoderServiceConfig, config_from
+
+ROOT = Path(__file__).resolve().parents[2]
+DATA = DATA_DIR
+CONFIG_OF = {"serve-encoder": EncoderServiceConfig, "serve-decoder": DecoderServiceConfig}
+CLI_ENV = {"ENCDEC_LOG_LEVEL"}  # read by encdec.cli, not a config field
+DECODER_PORT, EMBED_PORT = 50051, 50071  # the public ports
+
+
+@pytest.fixture(scope="module")
+def project() -> Project:
+    return load_project(ROOT / "compose.yaml")
+
+
+def encdec_services(project: Project) -> dict[str, dict]:
+    return {n: s for n, s in project.services.items() if s["command"][0] == "encdec"}
+
+
+def in_profile(project: Project, profile: str) -> dict[str, dict]:
+    return {n: s for n, s in project.services.items() if profile in s.get("profiles", [])}
+
+
+def test_everything_in_compose_yaml_is_understood_and_the_translator_refuses_the_rest(project):
+    check_understood(project)
+    bad = dataclasses.replace(
+        project, services={**project.services, "x": {**project.services["embed"], "restart": "always"}}
+    )
+    with pytest.raises(UnsupportedCompose, match="restart"):
+        check_understood(bad)
+    with pytest.raises(UnsupportedCompose, match="executable"):
+        local_command(["sh", "-c", "true"])
+    with pytest.raises(UnsupportedCompose, match="variable syntax"):
+        interpolate({"a": ["$HOME"]}, {})
+    assert interpolate("${A:-x}/${B-y}/${C}/$$", {"B": ""}) == "x///$"
+
+
+def test_only_the_public_ports_are_published_and_redis_stays_internal(project):
+    assert project.profiles == {"cpu"}, ".env must make a plain `docker compose up` the CPU set"
+    redis = project.services["redis"]
+    assert redis["image"].startswith("redis:") and "ports" not in redis and redis["networks"] == ["internal"]
+    assert project.networks["internal"] == {"internal": True}
+    for profile, suffix in (("cpu", ""), ("gpu", "-gpu")):
+        services = in_profile(project, profile)
+        assert set(services) == {f"encoder{suffix}", f"decoder{suffix}", f"embed{suffix}"}
+        published = {n: [h for h, _ in published_ports(s)] for n, s in services.items() if "ports" in s}
+        assert published == {f"decoder{suffix}": [DECODER_PORT], f"embed{suffix}": [EMBED_PORT]}
+        assert services[f"encoder{suffix}"]["networks"] == ["internal"]  # Encode: internal only
+
+
+def test_dependencies_wait_for_health_and_health_checks_use_grpc_health(project):
+    for name, svc in project.services.items():
+        for dep, spec in svc.get("depends_on", {}).items():
+            if "healthcheck" in project.services[dep]:
+                assert spec["condition"] == "service_healthy", (name, dep)
+        for mode in ("ipc", "pid"):  # joining a namespace needs its owner up first
+            if svc.get(mode, "").startswith("service:"):
+                owner = svc[mode].removeprefix("service:")
+                assert svc["depends_on"][owner]["condition"] == "service_healthy", (name, mode)
+    for name, svc in encdec_services(project).items():
+        test = svc["healthcheck"]["test"]
+        assert test[:3] == ["CMD", "python", "-c"] and "grpc_health.v1" in test[3] and ".Check(" in test[3], name
+    for name in ("decoder", "decoder-gpu"):
+        assert set(project.services[name]["depends_on"]) == {"redis", name.replace("decoder", "encoder")}
+
+
+def test_health_check_command_fails_when_nothing_serves(project):
+    port = free_port()
+    env = {"ENCDEC_PORT": str(port), "PATH": "/usr/bin:/bin"}
+    argv = local_command(project.services["decoder"]["healthcheck"]["test"][1:])
+    result = subprocess.run(argv, check=False, env=env, capture_output=True, timeout=60)
+    assert result.returncode != 0 and f"127.0.0.1:{port}: UNAVAILABLE" in result.stderr.decode()
+
+
+def test_environment_names_real_config_fields_and_validates(project, monkeypatch):
+    # attention_backend=triton (gpu profile) is refused without a CUDA device unless Triton's CPU
+    # interpreter is on: turn it on so the values themselves are validated on this GPU-less machine.
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for name, svc in encdec_services(project).items():
+        cls = CONFIG_OF[svc["command"][1]]
+        env = {k: str(v) for k, v in svc["environment"].items()}
+        fields = {f"ENCDEC_{f.name.upper()}" for f in dataclasses.fields(cls)}
+        unknown = {k for k in env if k.startswith("ENCDEC_")} - fields - CLI_ENV
+        assert not unknown, f"{name}: {sorted(unknown)} are not {cls.__name__} fields"
+        config = config_from(cls, env=env)  # raises on a value the service would refuse
+        assert config.port == int(env["ENCDEC_PORT"]) and config.host == "0.0.0.0"
+
+
+def test_each_decoder_and_its_encoder_agree_on_the_kv_transport(project, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # as above: lets attention_backend=triton validate here
+    for name, svc in encdec_services(project).items():
+        if svc["command"][1] != "serve-decoder":
+            continue
+        decoder = config_from(DecoderServiceConfig, env={k: str(v) for k, v in svc["environment"].items()})
+        encoder_name, _, encoder_port = decoder.encoder_address.rpartition(":")
+        encoder_svc = project.services[encoder_name]
+        assert encoder_port in encoder_svc["expose"] and not set(encoder_svc.get("profiles", [])).isdisjoint(
+            svc["profiles"]
+        )
+        encoder = config_from(EncoderServiceConfig, env={k: str(v) for k, v in encoder_svc["environment"].items()})
+        assert decoder.kv_transport in encoder.kv_transport.split(","), (name, encoder_name)
+        if decoder.kv_transport == "cuda_ipc":
+            assert decoder.kv_device.startswith("cuda"), name
+        # The drain (shutdown grace, then up to ~4 s to end the rest) ends before compose's SIGKILL.
+        grace = svc.get("stop_grace_period")
+        assert grace and parse_duration(grace) >= decoder.shutdown_grace_s + 4, (name, grace, decoder.shutdown_grace_s)
+
+
+def test_models_volume_and_gpu_profile(project):
+    assert "models" in project.volumes
+    for name, svc in encdec_services(project).items():
+        assert "models:/models" in svc["volumes"], name
+    gpu = in_profile(project, "gpu")
+    for name, svc in gpu.items():
+        devices = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert any(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices), name
+        cpu_twin = project.services[name.removesuffix("-gpu")]
+        assert svc["command"] == cpu_twin["command"] and svc.get("ports") == cpu_twin.get("ports"), name
+        assert "deploy" not in cpu_twin
+    env = gpu["decoder-gpu"]["environment"]
+    assert env["ENCDEC_KV_TRANSPORT"] == "cuda_ipc" and env["ENCDEC_ATTENTION_BACKEND"] == "triton"
+    assert env["ENCDEC_KV_DEVICE"] == "cuda"
+    assert gpu["decoder-gpu"]["ipc"] == gpu["decoder-gpu"]["pid"] == "service:encoder-gpu"
+
+
+def test_image_installs_like_setup_sh_and_puts_its_venv_first(project):
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    declared = dict(re.findall(r"^ARG (\w+)(?:=(.*))?$", dockerfile, flags=re.MULTILINE))
+    for name, svc in project.services.items():
+        assert set(svc.get("build", {}).get("args", {})) <= set(declared), name
+    assert "embed" in declared["EXTRAS"].split(",")  # the embed service's default model
+    assert 'TORCH_INDEX_URL="$TORCH_INDEX_URL" EXTRAS="$EXTRAS" bash scripts/setup.sh' in dockerfile
+    # `encdec` and `python` in commands and health checks are the venv's, as the local run assumes
+    assert re.search(r"^ENV PATH=/app/.venv/bin:\$PATH", dockerfile, flags=re.MULTILINE)
+
+
+def test_remap_rewrites_hosts_and_ports_consistently():
+    endpoints = {
+        ("decoder", 50051): ("127.0.0.1", 41001),
+        ("encoder", 50061): ("127.0.0.1", 41002),
+        ("redis", 6379): ("127.0.0.1", 41003),
+    }
+    assert remap("encoder:50061", "decoder", endpoints) == "127.0.0.1:41002"
+    assert remap("redis://redis:6379/0", "decoder", endpoints) == "redis://127.0.0.1:41003/0"
+    assert remap("50051", "decoder", endpoints, key="ENCDEC_PORT") == "41001"
+    assert remap("0.0.0.0", "decoder", endpoints) == "127.0.0.1"
+    assert remap("localhost:50051", "decoder", endpoints) == "127.0.0.1:41001"
+    assert remap("example.com:443", "decoder", endpoints) == "example.com:443"
+    with pytest.raises(UnsupportedCompose):
+        remap("encoder:9999", "decoder", endpoints)
+    with pytest.raises(UnsupportedCompose):
+        remap("50061", "decoder", endpoints, key="ENCDEC_PORT")
+
+
+# ---- end to end: the CPU deployment as local processes ---------------------------------------------------
+@pytest.fixture(scope="module")
+def deployment(project, redis_url, tmp_path_factory):
+    with LocalDeployment(project, redis_url, tmp_path_factory.mktemp("compose-logs")) as running:
+        yield running
+
+
+def _serving(address: str, service: str) -> bool:
+    with grpc.insecure_channel(address) as ch:
+        status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
+    return status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_generate_through_the_published_decoder_port(deployment, hf_whisper, whisper_features):
+    from shared.models.registry import resolve_model
+    from shared.models.whisper_features import load_tokenizer
+    from shared.proto import decoder_pb2, decoder_pb2_grpc
+
+    assert _serving(deployment.service_address("encoder"), "encdec.v1.EncoderService")
+    with torch.inference_mode():
+        expected = hf_whisper.generate(whisper_features["short.wav"][None]).tolist()[0]  # the e2e tests' truth
+    with grpc.insecure_channel(deployment.published(DECODER_PORT)) as ch:
+        stub = decoder_pb2_grpc.DecoderServiceStub(ch)
+        messages = list(
+            stub.Generate(decoder_pb2.GenerateRequest(audio=(DATA / "short.wav").read_bytes()), timeout=120)
+        )
+        tokens = [t for m in messages for t in m.token_ids]
+        assert messages[-1].finish_reason == decoder_pb2.FINISH_REASON_STOP
+        assert tokens[:-1] == expected and tokens[-1] == 50256
+        text = "".join(m.text for m in messages)
+        assert text == load_tokenizer(resolve_model("whisper-tiny.en")[1]).decode(tokens, skip_special_tokens=True)
+        record = stub.GetRequest(decoder_pb2.GetRequestRequest(request_id=messages[0].request_id))  # from Redis
+        assert record.state == decoder_pb2.REQUEST_STATE_FINISHED and record.finish_reason == "stop"
+    for name, metric in (("decoder", "encdec_decoder_requests_total"), ("encoder", "encdec_encoder_requests_total")):
+        host, port = deployment.endpoints[
+            (name, int(deployment.project.services[name]["environment"]["ENCDEC_METRICS_PORT"]))
+        ]
+        with urllib.request.urlopen(
+            f"http://{host}:{port}/metrics", timeout=10
+        ) as resp:  # ENCDEC_METRICS_PORT honoured
+            assert metric in resp.read().decode(), name
+
+
+def test_embed_through_the_published_embed_port(deployment):
+    from encoder_svc.embed.engine import finish_embedding, load_embed_engine
+    from shared.proto import embed_pb2, embed_pb2_grpc
+
+    address = deployment.published(EMBED_PORT)
+    assert _serving(address, "encdec.v1.EmbedService")
+    texts = SENTENCES[:6]
+    with grpc.insecure_channel(address) as ch:
+        resp = embed_pb2_grpc.EmbedServiceStub(ch).Embed(embed_pb2.EmbedRequest(inputs=texts), timeout=60)
+    assert resp.model == "all-MiniLM-L6-v2" and len(resp.embeddings) == len(texts)
+    engine = load_embed_engine("all-MiniLM-L6-v2")  # checked against sentence-transformers in test_embed_minilm
+    seqs = engine.tokenize(texts, truncate=False)
+    ref = torch.stack([finish_embedding(v, True, 0) for v in engine.forward(seqs, ["mean"] * len(seqs))])
+    got = torch.tensor([list(e.values) for e in resp.embeddings])
+    assert got.shape == (len(texts), 384)
+    assert F.cosine_similarity(got, ref, dim=1).min().item() >= 0.99999

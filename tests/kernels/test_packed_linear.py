@@ -1,0 +1,252 @@
+"""kernels/packed_linear.py (C, AVX2) against its torch reference ``F.linear``, on irregular shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.packed_linear import MAX_ROWS, PackedWeight, is_available, packed_linear, reference_linear
+from shared.models.linear import (
+    Linear,
+    fused_products,
+    linear,
+    linear_add,
+    pack_fused,
+    pack_projection,
+    vocab_projection,
+)
+
+pytestmark = pytest.mark.skipif(
+    not is_available(),
+    reason="kernels/_cpu_kernels*.so not built (no C compiler at install, not x86-64 Linux) or no AVX2/FMA",
+)
+
+
+def _exact(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    y = x.double() @ w.double().T
+    return (y + b.double() if b is not None else y).float()
+
+
+# rows: 1, under / at / over the 6-row micro-kernel, MAX_ROWS; features: under / at / over a 16-wide panel
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 32, MAX_ROWS])
+@pytest.mark.parametrize("out_features,in_features", [(1, 1), (15, 7), (16, 64), (17, 33), (1000, 384), (4099, 96)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_reference(rows, out_features, in_features, with_bias):
+    g = torch.Generator().manual_seed(rows * 7919 + out_features * 31 + in_features)
+    x = torch.randn(rows, in_features, generator=g)
+    w = torch.randn(out_features, in_features, generator=g)
+    b = torch.randn(out_features, generator=g) if with_bias else None
+    got = packed_linear(x, PackedWeight.pack(w), b)
+    ref = reference_linear(x, w, b)
+    assert got.shape == ref.shape == (rows, out_features) and got.is_contiguous()
+    # One running fp32 sum per output: as close to the exact value as F.linear's blocked sums are.
+    tol = 2 * (ref - _exact(x, w, b)).abs().max().item() + 4e-6 * in_features
+    assert (got - _exact(x, w, b)).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("num_threads", [1, 2, 3, 64])
+def test_thread_split_is_bitwise_the_same(num_threads):
+    """Threads split whole 16-feature panels, so every output is the same sum whatever the split."""
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(9, 48, generator=g), torch.randn(333, 48, generator=g)
+    packed = PackedWeight.pack(w)
+    assert torch.equal(packed_linear(x, packed, num_threads=num_threads), packed_linear(x, packed, num_threads=1))
+
+
+def test_leading_dims_and_non_contiguous_inputs():
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(64, 40, generator=g).T.contiguous().T[:, :20]  # [64, 20] view with strides (1, 64)
+    x = torch.randn(2, 3, 40, generator=g)[..., ::2]  # [2, 3, 20], non-contiguous
+    got = packed_linear(x, PackedWeight.pack(w))
+    torch.testing.assert_close(got, reference_linear(x, w), rtol=1e-5, atol=1e-5)
+    assert got.shape == (2, 3, 64)
+
+
+def test_bad_inputs_are_refused():
+    w = torch.randn(20, 8)
+    packed = PackedWeight.pack(w)
+    with pytest.raises(ValueError, match="float32 CPU"):
+        packed_linear(torch.randn(2, 8, dtype=torch.float64), packed)
+    with pytest.raises(ValueError, match=r"\[\.\.\., 8\]"):
+        packed_linear(torch.randn(2, 9), packed)
+    with pytest.raises(ValueError, match="bias"):
+        packed_linear(torch.randn(2, 8), packed, torch.randn(19))
+    with pytest.raises(ValueError, match="2-D float32 CPU"):
+        PackedWeight.pack(w.half())
+    with pytest.raises(
+        ValueError, match="build it with PackedWeight.pack"
+    ):  # the kernel would read past a short buffer
+        PackedWeight(torch.empty(0), 100_000, 8)
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("rows,out_features,in_features", [(1, 15, 7), (7, 17, 33), (32, 3072, 96)])
+def test_fused_activations_match_torch(activation, rows, out_features, in_features):
+    g = torch.Generator().manual_seed(rows + out_features)
+    x, w, b = (
+        torch.randn(rows, in_features, generator=g),
+        torch.randn(out_features, in_features, generator=g) * 0.3,
+        torch.randn(out_features, generator=g),
+    )
+    packed = PackedWeight.pack(w)
+    for bias in (None, b):  # the partial last panel too (15, 17 features)
+        torch.testing.assert_close(
+            packed_linear(x, packed, bias, activation=activation),
+            reference_linear(x, w, bias, activation),
+            rtol=1e-5,
+            atol=1e-5,
+        )
+
+
+def test_fused_activations_on_special_values():
+    """relu / gelu of NaN, +-inf, signed zeros and the erf tails, as the float64 torch reference (the outputs are
+    the bias alone). Not float32 torch: on a CPU where torch runs its AVX-512 kernels, its float32 GELU is NaN at
+    +inf and 17% off the exact value at -5 (kernels/csrc/simd_math.h); the erf here is within 1.5e-7."""
+    b = torch.tensor(
+        [
+            float("nan"),
+            float("inf"),
+            -float("inf"),
+            0.0,
+            -0.0,
+            1e-30,
+            -5.0,
+            40.0,
+            -40.0,
+            3.0,
+            -3.0,
+            0.5,
+            -0.5,
+            1.0,
+            -1.0,
+            2.0,
+            7.0,
+        ]
+    )
+    w, x = torch.zeros(len(b), 4), torch.zeros(2, 4)
+    for activation in ("relu", "gelu"):
+        got = packed_linear(x, PackedWeight.pack(w), b, activation=activation)
+        ref = reference_linear(x.double(), w.double(), b.double(), activation).float()
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=3e-7, equal_nan=True)
+    with pytest.raises(ValueError, match="activation"):
+        packed_linear(x, PackedWeight.pack(w), b, activation="silu")
+
+
+def test_empty_dimensions_follow_f_linear():
+    g = torch.Generator().manual_seed(2)
+    for rows, out_features, in_features in [(0, 5, 8), (3, 0, 8), (3, 17, 0)]:
+        x, w, b = (
+            torch.randn(rows, in_features, generator=g),
+            torch.randn(out_features, in_features, generator=g),
+            torch.randn(out_features, generator=g),
+        )
+        for bias in (None, b):
+            torch.testing.assert_close(packed_linear(x, PackedWeight.pack(w), bias), reference_linear(x, w, bias))
+
+
+def test_rows_past_max_rows_run_in_chunks_and_equal_each_row_alone():
+    """Batch invariance: any row count (MAX_ROWS per kernel call); each row equals that row computed alone, bit for
+    bit, with the bias, activation and residual epilogue (a prefill's rows equal the same rows decoded one by one)."""
+    g = torch.Generator().manual_seed(11)
+    w, b = torch.randn(37, 24, generator=g), torch.randn(37, generator=g)
+    packed = PackedWeight.pack(w)
+    x, r = torch.randn(2 * MAX_ROWS + 7, 24, generator=g), torch.randn(2 * MAX_ROWS + 7, 37, generator=g)
+    got = packed_linear(x, packed, b, activation="gelu", residual=r)
+    torch.testing.assert_close(got, r + F.gelu(reference_linear(x, w, b)), rtol=1e-5, atol=1e-5)
+    for i in (0, MAX_ROWS - 1, MAX_ROWS, 2 * MAX_ROWS + 6):
+        assert torch.equal(
+            got[i], packed_linear(x[i : i + 1], packed, b, activation="gelu", residual=r[i : i + 1])[0]
+        ), i
+
+
+def test_vocab_projection_uses_the_kernel_for_float32_cpu_inputs():
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(777, 32, generator=g)
+    packed = pack_projection(w)
+    assert packed is not None and pack_projection(w.double()) is None
+    few, many = torch.randn(MAX_ROWS, 32, generator=g), torch.randn(MAX_ROWS + 1, 32, generator=g)
+    assert torch.equal(vocab_projection(few, w, packed), packed_linear(few, packed))
+    assert torch.equal(vocab_projection(many, w, packed), packed_linear(many, packed))  # prefill-sized too
+    assert torch.equal(vocab_projection(few, w, None), linear(few, w))
+
+
+def test_packed_linear_module_and_fused_products():
+    """``Linear.pack`` / ``pack_fused``: float32 CPU inputs of any size take the packed copy; same math."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = Linear(24, 16), Linear(24, 8, bias=False), Linear(24, 16)
+    for m in (q, k, v):
+        nn.init.normal_(m.weight, generator=g)
+    assert k.pack() == k.packed.data.nbytes > 0
+    few, many = torch.randn(3, 5, 24, generator=g), torch.randn(MAX_ROWS + 1, 24, generator=g)
+    assert torch.equal(k(few), packed_linear(few, k.packed))
+    assert torch.equal(k(many), packed_linear(many, k.packed))
+    fused = pack_fused((q, k, v))
+    assert fused.sizes == (16, 8, 16) and torch.equal(fused.bias[16:24], torch.zeros(8))
+    for x in (few, many):
+        got = fused_products(x, (q, k, v), fused)
+        assert [t.shape[-1] for t in got] == [16, 8, 16]
+        for t, m in zip(got, (q, k, v)):
+            torch.testing.assert_close(t, F.linear(x, m.weight, m.bias), rtol=1e-5, atol=1e-5)
+    assert pack_fused((k,)).bias is None
+    with pytest.raises(ValueError, match="one input size"):
+        pack_fused((q, Linear(8, 4)))
+
+
+def test_models_pack_decode_weights_beside_the_originals():
+    """What the decoder service packs (``pack_decode_weights``): the projection and each decoder layer's products."""
+    from shared.models.t5 import T5Config, T5ForConditionalGeneration
+
+    model = T5ForConditionalGeneration(
+        T5Config(vocab_size=64, d_model=16, d_ff=32, num_heads=2, head_dim=8, encoder_layers=1, decoder_layers=2)
+    ).eval()
+    added = model.pack_decode_weights()
+    layer = model.decoder_layers[0]
+    expect = model.packed_projection.data.nbytes + 2 * sum(
+        p.data.nbytes
+        for p in (
+            layer.self_attn.packed_qkv.weight,
+            layer.self_attn.o.packed,
+            layer.cross_attn.q.packed,
+            layer.cross_attn.o.packed,
+            layer.ffn.wi_0.packed,
+            layer.ffn.wo.packed,
+        )
+    )
+    assert added == expect
+    assert layer.cross_attn.k.packed is None and model.encoder_layers[0].attn.q.packed is None  # encoder side
+
+
+@pytest.mark.parametrize("activation", [None, "relu", "gelu"])
+@pytest.mark.parametrize("rows,out_features,in_features", [(1, 15, 7), (7, 17, 33), (32, 512, 96)])
+def test_fused_residual_is_the_unfused_sum_bit_for_bit(activation, rows, out_features, in_features):
+    """``residual=`` adds in the epilogue exactly what ``residual + packed_linear(...)`` adds (one float32 rounding),
+    the partial last panel (15, 17 features) included; ``Linear`` and ``linear_add`` take it on decode steps only."""
+    g = torch.Generator().manual_seed(rows * 7 + out_features)
+    x, w, b = (
+        torch.randn(rows, in_features, generator=g),
+        torch.randn(out_features, in_features, generator=g),
+        torch.randn(out_features, generator=g),
+    )
+    r = torch.randn(rows, out_features, generator=g) * 5
+    packed = PackedWeight.pack(w)
+    for bias in (None, b):
+        want = r + packed_linear(x, packed, bias, activation=activation)
+        assert torch.equal(packed_linear(x, packed, bias, activation=activation, residual=r), want)
+    r_strided = torch.randn(out_features, rows, generator=g).t()  # non-contiguous residual
+    assert torch.equal(packed_linear(x, packed, b, residual=r_strided), r_strided + packed_linear(x, packed, b))
+    with pytest.raises(ValueError, match="residual"):
+        packed_linear(x, packed, b, residual=r[:, :-1])
+    with pytest.raises(ValueError, match="residual"):
+        packed_linear(x, packed, b, residual=r.double())
+    m = Linear(in_features, out_features)
+    m.pack()
+    many, r_many = (
+        torch.randn(MAX_ROWS + 1, in_features, generator=g),
+        torch.randn(MAX_ROWS + 1, out_features, generator=g),
+    )
+    assert torch.equal(linear_add(m, x, r), r + m(x))
+    assert torch.equal(linear_add(m, many, r_many), r_many + m(many))  # prefill-sized: packed too
+    plain = nn.Linear(in_features, out_features)  # a layer that is not our Linear
+    assert torch.equal(linear_add(plain, x, r), r + plain(x))
