@@ -123,8 +123,14 @@ def _check_wav_complete(data: bytes) -> None:
 
 
 def _check_sample_rate(rate: int) -> None:
-    if isinstance(rate, bool) or not isinstance(rate, (int, np.integer)) or not MIN_SAMPLE_RATE <= rate <= MAX_SAMPLE_RATE:
-        raise AudioError(f"bad sample rate {rate!r} Hz; must be an integer between {MIN_SAMPLE_RATE} and {MAX_SAMPLE_RATE}")
+    if (
+        isinstance(rate, bool)
+        or not isinstance(rate, (int, np.integer))
+        or not MIN_SAMPLE_RATE <= rate <= MAX_SAMPLE_RATE
+    ):
+        raise AudioError(
+            f"bad sample rate {rate!r} Hz; must be an integer between {MIN_SAMPLE_RATE} and {MAX_SAMPLE_RATE}"
+        )
 
 
 def _check_duration(num_samples: int, rate: int, max_duration_s: float | None) -> None:

@@ -63,8 +63,16 @@ class BeamSearch:
         done: True once the search ended; ``results`` then holds the answer.
     """
 
-    def __init__(self, num_beams: int, num_return: int, length_penalty: float, early_stopping: bool,
-                 eos_token_ids: tuple[int, ...], prompt_len: int, max_len: int) -> None:
+    def __init__(
+        self,
+        num_beams: int,
+        num_return: int,
+        length_penalty: float,
+        early_stopping: bool,
+        eos_token_ids: tuple[int, ...],
+        prompt_len: int,
+        max_len: int,
+    ) -> None:
         if not 1 <= num_return <= num_beams:
             raise ValueError(f"num_return must be in [1, num_beams={num_beams}], got {num_return}")
         self.num_beams = num_beams
@@ -153,6 +161,11 @@ class BeamSearch:
 
     def results(self) -> list[Hypothesis]:
         """The ``num_return`` best hypotheses, best first (HF's returned ``sequences`` / ``sequences_scores``)."""
-        return [Hypothesis(t, float(s), bool(f))
-                for t, s, f in zip(self.finished[: self.num_return], self.finished_scores[: self.num_return].tolist(),
-                                   self.is_finished[: self.num_return].tolist())]
+        return [
+            Hypothesis(t, float(s), bool(f))
+            for t, s, f in zip(
+                self.finished[: self.num_return],
+                self.finished_scores[: self.num_return].tolist(),
+                self.is_finished[: self.num_return].tolist(),
+            )
+        ]

@@ -16,11 +16,27 @@ from shared.errors import InvalidRequestError
 from shared.proto import decoder_pb2
 
 # Every field of the SamplingParams proto message; a test checks the two sets cover it.
-_SCALAR_SAMPLING_FIELDS = frozenset({
-    "temperature", "top_k", "top_p", "seed", "max_tokens", "min_tokens", "ignore_eos", "min_p",
-    "repetition_penalty", "no_repeat_ngram_size", "include_stop_str_in_output", "logprobs", "top_logprobs",
-    "n", "num_beams", "length_penalty", "early_stopping",
-})
+_SCALAR_SAMPLING_FIELDS = frozenset(
+    {
+        "temperature",
+        "top_k",
+        "top_p",
+        "seed",
+        "max_tokens",
+        "min_tokens",
+        "ignore_eos",
+        "min_p",
+        "repetition_penalty",
+        "no_repeat_ngram_size",
+        "include_stop_str_in_output",
+        "logprobs",
+        "top_logprobs",
+        "n",
+        "num_beams",
+        "length_penalty",
+        "early_stopping",
+    }
+)
 _REPEATED_SAMPLING_FIELDS = frozenset({"stop", "stop_token_ids"})
 
 FINISH_REASONS = {
@@ -61,7 +77,9 @@ def sampling_params_from_pb(pb: decoder_pb2.SamplingParams, vocab_size: int) -> 
     return params
 
 
-def generate_response(request_id: str, item: RequestOutput, text: str, finish_reason: str | None) -> decoder_pb2.GenerateResponse:
+def generate_response(
+    request_id: str, item: RequestOutput, text: str, finish_reason: str | None
+) -> decoder_pb2.GenerateResponse:
     """One stream message for ``item``: its new tokens (and logprobs), ``text`` as streamed, its sample index.
 
     Args:
@@ -69,8 +87,9 @@ def generate_response(request_id: str, item: RequestOutput, text: str, finish_re
         finish_reason: "stop" / "length" / "abort" on the sample's last message (then ``item.stop_reason``
             becomes ``stop_str`` or ``stop_token_id``); None on the others.
     """
-    message = decoder_pb2.GenerateResponse(request_id=request_id, text=text, token_ids=item.new_token_ids,
-                                           index=item.index, score=item.score)
+    message = decoder_pb2.GenerateResponse(
+        request_id=request_id, text=text, token_ids=item.new_token_ids, index=item.index, score=item.score
+    )
     if item.logprobs:
         message.logprobs.extend(logprobs_pb(lp) for lp in item.logprobs)
     if finish_reason is not None:
@@ -82,8 +101,9 @@ def generate_response(request_id: str, item: RequestOutput, text: str, finish_re
     return message
 
 
-def add_usage(message: decoder_pb2.GenerateResponse, usage: dict[str, int], encoder_tokens: int,
-              applied: list[str]) -> None:
+def add_usage(
+    message: decoder_pb2.GenerateResponse, usage: dict[str, int], encoder_tokens: int, applied: list[str]
+) -> None:
     """Completes the request's last message: token counts and the generation defaults in effect.
 
     Args:
@@ -97,8 +117,12 @@ def add_usage(message: decoder_pb2.GenerateResponse, usage: dict[str, int], enco
 
 def logprobs_pb(lp) -> decoder_pb2.Logprobs:
     """``decoder_svc.sampler.TokenLogprobs`` -> its proto message."""
-    return decoder_pb2.Logprobs(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank,
-                                top=[decoder_pb2.TokenLogprob(token_id=t, logprob=v) for t, v in lp.top])
+    return decoder_pb2.Logprobs(
+        token_id=lp.token_id,
+        logprob=lp.logprob,
+        rank=lp.rank,
+        top=[decoder_pb2.TokenLogprob(token_id=t, logprob=v) for t, v in lp.top],
+    )
 
 
 def request_record_pb(record: RequestRecord) -> decoder_pb2.RequestRecord:

@@ -58,15 +58,26 @@ class EncodeClient:
                 cross KV did not arrive within ``kv_transfer_timeout_s`` seconds after its answer.
         """
         spec = self.pool.spec
-        target = encoder_pb2.KVTarget(transport=spec.transport, segment=spec.segment, shape=spec.shape, dtype=spec.dtype,
-                                      instance_id=spec.instance_id)
+        target = encoder_pb2.KVTarget(
+            transport=spec.transport,
+            segment=spec.segment,
+            shape=spec.shape,
+            dtype=spec.dtype,
+            instance_id=spec.instance_id,
+        )
         transfer_id = next(self.transfer_ids)
         arrival = self.pool.expect(transfer_id, block_ids)
         try:
             encode_start = time.monotonic()
             response = await self.stub.Encode(
-                encoder_pb2.EncodeRequest(request_id=request_id, model=self.config.model, block_ids=block_ids,
-                                          target=target, transfer_id=transfer_id, **inp.encoder_source()),
+                encoder_pb2.EncodeRequest(
+                    request_id=request_id,
+                    model=self.config.model,
+                    block_ids=block_ids,
+                    target=target,
+                    transfer_id=transfer_id,
+                    **inp.encoder_source(),
+                ),
                 timeout=self.config.encode_timeout_s,
             )
             nbytes, ms = response.transfer_bytes, response.transfer_ms
@@ -75,16 +86,26 @@ class EncodeClient:
                 try:
                     stats = await asyncio.wait_for(asyncio.wrap_future(arrival), timeout_s)
                 except TimeoutError as exc:
-                    raise UnavailableError(f"cross KV did not arrive within kv_transfer_timeout_s={timeout_s:g} s") from exc
+                    raise UnavailableError(
+                        f"cross KV did not arrive within kv_transfer_timeout_s={timeout_s:g} s"
+                    ) from exc
                 nbytes, ms = stats.nbytes, stats.ms
-            log.info("cross KV for %s: %d bytes in %.2f ms (%s, encoder batch %d)", request_id, nbytes, ms,
-                     spec.transport, response.batch_size)
+            log.info(
+                "cross KV for %s: %d bytes in %.2f ms (%s, encoder batch %d)",
+                request_id,
+                nbytes,
+                ms,
+                spec.transport,
+                response.batch_size,
+            )
             self.metrics.encode.observe(time.monotonic() - encode_start)
             self.metrics.observe_transfer(nbytes, ms)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # name the setting, not gRPC's "Stream removed"
-                raise UnavailableError(f"encoder failed: no answer within encode_timeout_s={self.config.encode_timeout_s:g} s "
-                                       "(encoder overloaded or hung)") from None
+                raise UnavailableError(
+                    f"encoder failed: no answer within encode_timeout_s={self.config.encode_timeout_s:g} s "
+                    "(encoder overloaded or hung)"
+                ) from None
             raise UnavailableError(f"encoder failed: {exc.code().name}: {exc.details()}") from None
         finally:
             if arrival is not None:  # blocks until no scatter for this transfer is in flight

@@ -80,11 +80,18 @@ class DecoderEngine:
         self.max_total_len = min(gen.max_length, model.config.max_target_positions)
         self.block_manager = BlockManager(num_self_blocks, int(cross_kv_cache.shape[2]), block_size)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
-        self.sampler = Sampler(gen.suppress_tokens, gen.begin_suppress_tokens,
-                               getattr(gen, "forced_bos_token_id", None), getattr(gen, "forced_eos_token_id", None))
-        self.model_runner = ModelRunner(model, cross_kv_cache, num_self_blocks, block_size, self.sampler, attention_backend)
-        self.sequence_groups = SequenceGroups(self.scheduler, self.model_runner.copy_blocks, self.eos_token_id,
-                                              self.max_total_len)
+        self.sampler = Sampler(
+            gen.suppress_tokens,
+            gen.begin_suppress_tokens,
+            getattr(gen, "forced_bos_token_id", None),
+            getattr(gen, "forced_eos_token_id", None),
+        )
+        self.model_runner = ModelRunner(
+            model, cross_kv_cache, num_self_blocks, block_size, self.sampler, attention_backend
+        )
+        self.sequence_groups = SequenceGroups(
+            self.scheduler, self.model_runner.copy_blocks, self.eos_token_id, self.max_total_len
+        )
         self.output_processor = OutputProcessor(tokenizer, self.scheduler, self.eos_token_id, self._release)
         self.num_encoded = 0  # successful mark_encoded calls (the engine loop's holds watch it for encoder progress)
         self.num_model_steps = 0  # steps that ran the model (a batch of >= 1 sequence)
@@ -133,7 +140,11 @@ class DecoderEngine:
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {vocab}), got {list(params.stop_token_ids)}")
         width = max(params.n, params.num_beams)
-        if request_id in self.scheduler.requests or request_id in self.groups or any(sample_seq_id(request_id, i) in self.scheduler.requests for i in range(1, width)):
+        if (
+            request_id in self.scheduler.requests
+            or request_id in self.groups
+            or any(sample_seq_id(request_id, i) in self.scheduler.requests for i in range(1, width))
+        ):
             raise ValueError(f"duplicate request id {request_id!r}")
         seq = Sequence(request_id, prompt, encoder_len, params, self.eos_token_id, self.max_total_len, priority)
         if width > 1:

@@ -13,9 +13,9 @@ encoder, not yet marked encoded), the loop holds model steps for at most
 hold's clock starts when some sequence could step (a wait while every
 request is still encoding pauses no one). A request's first step (its
 prefill: its time to first token) is never held: it runs at once, with a
-decode step of the running sequences, and the hold goes on after it (an
-online run at 1 req/s on 2 cores had TTFTs of ~600 ms where a request was
-held for the next one's encode, against ~300 ms otherwise). Like TGI's router, which pauses
+decode step of the running sequences, and the hold goes on after it (held
+for the next one's encode, a request's TTFT roughly doubled in an online
+run; measured: docs/benchmarks.md, Measurements formerly in docstrings). Like TGI's router, which pauses
 running requests to prefill a queue of new ones (its ``waiting_served_ratio``
 and ``max_waiting_tokens``), this trades a bounded pause of running
 sequences for throughput: a burst of requests decodes in a few wide steps
@@ -32,12 +32,12 @@ delivered during it:
   requests hold no more steps (they pause the others once, not every step),
   and no new hold starts within ``max_decode_hold_s`` of its end.
 
-Measured on 2 CPU cores: 32 t5-small requests at once, without a hold,
-spent 1.1-1.4 s with decode steps of 1-30 sequences racing the encoder and
-the last requests finished 1.0-1.4 s after the first; 16 Whisper clips at
-once, whose encodes take ~4.4 s in 2-clip batches, ran ~180 decode steps of
-1.5 sequences on average when only the first hold could wait (see
-docs/benchmarks.md for the numbers with re-holds). 0 turns holds off.
+Without a hold, a burst of t5-small requests ran decode steps of a few
+sequences racing the encoder, and the last requests finished well after the
+first; 16 Whisper clips at once, encoded in 2-clip batches, ran many decode
+steps of one or two sequences when only the first hold could wait (measured:
+docs/benchmarks.md, Measurements formerly in docstrings, and the sessions'
+sections for the numbers with re-holds). 0 turns holds off.
 """
 
 from __future__ import annotations

@@ -66,9 +66,15 @@ class RequestInput:
         """
         if self.pcm is None or len(self.pcm) <= WINDOW_SAMPLES:
             return [self]
-        return [RequestInput(self.encoder_len, pcm=self.pcm[start:start + WINDOW_SAMPLES],
-                             prompt_token_ids=self.prompt_token_ids, applied=self.applied)
-                for start in range(0, len(self.pcm), WINDOW_SAMPLES)]
+        return [
+            RequestInput(
+                self.encoder_len,
+                pcm=self.pcm[start : start + WINDOW_SAMPLES],
+                prompt_token_ids=self.prompt_token_ids,
+                applied=self.applied,
+            )
+            for start in range(0, len(self.pcm), WINDOW_SAMPLES)
+        ]
 
     def encoder_source(self) -> dict:
         """The encoder input as Encode sends it and the encoder cache keys it: ``{"input_ids": [...]}``
@@ -107,8 +113,11 @@ def parse_input(request, model, tokenizer, max_audio_s: float) -> RequestInput:
         raise InvalidRequestError("decoder_prompt_* is for text models; this model uses its own audio prompt")
     if not text_model:
         # The duration is checked from the header / sample count before any decoding or resampling.
-        pcm = (decode_audio(request.audio, max_duration_s=max_audio_s) if kind == "audio"
-               else pcm_to_array(request.pcm.samples, request.pcm.sample_rate, max_duration_s=max_audio_s))
+        pcm = (
+            decode_audio(request.audio, max_duration_s=max_audio_s)
+            if kind == "audio"
+            else pcm_to_array(request.pcm.samples, request.pcm.sample_rate, max_duration_s=max_audio_s)
+        )
         seconds = len(pcm) / SAMPLE_RATE
         if seconds > max_audio_s:
             raise InvalidRequestError(f"audio is {seconds:.2f} s long; this server accepts at most {max_audio_s:.2f} s")
@@ -128,7 +137,8 @@ def _text_input(request, kind: str, model, tokenizer) -> RequestInput:
         if not request.truncate:
             raise InvalidRequestError(
                 f"source has {len(ids)} tokens but this model accepts at most {max_src} source positions; "
-                "shorten it or set truncate=true")
+                "shorten it or set truncate=true"
+            )
         # Text is cut by the tokenizer, as HF `tokenizer(text, truncation=True, max_length=...)` does: the
         # special tokens (end token, mBART's language code) stay. `input_ids` are used as given: cut at the end.
         ids = _encode(tokenizer, request.text, truncation=True, max_length=max_src) if kind == "text" else ids[:max_src]
@@ -140,7 +150,9 @@ def _text_input(request, kind: str, model, tokenizer) -> RequestInput:
         prefix = list(request.decoder_prompt_ids.ids)
         _check_ids(prefix, c.vocab_size, "decoder_prompt_ids")
     applied = gen.applied() + ([f"truncated_source={len(ids)}"] if truncated else [])
-    return RequestInput(encoder_len=len(ids), input_ids=ids, prompt_token_ids=[gen.decoder_start_token_id, *prefix], applied=applied)
+    return RequestInput(
+        encoder_len=len(ids), input_ids=ids, prompt_token_ids=[gen.decoder_start_token_id, *prefix], applied=applied
+    )
 
 
 def _encode(tokenizer, text: str, **kwargs) -> list[int]:
@@ -151,4 +163,6 @@ def _encode(tokenizer, text: str, **kwargs) -> list[int]:
 def _check_ids(ids: list[int], vocab: int, name: str) -> None:
     bad = next(((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab), None)
     if bad is not None:
-        raise InvalidRequestError(f"{name} must be in [0, {vocab}) (the model's vocabulary size): {name}[{bad[0]}] is {bad[1]}")
+        raise InvalidRequestError(
+            f"{name} must be in [0, {vocab}) (the model's vocabulary size): {name}[{bad[0]}] is {bad[1]}"
+        )

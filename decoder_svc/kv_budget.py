@@ -121,7 +121,11 @@ def size_kv_cache(
     if budget_bytes is None or (num_self_blocks and num_cross_blocks):
         source = "explicit block counts" if num_self_blocks and num_cross_blocks else f"max_num_seqs={max_num_seqs}"
         return KVCacheSizing(
-            num_self_blocks or max_num_seqs * self_per, num_cross_blocks or max_num_seqs * cross_per, *sizes, None, source
+            num_self_blocks or max_num_seqs * self_per,
+            num_cross_blocks or max_num_seqs * cross_per,
+            *sizes,
+            None,
+            source,
         )
     if num_self_blocks:
         num_self = num_self_blocks

@@ -6,8 +6,8 @@ import torch
 
 from decoder_svc.outputs import ModelRunnerOutput
 from decoder_svc.sampler import Sampler, SamplingRow
-from kernels.attention_backend import make_attention_backend
 from decoder_svc.scheduler import SchedulerOutput
+from kernels.attention_backend import make_attention_backend
 from shared.attention_metadata import AttentionMetadata
 from shared.device import model_device
 
@@ -35,8 +35,15 @@ class ModelRunner:
             cannot run.
     """
 
-    def __init__(self, model, cross_kv_cache: torch.Tensor, num_self_blocks: int, block_size: int, sampler: Sampler,
-                 attention_backend: str = "torch") -> None:
+    def __init__(
+        self,
+        model,
+        cross_kv_cache: torch.Tensor,
+        num_self_blocks: int,
+        block_size: int,
+        sampler: Sampler,
+        attention_backend: str = "torch",
+    ) -> None:
         self.attn_backend = make_attention_backend(attention_backend, cross_kv_cache.device)
         c = model.config
         expected = (c.decoder_layers, 2, cross_kv_cache.shape[2], block_size, c.num_heads, c.head_dim)
@@ -51,13 +58,21 @@ class ModelRunner:
         self.sampler = sampler
         self.device = model_device(model)
         if cross_kv_cache.device != self.device:
-            raise ValueError(f"cross_kv_cache is on {cross_kv_cache.device} but the model's weights are on {self.device}: "
-                             "attention reads the cache in place, so put both on one device (device / kv_device settings)")
+            raise ValueError(
+                f"cross_kv_cache is on {cross_kv_cache.device} but the model's weights are on {self.device}: "
+                "attention reads the cache in place, so put both on one device (device / kv_device settings)"
+            )
         self.cross_kv_cache = cross_kv_cache
         self.self_kv_cache = torch.zeros(  # [L, 2, num_self_blocks, block_size, H, Dh]
-            c.decoder_layers, 2, num_self_blocks, block_size, c.num_heads, c.head_dim,
+            c.decoder_layers,
+            2,
+            num_self_blocks,
+            block_size,
+            c.num_heads,
+            c.head_dim,
             # CPU decodes in float32 even over a float16/bfloat16 cross pool (kv_transfer_dtype): attention upcasts it.
-            dtype=torch.float32 if self.device.type == "cpu" else cross_kv_cache.dtype, device=self.device,
+            dtype=torch.float32 if self.device.type == "cpu" else cross_kv_cache.dtype,
+            device=self.device,
         )
 
     def prepare_inputs(self, so: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -86,7 +101,9 @@ class ModelRunner:
 
         def padded(rows: list[list[int]]) -> torch.Tensor:
             width = max((len(r) for r in rows), default=0)
-            return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long, device=self.device).view(len(rows), width)
+            return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long, device=self.device).view(
+                len(rows), width
+            )
 
         def t(xs: list[int]) -> torch.Tensor:
             return torch.tensor(xs, dtype=torch.long, device=self.device)

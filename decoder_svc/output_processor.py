@@ -32,15 +32,17 @@ class OutputProcessor:
             generator and its place in a sequence group).
     """
 
-    def __init__(self, tokenizer, scheduler: Scheduler, eos_token_id: int,
-                 on_finish: Callable[[Sequence], None]) -> None:
+    def __init__(
+        self, tokenizer, scheduler: Scheduler, eos_token_id: int, on_finish: Callable[[Sequence], None]
+    ) -> None:
         self.tokenizer = tokenizer
         self.scheduler = scheduler
         self.eos_token_id = eos_token_id
         self.on_finish = on_finish
 
-    def process(self, so: SchedulerOutput, out: ModelRunnerOutput, forked: list[Sequence],
-                finished: Iterable[Sequence]) -> list[RequestOutput]:
+    def process(
+        self, so: SchedulerOutput, out: ModelRunnerOutput, forked: list[Sequence], finished: Iterable[Sequence]
+    ) -> list[RequestOutput]:
         """One output per sequence that got a token this step: the scheduled non-beam ones, then ``forked``.
 
         Args:
@@ -68,8 +70,9 @@ class OutputProcessor:
             seq.output_text = OutputText(self.tokenizer, p.stop, p.include_stop_str_in_output)
         return seq.output_text
 
-    def _make_output(self, seq: Sequence, token_id: int, finished: bool,
-                     logprobs: TokenLogprobs | None) -> RequestOutput:
+    def _make_output(
+        self, seq: Sequence, token_id: int, finished: bool, logprobs: TokenLogprobs | None
+    ) -> RequestOutput:
         if finished:
             self.on_finish(seq)
         return RequestOutput(
@@ -92,9 +95,18 @@ class OutputProcessor:
             tokens = list(hyp.token_ids)
             stopped = bool(tokens) and tokens[-1] == self.eos_token_id
             text = self.tokenizer.decode(tokens[:-1] if stopped else tokens, skip_special_tokens=True)
-            outputs.append(RequestOutput(
-                request_id=group.parent.group_id, new_token_ids=tokens, text=text, finished=True,
-                finish_reason="stop" if stopped else "length", prompt_tokens=group.parent.num_prompt_tokens,
-                completion_tokens=len(tokens), stop_reason=self.eos_token_id if stopped else None,
-                index=index, score=hyp.score))
+            outputs.append(
+                RequestOutput(
+                    request_id=group.parent.group_id,
+                    new_token_ids=tokens,
+                    text=text,
+                    finished=True,
+                    finish_reason="stop" if stopped else "length",
+                    prompt_tokens=group.parent.num_prompt_tokens,
+                    completion_tokens=len(tokens),
+                    stop_reason=self.eos_token_id if stopped else None,
+                    index=index,
+                    score=hyp.score,
+                )
+            )
         return outputs

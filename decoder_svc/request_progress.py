@@ -53,7 +53,13 @@ class RequestProgress:
         """``text`` as streamed: a later window's first text gets a leading space when
         neither it nor the text before it has one, so words of two windows never run together."""
         if text:
-            if self.window and not self.window_text_started and self.text_tail and not self.text_tail.isspace() and not text[0].isspace():
+            if (
+                self.window
+                and not self.window_text_started
+                and self.text_tail
+                and not self.text_tail.isspace()
+                and not text[0].isspace()
+            ):
                 text = " " + text
             self.window_text_started = True
             self.text_tail = text[-1]
@@ -69,8 +75,11 @@ class RequestProgress:
             self.base_prompt_tokens, self.base_completion_tokens = self.prompt_tokens, self.completion_tokens
             self.window_text_started = False
             done = self.completion_tokens
-            params = dataclasses.replace(params, max_tokens=None if params.max_tokens is None else params.max_tokens - done,
-                                         min_tokens=max(params.min_tokens - done, 0))
+            params = dataclasses.replace(
+                params,
+                max_tokens=None if params.max_tokens is None else params.max_tokens - done,
+                min_tokens=max(params.min_tokens - done, 0),
+            )
         self.input = window
         self.encoder_tokens += window.encoder_len
         return params
@@ -90,7 +99,9 @@ class StreamCoalescer:
         self.held_tokens: dict[int, int] = {}
         self.started: set[int] = set()
 
-    def add(self, message: decoder_pb2.GenerateResponse, new_tokens: int, final: bool) -> decoder_pb2.GenerateResponse | None:
+    def add(
+        self, message: decoder_pb2.GenerateResponse, new_tokens: int, final: bool
+    ) -> decoder_pb2.GenerateResponse | None:
         """The message to send now (``message`` merged into what was held for its index), or None (held)."""
         index = message.index
         held = self.held.pop(index, None)

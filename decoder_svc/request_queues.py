@@ -26,7 +26,6 @@ class CapacityError(ValueError):
     """A request can never fit this decoder's KV pools or batch limits."""
 
 
-
 class RequestQueues:
     """Every unfinished sequence of a decoder, by state; ``Scheduler`` adds the per-step planning.
 

@@ -87,8 +87,14 @@ class Sessions:
         metrics: requests, time to first token, time per output token.
     """
 
-    def __init__(self, config: DecoderServiceConfig, engine: DecoderEngine, store: RequestStateStore,
-                 encoder: EncodeClient, metrics: DecoderMetrics) -> None:
+    def __init__(
+        self,
+        config: DecoderServiceConfig,
+        engine: DecoderEngine,
+        store: RequestStateStore,
+        encoder: EncodeClient,
+        metrics: DecoderMetrics,
+    ) -> None:
         self.config = config
         self.engine = engine
         self.store = store
@@ -102,8 +108,16 @@ class Sessions:
 
     def start(self, num_threads: int | None) -> None:
         """Starts the engine thread (``num_threads`` torch threads; None keeps the process setting)."""
-        self.loop = EngineLoop(self.engine, asyncio.get_running_loop(), self.on_encode, self.on_output, self.on_step_error,
-                               num_threads, self.config.max_decode_hold_ms / 1000.0, self.config.decode_hold_gap_steps)
+        self.loop = EngineLoop(
+            self.engine,
+            asyncio.get_running_loop(),
+            self.on_encode,
+            self.on_output,
+            self.on_step_error,
+            num_threads,
+            self.config.max_decode_hold_ms / 1000.0,
+            self.config.decode_hold_gap_steps,
+        )
 
     async def close(self) -> None:
         """Stops the engine thread and the Encode channel; records FAILED for the records still open."""
@@ -115,7 +129,9 @@ class Sessions:
     def _record_shutdown(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             try:
-                self.store.set_state(request_id, RequestState.FAILED, error="the decoder shut down before the request finished")
+                self.store.set_state(
+                    request_id, RequestState.FAILED, error="the decoder shut down before the request finished"
+                )
             except Exception:  # noqa: BLE001 - ended meanwhile (terminal), or Redis gone: nothing more to do
                 log.warning("could not record the shutdown of %s", request_id, exc_info=True)
         self.open_records.difference_update(request_ids)
@@ -137,16 +153,19 @@ class Sessions:
                 self.open_records.discard(request_id)  # another replica's (or an earlier) record
             raise AlreadyExistsError(f"request id {request_id!r} was already used; pick a new one") from exc
 
-    def open(self, request_id: str, inp: RequestInput, params: SamplingParams, priority: int,
-             arrival: float) -> RequestSession:
+    def open(
+        self, request_id: str, inp: RequestInput, params: SamplingParams, priority: int, arrival: float
+    ) -> RequestSession:
         """The session of a request whose record ``create_record`` made; ``arrival``: monotonic time of its call."""
         session = self.active[request_id] = RequestSession(self, request_id, inp, params, priority, arrival)
         return session
 
     def shutdown_error(self, session: RequestSession) -> UnavailableError:
-        return UnavailableError(f"the decoder shut down before request {session.request_id!r} finished "
-                                f"({session.progress.completion_tokens} tokens generated, "
-                                f"shutdown_grace_s={self.shutdown_grace_s:g}); send it again")
+        return UnavailableError(
+            f"the decoder shut down before request {session.request_id!r} finished "
+            f"({session.progress.completion_tokens} tokens generated, "
+            f"shutdown_grace_s={self.shutdown_grace_s:g}); send it again"
+        )
 
     def cut(self) -> None:
         """Shutdown grace over: every running request ends with UNAVAILABLE, its blocks freed without waiting for
@@ -183,8 +202,15 @@ class RequestSession:
             encoder-cache hit's first output).
     """
 
-    def __init__(self, sessions: Sessions, request_id: str, inp: RequestInput, params: SamplingParams, priority: int,
-                 arrival: float) -> None:
+    def __init__(
+        self,
+        sessions: Sessions,
+        request_id: str,
+        inp: RequestInput,
+        params: SamplingParams,
+        priority: int,
+        arrival: float,
+    ) -> None:
         self._sessions = sessions
         self.request_id = request_id
         self.params = params
@@ -254,9 +280,14 @@ class RequestSession:
                             yield out
                     if request_done:
                         return
-                    if item.finished and reason is None and not self.abort_requested:  # the next window follows (unless the Abort RPC's output is queued next)
+                    if (
+                        item.finished and reason is None and not self.abort_requested
+                    ):  # the next window follows (unless the Abort RPC's output is queued next)
                         await self._start_window(self.windows[progress.window + 1])
-        except (asyncio.CancelledError, GeneratorExit):  # client went away (GeneratorExit: cancelled while paused at a yield)
+        except (
+            asyncio.CancelledError,
+            GeneratorExit,
+        ):  # client went away (GeneratorExit: cancelled while paused at a yield)
             state, fields = RequestState.ABORTED, {"finish_reason": "abort", **progress.usage()}
             raise
         except Exception as exc:  # noqa: BLE001 - recorded, then mapped to a status code by the server's interceptor
@@ -278,10 +309,19 @@ class RequestSession:
         params = self.progress.start_window(window, self.params)
         cache_key = None
         if sessions.config.encoder_cache:  # the content key of the PCM bytes Encode would get, or of the source ids
-            cache_key = await asyncio.to_thread(lambda: encoder_cache_key(sessions.config.model, **window.encoder_source()))
+            cache_key = await asyncio.to_thread(
+                lambda: encoder_cache_key(sessions.config.model, **window.encoder_source())
+            )
         try:
-            await sessions.loop.call(sessions.engine.add_request, self.request_id, window.encoder_len, params,
-                                     window.prompt_token_ids, self.priority, cache_key)
+            await sessions.loop.call(
+                sessions.engine.add_request,
+                self.request_id,
+                window.encoder_len,
+                params,
+                window.prompt_token_ids,
+                self.priority,
+                cache_key,
+            )
         except CapacityError as exc:
             raise ResourceExhaustedError(str(exc)) from exc
 
@@ -294,7 +334,9 @@ class RequestSession:
         ``max_tokens`` used up ("length").
         """
         params, reason = self.params, item.finish_reason
-        window_end = reason == "length" or (item.stop_reason == self._sessions.engine.eos_token_id and not params.ignore_eos)
+        window_end = reason == "length" or (
+            item.stop_reason == self._sessions.engine.eos_token_id and not params.ignore_eos
+        )
         if reason == "abort" or not window_end or self.progress.window + 1 >= len(self.windows):
             return reason
         if params.max_tokens is not None and self.progress.completion_tokens >= params.max_tokens:
@@ -313,8 +355,12 @@ class RequestSession:
             return
         if self.abort_requested:
             return
-        await asyncio.to_thread(sessions.store.set_state, self.request_id, RequestState.DECODING,
-                                **(self.progress.usage() if self.progress.window else {}))
+        await asyncio.to_thread(
+            sessions.store.set_state,
+            self.request_id,
+            RequestState.DECODING,
+            **(self.progress.usage() if self.progress.window else {}),
+        )
         self.decoding_recorded = True
         await sessions.loop.call(sessions.engine.mark_encoded, self.request_id)
 

@@ -162,8 +162,10 @@ class RequestStateStore:
         try:
             return bool(self._client.ping())
         except redis.RedisError as exc:  # refused, timed out, wrong password, no such database ...
-            raise UnavailableError(f"cannot reach Redis at {redact_url(self.redis_url)} ({exc}): start redis-server "
-                                   "or pass the right --redis-url") from exc
+            raise UnavailableError(
+                f"cannot reach Redis at {redact_url(self.redis_url)} ({exc}): start redis-server "
+                "or pass the right --redis-url"
+            ) from exc
 
     def close(self) -> None:
         self._client.close()
@@ -184,7 +186,9 @@ class RequestStateStore:
         if not request_id:
             raise ValueError("request_id must be a non-empty string")
         now = time.time()
-        created = self._create(keys=[self.key(request_id)], args=[request_id, RequestState.QUEUED.name, model, repr(now)])
+        created = self._create(
+            keys=[self.key(request_id)], args=[request_id, RequestState.QUEUED.name, model, repr(now)]
+        )
         if not created:
             raise RequestExistsError(f"request id {request_id!r} already exists; request ids must be unique")
         return RequestRecord(request_id, RequestState.QUEUED, model, now, now)
@@ -232,9 +236,13 @@ class RequestStateStore:
                 previous.append(RequestState[cur])
                 continue
             if code == 0:
-                err: RequestStateError = UnknownRequestError(f"no record for request id {request_id!r} (never created, deleted or expired)")
+                err: RequestStateError = UnknownRequestError(
+                    f"no record for request id {request_id!r} (never created, deleted or expired)"
+                )
             else:
-                err = InvalidTransitionError(f"request {request_id!r}: cannot go from {cur} to {RequestState(state).name}")
+                err = InvalidTransitionError(
+                    f"request {request_id!r}: cannot go from {cur} to {RequestState(state).name}"
+                )
             error = error or err
             previous.append(RequestState[cur] if cur else None)  # type: ignore[arg-type]
         if error is not None:

@@ -94,9 +94,18 @@ class SamplingRow:
         history = seq.all_token_ids if (p.repetition_penalty != 1.0 or p.no_repeat_ngram_size) else ()
         first = seq.num_output_tokens == 0
         num_samples = p.n if (first and p.num_beams == 1 and seq.index == 0) else 1
-        return cls(seq.request_id, p, first, seq.num_tokens, seq.max_len,
-                   seq.num_output_tokens, seq.stop_token_ids, history, seq.index, num_samples)
-
+        return cls(
+            seq.request_id,
+            p,
+            first,
+            seq.num_tokens,
+            seq.max_len,
+            seq.num_output_tokens,
+            seq.stop_token_ids,
+            history,
+            seq.index,
+            num_samples,
+        )
 
 
 class Sampler:
@@ -113,8 +122,13 @@ class Sampler:
     them. The only state kept between calls is each request's generator.
     """
 
-    def __init__(self, suppress_tokens: Seq[int] = (), begin_suppress_tokens: Seq[int] = (),
-                 forced_bos_token_id: int | None = None, forced_eos_token_id: int | None = None) -> None:
+    def __init__(
+        self,
+        suppress_tokens: Seq[int] = (),
+        begin_suppress_tokens: Seq[int] = (),
+        forced_bos_token_id: int | None = None,
+        forced_eos_token_id: int | None = None,
+    ) -> None:
         self.suppress_tokens = torch.tensor(sorted(set(suppress_tokens)), dtype=torch.long)
         self.begin_suppress_tokens = torch.tensor(sorted(set(begin_suppress_tokens)), dtype=torch.long)
         self.forced_bos_token_id = forced_bos_token_id
@@ -221,14 +235,19 @@ class Sampler:
         result.sampled_token_ids = out
         return result
 
-    def _draw_extra_samples(self, row: SamplingRow, probs: torch.Tensor, warped: torch.Tensor,
-                            logprobs: dict[str, TokenLogprobs]) -> list[int]:
+    def _draw_extra_samples(
+        self, row: SamplingRow, probs: torch.Tensor, warped: torch.Tensor, logprobs: dict[str, TokenLogprobs]
+    ) -> list[int]:
         """First tokens of samples 1..n-1 of ``row``'s request, each from its own generator;
         their logprobs go into ``logprobs`` under their ``sample_seq_id`` when the row asks for them."""
         extra = []
         for k in range(1, row.num_samples):
             sid = sample_seq_id(row.request_id, k)
-            tok = int(torch.multinomial(probs, 1, generator=self.generator(sid, sample_seed(row.params.seed, k), probs.device)).item())
+            tok = int(
+                torch.multinomial(
+                    probs, 1, generator=self.generator(sid, sample_seed(row.params.seed, k), probs.device)
+                ).item()
+            )
             extra.append(tok)
             if row.params.logprobs:
                 logprobs[sid] = token_logprobs(warped, tok, row.params.top_logprobs)

@@ -139,7 +139,9 @@ class SamplingParams:
         if not (0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p}")
         if not (_finite(self.repetition_penalty) and self.repetition_penalty > 0.0):
-            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 disables it), got {self.repetition_penalty}")
+            raise ValueError(
+                f"repetition_penalty must be a finite number > 0 (1 disables it), got {self.repetition_penalty}"
+            )
         if self.no_repeat_ngram_size < 0:
             raise ValueError(f"no_repeat_ngram_size must be >= 0 (0 disables it), got {self.no_repeat_ngram_size}")
         if len(self.stop) > MAX_STOP_STRINGS:
@@ -148,7 +150,9 @@ class SamplingParams:
             if not isinstance(s, str) or not 1 <= len(s) <= MAX_STOP_STRING_CHARS:
                 raise ValueError(f"each stop string must be 1..{MAX_STOP_STRING_CHARS} characters, got {s!r:.80}")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"stop_token_ids has {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed")
+            raise ValueError(
+                f"stop_token_ids has {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed"
+            )
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be >= 0, got {list(self.stop_token_ids)}")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
@@ -163,14 +167,26 @@ class SamplingParams:
             raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty}")
         if self.num_beams > 1:
             if self.n > self.num_beams:
-                raise ValueError(f"n ({self.n}) must be <= num_beams ({self.num_beams}): beam search returns the n best beams")
-            refused = [name for name, on in (("temperature > 0", not self.greedy), ("stop", self.stop),
-                                             ("stop_token_ids", self.stop_token_ids), ("ignore_eos", self.ignore_eos),
-                                             ("logprobs", self.logprobs)) if on]
+                raise ValueError(
+                    f"n ({self.n}) must be <= num_beams ({self.num_beams}): beam search returns the n best beams"
+                )
+            refused = [
+                name
+                for name, on in (
+                    ("temperature > 0", not self.greedy),
+                    ("stop", self.stop),
+                    ("stop_token_ids", self.stop_token_ids),
+                    ("ignore_eos", self.ignore_eos),
+                    ("logprobs", self.logprobs),
+                )
+                if on
+            ]
             if refused:
                 raise ValueError(f"beam search (num_beams > 1) does not support {refused[0]}; leave it unset")
         elif self.n > 1 and self.greedy:
-            raise ValueError("n > 1 needs temperature > 0 (greedy samples would all be equal); use num_beams for n best")
+            raise ValueError(
+                "n > 1 needs temperature > 0 (greedy samples would all be equal); use num_beams for n best"
+            )
 
     @property
     def greedy(self) -> bool:

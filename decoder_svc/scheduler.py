@@ -77,14 +77,19 @@ class Scheduler(RequestQueues):
         must not wait for blocks promised to them (priority inversion)."""
         bm = self.block_manager
         key = queue_key(before)
-        return sum(bm.num_blocks_for(s.num_tokens) for s in (*self.encoding.values(), *self.waiting) if queue_key(s) < key)
+        return sum(
+            bm.num_blocks_for(s.num_tokens) for s in (*self.encoding.values(), *self.waiting) if queue_key(s) < key
+        )
 
     def _self_blocks_for(self, seq: Sequence) -> int:
         """Self blocks ``seq`` can count on: the free ones plus those it may take by preempting running
         sequences of strictly lower priority (step 3 does so when it is admitted)."""
         bm = self.block_manager
-        return bm.num_free_self_blocks + sum(bm.num_freeable_self_blocks(r) for r in self.running
-                                             if r.priority > seq.priority and r.status is SequenceStatus.RUNNING)
+        return bm.num_free_self_blocks + sum(
+            bm.num_freeable_self_blocks(r)
+            for r in self.running
+            if r.priority > seq.priority and r.status is SequenceStatus.RUNNING
+        )
 
     # --- one step -------------------------------------------------------
     def reserve_cross(self) -> SchedulerOutput:
@@ -165,7 +170,9 @@ class Scheduler(RequestQueues):
         decode_preempted = bool(out.preempted)
         while self.waiting:
             seq = self.waiting[0]
-            if decode_preempted and not any(r.priority > seq.priority for r in self.running if r.status is SequenceStatus.RUNNING):
+            if decode_preempted and not any(
+                r.priority > seq.priority for r in self.running if r.status is SequenceStatus.RUNNING
+            ):
                 break
             n = seq.num_tokens - seq.num_computed_tokens
             victims = self._victims_for(seq, n, budget, scheduled)
@@ -225,8 +232,9 @@ class Scheduler(RequestQueues):
         insort(self.waiting, seq, key=queue_key)
         self.num_preemptions += 1
 
-    def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput,
-                           forked: Iterable[Sequence] = ()) -> list[Sequence]:
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput, forked: Iterable[Sequence] = ()
+    ) -> list[Sequence]:
         """Applies one model step: appends each scheduled sequence's sampled token; returns those that finished.
 
         Decides on token ids and lengths only (``Sequence.check_token_stop``): a
@@ -248,8 +256,10 @@ class Scheduler(RequestQueues):
         """
         seqs, token_ids = scheduler_output.scheduled_seqs, model_runner_output.sampled_token_ids
         if len(seqs) != len(token_ids) or model_runner_output.seq_ids != [s.request_id for s in seqs]:
-            raise ValueError(f"{len(token_ids)} tokens for {model_runner_output.seq_ids}, "
-                             f"but {[s.request_id for s in seqs]} were scheduled")
+            raise ValueError(
+                f"{len(token_ids)} tokens for {model_runner_output.seq_ids}, "
+                f"but {[s.request_id for s in seqs]} were scheduled"
+            )
         finished = []
         for scheduled, tok in zip(seqs, token_ids):
             if scheduled.sampling_params.num_beams > 1:

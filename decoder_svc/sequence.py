@@ -130,7 +130,7 @@ class Sequence:
 
     @property
     def finish_reason(self) -> str | None:
-        """"stop", "length", "abort", or None while unfinished."""
+        """ "stop", "length", "abort", or None while unfinished."""
         return _FINISH_REASONS.get(self.status)
 
     def append_token(self, token_id: int) -> None:

@@ -60,8 +60,13 @@ class SequenceGroups:
         max_total_len: the model's max decoder length (prompt + output).
     """
 
-    def __init__(self, scheduler: Scheduler, copy_blocks: Callable[[list[tuple[int, int]]], None],
-                 eos_token_id: int, max_total_len: int) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        copy_blocks: Callable[[list[tuple[int, int]]], None],
+        eos_token_id: int,
+        max_total_len: int,
+    ) -> None:
         self.scheduler = scheduler
         self.copy_blocks = copy_blocks
         self.eos_token_id = eos_token_id
@@ -77,20 +82,30 @@ class SequenceGroups:
         sched = self.scheduler
         bm = sched.block_manager
         if width > sched.max_num_seqs:
-            raise CapacityError(f"request {seq.request_id!r}: {width} samples / beams exceed max_num_seqs "
-                                f"{sched.max_num_seqs}")
+            raise CapacityError(
+                f"request {seq.request_id!r}: {width} samples / beams exceed max_num_seqs {sched.max_num_seqs}"
+            )
         need = width * bm.num_blocks_for(max(seq.max_len - 1, seq.num_prompt_tokens))
         if need > bm.num_self_blocks:
-            raise CapacityError(f"request {seq.request_id!r}: {width} samples / beams of max length {seq.max_len} "
-                                f"need {need} self blocks of {bm.block_size} tokens, the self pool has {bm.num_self_blocks}")
+            raise CapacityError(
+                f"request {seq.request_id!r}: {width} samples / beams of max length {seq.max_len} "
+                f"need {need} self blocks of {bm.block_size} tokens, the self pool has {bm.num_self_blocks}"
+            )
 
     def add(self, seq: Sequence) -> None:
         """Starts the group of ``seq``'s request (its sequence 0, already added to the scheduler)."""
         params = seq.sampling_params
         group = self.groups[seq.request_id] = SequenceGroup(seq, seqs={seq.request_id: seq})
         if params.num_beams > 1:
-            group.beam = BeamSearch(params.num_beams, params.n, params.length_penalty, params.early_stopping,
-                                    (self.eos_token_id,), seq.num_prompt_tokens, seq.max_len)
+            group.beam = BeamSearch(
+                params.num_beams,
+                params.n,
+                params.length_penalty,
+                params.early_stopping,
+                (self.eos_token_id,),
+                seq.num_prompt_tokens,
+                seq.max_len,
+            )
             group.beam_seqs[()] = seq
 
     def fork_samples(self, so: SchedulerOutput, out: ModelRunnerOutput) -> list[Sequence]:
@@ -118,8 +133,15 @@ class SequenceGroups:
 
     def _new_sequence(self, parent: Sequence, index: int, output_token_ids: list[int]) -> Sequence:
         """A sibling of ``parent`` (same request, queue place and params) with id ``sample_seq_id(request, index)``."""
-        child = Sequence(sample_seq_id(parent.group_id, index), parent.prompt_token_ids, parent.encoder_len,
-                         parent.sampling_params, self.eos_token_id, self.max_total_len, parent.priority)
+        child = Sequence(
+            sample_seq_id(parent.group_id, index),
+            parent.prompt_token_ids,
+            parent.encoder_len,
+            parent.sampling_params,
+            self.eos_token_id,
+            self.max_total_len,
+            parent.priority,
+        )
         child.group_id = parent.group_id
         child.arrival_order, child.arrival_time = parent.arrival_order, parent.arrival_time
         child.output_token_ids = list(output_token_ids)
@@ -172,8 +194,11 @@ class SequenceGroups:
         beam_seqs = {}
         for tokens, src in successors.items():
             if id(src) in reused:
-                index = next(k for k in itertools.count(1)
-                             if sample_seq_id(group.parent.group_id, k) not in self.scheduler.requests)
+                index = next(
+                    k
+                    for k in itertools.count(1)
+                    if sample_seq_id(group.parent.group_id, k) not in self.scheduler.requests
+                )
                 child = self._new_sequence(src, index, list(src.output_token_ids) + [tokens[-1]])
                 self._fork(src, child)
                 beam_seqs[tokens] = child

@@ -45,8 +45,15 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         num_threads: the engine thread's torch threads (``shared.compute_thread``).
     """
 
-    def __init__(self, config: DecoderServiceConfig, model, engine: DecoderEngine, pool, store: RequestStateStore,
-                 num_threads: int | None = None) -> None:
+    def __init__(
+        self,
+        config: DecoderServiceConfig,
+        model,
+        engine: DecoderEngine,
+        pool,
+        store: RequestStateStore,
+        num_threads: int | None = None,
+    ) -> None:
         self.config = config
         self.num_threads = num_threads
         self.model = model
@@ -59,8 +66,11 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         self.sessions = Sessions(config, engine, store, EncodeClient(config, pool, self.metrics), self.metrics)
         bm = engine.block_manager
         self.max_concurrent_requests = max_concurrent_requests(  # as decoder_svc.kv_budget sized the pools
-            bm.num_self_blocks, bm.num_cross_blocks, bm.num_blocks_for(max(engine.max_total_len - 1, 1)),
-            bm.num_blocks_for(model.config.max_source_positions))
+            bm.num_self_blocks,
+            bm.num_cross_blocks,
+            bm.num_blocks_for(max(engine.max_total_len - 1, 1)),
+            bm.num_blocks_for(model.config.max_source_positions),
+        )
 
     def start(self) -> None:
         """Starts the engine thread; call on the event loop that serves the RPCs."""
@@ -81,7 +91,9 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         while (sessions.active or self.parsing) and loop.time() < deadline:
             await asyncio.sleep(poll_s)
         if sessions.active or self.parsing:
-            log.warning("shutting down: ending %d running requests after %.1f s", len(sessions.active) + self.parsing, grace_s)
+            log.warning(
+                "shutting down: ending %d running requests after %.1f s", len(sessions.active) + self.parsing, grace_s
+            )
         sessions.cut()
         deadline = loop.time() + 2.0
         while (sessions.active or self.parsing) and loop.time() < deadline:
@@ -102,12 +114,18 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             self._check_model(request.model)
             params = convert.sampling_params_from_pb(request.sampling, self.model.config.vocab_size)
             if len(request_id) > convert.MAX_REQUEST_ID_LEN:
-                raise InvalidRequestError(f"request_id is {len(request_id)} characters; the limit is {convert.MAX_REQUEST_ID_LEN}")
+                raise InvalidRequestError(
+                    f"request_id is {len(request_id)} characters; the limit is {convert.MAX_REQUEST_ID_LEN}"
+                )
             # Decoding and resampling audio takes a while: keep it off the event loop that serves every stream.
-            inp = await asyncio.to_thread(parse_input, request, self.model, self.engine.tokenizer, self.config.max_audio_s)
+            inp = await asyncio.to_thread(
+                parse_input, request, self.model, self.engine.tokenizer, self.config.max_audio_s
+            )
             if max(params.n, params.num_beams) > 1 and len(inp.windows()) > 1:
-                raise InvalidRequestError("sampling.n > 1 / num_beams > 1 are not supported for audio over 30 s "
-                                          "(decoded window by window); send n=1 and num_beams=1, or a shorter clip")
+                raise InvalidRequestError(
+                    "sampling.n > 1 / num_beams > 1 are not supported for audio over 30 s "
+                    "(decoded window by window); send n=1 and num_beams=1, or a shorter clip"
+                )
             await self.sessions.create_record(request_id)  # Redis: QUEUED
         finally:
             self.parsing -= 1

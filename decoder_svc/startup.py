@@ -46,8 +46,12 @@ def build_engine(config: DecoderServiceConfig, model):
     cross_dtype_bytes = KV_DTYPE_BYTES[config.kv_transfer_dtype]
     self_dtype_bytes = 4 if config.kv_device == "cpu" else cross_dtype_bytes  # as ModelRunner allocates the self cache
     sizing = size_kv_cache(
-        self_block_bytes=block_bytes(cfg.decoder_layers, config.block_size, cfg.num_heads, cfg.head_dim, self_dtype_bytes),
-        cross_block_bytes=block_bytes(cfg.decoder_layers, config.block_size, cfg.num_heads, cfg.head_dim, cross_dtype_bytes),
+        self_block_bytes=block_bytes(
+            cfg.decoder_layers, config.block_size, cfg.num_heads, cfg.head_dim, self_dtype_bytes
+        ),
+        cross_block_bytes=block_bytes(
+            cfg.decoder_layers, config.block_size, cfg.num_heads, cfg.head_dim, cross_dtype_bytes
+        ),
         block_size=config.block_size,
         max_decoder_len=min(model.generation.max_length, cfg.max_target_positions),
         max_encoder_len=cfg.max_source_positions,
@@ -57,8 +61,12 @@ def build_engine(config: DecoderServiceConfig, model):
         num_cross_blocks=config.num_cross_blocks,
     )
     num_self, num_cross = sizing.num_self_blocks, sizing.num_cross_blocks
-    pool = create_pool(config.kv_transport, (cfg.decoder_layers, 2, num_cross, config.block_size, cfg.num_heads, cfg.head_dim),
-                       config.kv_transfer_dtype, **_pool_options(config))
+    pool = create_pool(
+        config.kv_transport,
+        (cfg.decoder_layers, 2, num_cross, config.block_size, cfg.num_heads, cfg.head_dim),
+        config.kv_transfer_dtype,
+        **_pool_options(config),
+    )
     engine = DecoderEngine(
         model,
         load_tokenizer(config.model),
@@ -76,8 +84,12 @@ def build_engine(config: DecoderServiceConfig, model):
 def _pool_options(config: DecoderServiceConfig) -> dict:
     """Transport-specific keyword options of the cross-KV pool."""
     if config.kv_transport == "torch_dist":
-        return dict(address=config.kv_dist_address, backend=config.kv_dist_backend, device=config.kv_device,
-                    timeout_s=config.kv_transfer_timeout_s)
+        return dict(
+            address=config.kv_dist_address,
+            backend=config.kv_dist_backend,
+            device=config.kv_device,
+            timeout_s=config.kv_transfer_timeout_s,
+        )
     if config.kv_transport == "cuda_ipc":
         return dict(device=config.kv_device)  # must be a CUDA device; CudaIpcCrossKVPool says so otherwise
     return {}
@@ -96,8 +108,15 @@ def run(config: DecoderServiceConfig) -> None:
     model.to(device)  # before the KV pools are sized: a fractional kv_cache_memory sees the weights' memory taken
     if config.quantize == "none" and (packed := model.pack_decode_weights()):  # CPU float32: kernels/packed_linear.py
         log.info("decode-step weights packed for the CPU kernel (+%.0f MB)", packed / 2**20)
-    log.info("decoder model %s on %s (%s%s), attention %s, stream interval %d", config.model, device, config.dtype,
-             ", int8 linears" if config.quantize == "int8" else "", config.attention_backend, config.stream_interval)
+    log.info(
+        "decoder model %s on %s (%s%s), attention %s, stream interval %d",
+        config.model,
+        device,
+        config.dtype,
+        ", int8 linears" if config.quantize == "int8" else "",
+        config.attention_backend,
+        config.stream_interval,
+    )
     store = RequestStateStore(config.redis_url)
     store.ping()
     engine, pool = build_engine(config, model)

@@ -65,14 +65,20 @@ def _up(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, _frame: stop.append(signum))
     with services:
-        print(f"ready: decoder (public API) at {services.decoder_address}, encoder at {services.encoder_address}, "
-              f"redis at {services.redis_url}. Ctrl-C stops all.", flush=True)
+        print(
+            f"ready: decoder (public API) at {services.decoder_address}, encoder at {services.encoder_address}, "
+            f"redis at {services.redis_url}. Ctrl-C stops all.",
+            flush=True,
+        )
         while not stop and all(p.poll() is None for p in services.procs):
             time.sleep(0.5)
         dead = [f"{name} (exit code {code})" for name, code in services.exited().items()]
         if dead and not stop:
-            print(f"encdec: error: {', '.join(dead)} stopped; stopping the rest (its log says why)",
-                  file=sys.stderr, flush=True)
+            print(
+                f"encdec: error: {', '.join(dead)} stopped; stopping the rest (its log says why)",
+                file=sys.stderr,
+                flush=True,
+            )
         print("stopping ...", flush=True)
     return 1 if dead and not stop else 0
 
@@ -83,8 +89,10 @@ def _print_results(results, start: float) -> int:
     failed = 0
     for r in results:
         if isinstance(r, Transcript):
-            print(f"{r.path}: {r.completion_tokens} tokens, finish_reason={r.finish_reason}, {r.seconds:.2f} s",
-                  file=sys.stderr)
+            print(
+                f"{r.path}: {r.completion_tokens} tokens, finish_reason={r.finish_reason}, {r.seconds:.2f} s",
+                file=sys.stderr,
+            )
         else:
             failed += 1
             detail = f"{r.code().name}: {r.details()}" if hasattr(r, "code") else repr(r)
@@ -97,8 +105,18 @@ def _transcribe(args: argparse.Namespace) -> int:
     from encdec.client import transcribe_files
 
     start = time.perf_counter()
-    keys = ("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", "min_tokens", "repetition_penalty",
-            "no_repeat_ngram_size", "stop")
+    keys = (
+        "temperature",
+        "top_k",
+        "top_p",
+        "min_p",
+        "seed",
+        "max_tokens",
+        "min_tokens",
+        "repetition_penalty",
+        "no_repeat_ngram_size",
+        "stop",
+    )
     results = asyncio.run(transcribe_files(args.address, args.files, **{k: getattr(args, k) for k in keys}))
     return _print_results(results, start)
 

@@ -60,10 +60,21 @@ async def transcribe_one(
     reason = decoder_pb2.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower()
     which = last.WhichOneof("stop_reason")
     stop_reason = "" if which is None else str(getattr(last, which))
-    return Transcript(path, last.request_id, "".join(text), ids, reason, last.usage.completion_tokens, time.perf_counter() - start, stop_reason)
+    return Transcript(
+        path,
+        last.request_id,
+        "".join(text),
+        ids,
+        reason,
+        last.usage.completion_tokens,
+        time.perf_counter() - start,
+        stop_reason,
+    )
 
 
-async def transcribe_files(address: str, paths: list[str], out: TextIO = sys.stdout, **sampling) -> list[Transcript | BaseException]:
+async def transcribe_files(
+    address: str, paths: list[str], out: TextIO = sys.stdout, **sampling
+) -> list[Transcript | BaseException]:
     """Transcribes ``paths`` concurrently; one file streams to ``out``, several print one ``[name] text`` line each.
 
     ``sampling``: ``decoder_pb2.SamplingParams`` fields (None = unset; lists for ``stop`` / ``stop_token_ids``).

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from shared.errors import BIND_ERROR_EXIT, ServicesError
 from encdec.redis_server import free_port, free_ports
+from shared.errors import BIND_ERROR_EXIT, ServicesError
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +43,10 @@ def check_port_free(port: int, host: str = "127.0.0.1") -> None:
         try:
             probe.bind((host, port))
         except OSError as exc:
-            raise ServicesError(f"{host}:{port} is already in use by another process (another `encdec up`?): "
-                               "stop it or choose another port") from exc
+            raise ServicesError(
+                f"{host}:{port} is already in use by another process (another `encdec up`?): "
+                "stop it or choose another port"
+            ) from exc
 
 
 def shutdown_timeout_s(service_args: list[str], margin_s: float = 7.0) -> float:
@@ -72,8 +74,11 @@ def stop_processes(procs: list[subprocess.Popen], timeout_s: float = 15.0) -> No
         try:
             proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            log.warning("%s did not exit within %.0f s of SIGTERM: killed",
-                        " ".join(map(str, proc.args[-8:])) if isinstance(proc.args, list) else proc.args, timeout_s)
+            log.warning(
+                "%s did not exit within %.0f s of SIGTERM: killed",
+                " ".join(map(str, proc.args[-8:])) if isinstance(proc.args, list) else proc.args,
+                timeout_s,
+            )
             proc.kill()
             proc.wait()
 
@@ -91,7 +96,10 @@ def wait_healthy(address: str, timeout_s: float, proc: subprocess.Popen | None =
             if proc is not None and proc.poll() is not None:
                 raise ServicesError(f"service for {address} exited with code {proc.returncode} before becoming healthy")
             try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == health_pb2.HealthCheckResponse.SERVING:
+                if (
+                    stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status
+                    == health_pb2.HealthCheckResponse.SERVING
+                ):
                     return
             except grpc.RpcError:
                 pass
@@ -208,8 +216,11 @@ class Services:
                 except ServicesError:
                     # Only a service on a port picked here starts again on another; a fixed port stays an error.
                     exited = self.exited()
-                    lost_auto_port = any(exited.get(name) == BIND_ERROR_EXIT
-                                         for name, auto in (("encoder", auto_encoder), ("decoder", auto_decoder)) if auto)
+                    lost_auto_port = any(
+                        exited.get(name) == BIND_ERROR_EXIT
+                        for name, auto in (("encoder", auto_encoder), ("decoder", auto_decoder))
+                        if auto
+                    )
                     if not lost_auto_port or attempt == BIND_ATTEMPTS:
                         raise
                     stop_processes(self.procs)
@@ -221,11 +232,22 @@ class Services:
 
     def _start_services(self) -> None:
         model = ["--model", self.model] if self.model else []
-        encoder = self._spawn("encoder", ["serve-encoder", "--port", str(self.encoder_port), *model, *self.extra_encoder_args])
+        encoder = self._spawn(
+            "encoder", ["serve-encoder", "--port", str(self.encoder_port), *model, *self.extra_encoder_args]
+        )
         decoder = self._spawn(
             "decoder",
-            ["serve-decoder", "--port", str(self.decoder_port), "--encoder-address", self.encoder_address,
-             "--redis-url", self.redis_url, *model, *self.extra_decoder_args],
+            [
+                "serve-decoder",
+                "--port",
+                str(self.decoder_port),
+                "--encoder-address",
+                self.encoder_address,
+                "--redis-url",
+                self.redis_url,
+                *model,
+                *self.extra_decoder_args,
+            ],
         )
         wait_healthy(self.encoder_address, self.startup_timeout_s, encoder)
         wait_healthy(self.decoder_address, self.startup_timeout_s, decoder)
@@ -254,8 +276,9 @@ class Services:
 
 
 @contextlib.contextmanager
-def encoder_service(model: str, extra_args: list[str] | None = None, log_level: str = "WARNING",
-                    startup_timeout_s: float = 120.0):
+def encoder_service(
+    model: str, extra_args: list[str] | None = None, log_level: str = "WARNING", startup_timeout_s: float = 120.0
+):
     """Starts only the encoder service (e.g. an encoder-only model's EmbedService) and yields its address.
 
     Like ``Services.start``, it starts again on another free port if its port was taken before it bound it.
@@ -265,8 +288,19 @@ def encoder_service(model: str, extra_args: list[str] | None = None, log_level: 
     """
     for attempt in range(1, BIND_ATTEMPTS + 1):
         port = free_port()
-        cmd = [sys.executable, "-m", "encdec.cli", "--log-level", log_level, "serve-encoder", "--port", str(port),
-               "--model", model, *(extra_args or [])]
+        cmd = [
+            sys.executable,
+            "-m",
+            "encdec.cli",
+            "--log-level",
+            log_level,
+            "serve-encoder",
+            "--port",
+            str(port),
+            "--model",
+            model,
+            *(extra_args or []),
+        ]
         proc = subprocess.Popen(cmd, start_new_session=True)
         address = f"127.0.0.1:{port}"
         try:

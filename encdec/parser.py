@@ -30,7 +30,8 @@ from shared.config import (
 def build_parser() -> argparse.ArgumentParser:
     """The whole ``encdec`` parser. ``command`` is the sub-command; ``bench`` sub-commands also set ``func``."""
     parser = argparse.ArgumentParser(
-        prog="encdec", description="Encoder-decoder serving: Whisper over split encoder/decoder services.")
+        prog="encdec", description="Encoder-decoder serving: Whisper over split encoder/decoder services."
+    )
     parser.add_argument("--log-level", default=os.environ.get("ENCDEC_LOG_LEVEL", "INFO"))
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -71,14 +72,21 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
 
 def _add_services(p: argparse.ArgumentParser, encoder_port: int, decoder_port: int) -> None:
     p.add_argument("--model", default=None, help="model name or directory (default whisper-tiny.en)")
-    p.add_argument("--redis-url", default=None,
-                   help="external Redis (default: $REDIS_URL, else start a local redis-server)")
+    p.add_argument(
+        "--redis-url", default=None, help="external Redis (default: $REDIS_URL, else start a local redis-server)"
+    )
     p.add_argument("--encoder-port", type=int, default=encoder_port, help="0 picks a free port")
     p.add_argument("--decoder-port", type=int, default=decoder_port, help="0 picks a free port")
-    p.add_argument("--encoder-args", default="",
-                   help="more serve-encoder flags, one string: --encoder-args='--max-batch-wait-ms 100'")
-    p.add_argument("--decoder-args", default="",
-                   help="more serve-decoder flags, one string: --decoder-args='--stream-interval 4 --max-num-seqs 32'")
+    p.add_argument(
+        "--encoder-args",
+        default="",
+        help="more serve-encoder flags, one string: --encoder-args='--max-batch-wait-ms 100'",
+    )
+    p.add_argument(
+        "--decoder-args",
+        default="",
+        help="more serve-decoder flags, one string: --decoder-args='--stream-interval 4 --max-num-seqs 32'",
+    )
 
 
 @dataclass(frozen=True)
@@ -104,8 +112,10 @@ def _bench_default(args: argparse.Namespace) -> int:
 def _add_bench(sub) -> None:
     """``encdec bench <name>``: one sub-command per benchmark; each prints a Markdown table.
     No sub-command (or ``all``) runs them all (``encdec.bench.suite``)."""
-    bench = sub.add_parser("bench", help="benchmarks against HF transformers / CTranslate2 / sentence-transformers; "
-                                         "no sub-command runs them all")
+    bench = sub.add_parser(
+        "bench",
+        help="benchmarks against HF transformers / CTranslate2 / sentence-transformers; no sub-command runs them all",
+    )
     bench.set_defaults(func=_bench_default)
     benches = bench.add_subparsers(dest="bench")
 
@@ -125,20 +135,28 @@ def _add_bench(sub) -> None:
     p.add_argument("--clips", default=str(DATA_DIR), help="folder of .wav/.flac clips (default: the bundled ones)")
     p.add_argument("--requests", type=int, default=16, help="requests per system (clips cycled)")
     p.add_argument("--concurrency", default="1,4,16", help="our services' client concurrency levels")
-    p.add_argument("--threads", type=int, default=2,
-                   help="torch / CTranslate2 threads per system (per service for ours)")
+    p.add_argument(
+        "--threads", type=int, default=2, help="torch / CTranslate2 threads per system (per service for ours)"
+    )
     p.add_argument("--skip-ct2", action="store_true", help="skip CTranslate2 (needs the [bench] extra)")
-    p.add_argument("--int8", action="store_true",
-                   help="also run our services with --quantize int8 (opt-in int8 weights)")
-    p.add_argument("--repeats", type=positive_int, default=3,
-                   help="timed runs of each batched system and each concurrency level; the median is reported")
-    p.add_argument("--address", default=None,
-                   help="use running services at this decoder address instead of starting them")
+    p.add_argument(
+        "--int8", action="store_true", help="also run our services with --quantize int8 (opt-in int8 weights)"
+    )
+    p.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=3,
+        help="timed runs of each batched system and each concurrency level; the median is reported",
+    )
+    p.add_argument(
+        "--address", default=None, help="use running services at this decoder address instead of starting them"
+    )
     p.add_argument("--json", default=None, help="also write the results here")
     p.set_defaults(func=BenchEntry("whisper"))
 
-    p = benches.add_parser("embed",
-                           help="Embed (all-MiniLM-L6-v2): our EmbedService vs sentence-transformers, batch 1 and 32")
+    p = benches.add_parser(
+        "embed", help="Embed (all-MiniLM-L6-v2): our EmbedService vs sentence-transformers, batch 1 and 32"
+    )
     p.add_argument("--model", default="all-MiniLM-L6-v2", help="encoder-only model name or directory")
     p.add_argument("--requests-b1", type=int, default=200, help="one-sentence requests")
     p.add_argument("--requests-b32", type=int, default=30, help="32-sentence requests")
@@ -147,8 +165,9 @@ def _add_bench(sub) -> None:
     p.add_argument("--json", default=None, help="also write the results here")
     p.set_defaults(func=BenchEntry("embed"))
 
-    p = benches.add_parser("transfer",
-                           help="cross-KV transports (shm, torch_dist, cuda_ipc) in GB/s next to a plain memcpy")
+    p = benches.add_parser(
+        "transfer", help="cross-KV transports (shm, torch_dist, cuda_ipc) in GB/s next to a plain memcpy"
+    )
     add_transfer_arguments(p)
     p.set_defaults(func=BenchEntry("transfer", "run"))
 
@@ -157,12 +176,14 @@ def _add_suite_arguments(p: argparse.ArgumentParser) -> None:
     """The ``encdec bench all`` flags."""
     p.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(ORDER)}")
     p.add_argument("--skip", default="", help="comma-separated benches to leave out")
-    p.add_argument("--threads", type=int, default=2,
-                   help="threads per system (per service for ours), passed to every bench")
+    p.add_argument(
+        "--threads", type=int, default=2, help="threads per system (per service for ours), passed to every bench"
+    )
     p.add_argument("--skip-ct2", action="store_true", help="no CTranslate2 rows")
     for name in ORDER:
-        p.add_argument(f"--{name}-args", default="",
-                       help=f"extra flags for the {name} bench (see encdec bench {name} -h)")
+        p.add_argument(
+            f"--{name}-args", default="", help=f"extra flags for the {name} bench (see encdec bench {name} -h)"
+        )
     p.add_argument("--json", default=None, help="write every bench's results here (one JSON object)")
     p.add_argument("--plot", default=None, help="write a PNG plot here (matplotlib)")
 
@@ -172,27 +193,36 @@ def _add_seq2seq_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models", default="t5-small,bart-base", help=f"comma-separated shapes from {', '.join(SHAPES)}")
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--source-len", type=int, default=24, help="source tokens per request (special tokens included)")
-    p.add_argument("--new-tokens", type=int, default=64,
-                   help="generated tokens per request (exactly, where the system allows)")
-    p.add_argument("--threads", type=int, default=2,
-                   help="torch / CTranslate2 threads per system (per service for ours)")
-    p.add_argument("--cache-dir", default=DEFAULT_CACHE,
-                   help="where the random checkpoints and their CT2 conversions are kept")
+    p.add_argument(
+        "--new-tokens", type=int, default=64, help="generated tokens per request (exactly, where the system allows)"
+    )
+    p.add_argument(
+        "--threads", type=int, default=2, help="torch / CTranslate2 threads per system (per service for ours)"
+    )
+    p.add_argument(
+        "--cache-dir", default=DEFAULT_CACHE, help="where the random checkpoints and their CT2 conversions are kept"
+    )
     p.add_argument("--skip-ct2", action="store_true", help="skip CTranslate2 (needs the [bench] extra)")
     p.add_argument("--skip-hf-sequential", action="store_true", help="skip the (slow) one-at-a-time HF and CT2 runs")
     p.add_argument("--int8", action="store_true", help="also run CTranslate2 int8 and our --quantize int8")
-    p.add_argument("--repeats", type=positive_int, default=3,
-                   help="timed runs of each batched system; the median is reported")
-    p.add_argument("--stream-intervals", default="1,16",
-                   help="our decoder's --stream-interval values, comma-separated: one row each (int8: the first only)")
+    p.add_argument(
+        "--repeats", type=positive_int, default=3, help="timed runs of each batched system; the median is reported"
+    )
+    p.add_argument(
+        "--stream-intervals",
+        default="1,16",
+        help="our decoder's --stream-interval values, comma-separated: one row each (int8: the first only)",
+    )
     p.add_argument("--json", default=None, help="also write the results here")
 
 
 def _add_online_arguments(p: argparse.ArgumentParser) -> None:
     """The ``encdec bench online`` flags (also used by ``encdec bench all``)."""
-    p.add_argument("--workload", default="whisper",
-                   help="whisper (bundled clips, or --clips) or a text model shape: "
-                        "t5-small, bart-base, t5-tiny, bart-tiny")
+    p.add_argument(
+        "--workload",
+        default="whisper",
+        help="whisper (bundled clips, or --clips) or a text model shape: t5-small, bart-base, t5-tiny, bart-tiny",
+    )
     p.add_argument("--rate", type=float, default=1.0, help="mean arrival rate, requests/s (Poisson)")
     p.add_argument("--duration", type=float, default=30.0, help="seconds during which requests arrive")
     p.add_argument("--seed", type=int, default=0, help="seed of the arrival times")
@@ -202,23 +232,31 @@ def _add_online_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=2, help="torch threads per service")
     p.add_argument("--max-num-seqs", type=int, default=32, help="decoder --max-num-seqs")
     p.add_argument("--cache-dir", default=None, help="text workloads: checkpoint cache (default: the seq2seq bench's)")
-    p.add_argument("--address", default=None,
-                   help="use running services at this decoder address instead of starting them")
+    p.add_argument(
+        "--address", default=None, help="use running services at this decoder address instead of starting them"
+    )
     p.add_argument("--json", default=None, help="also write the results here")
 
 
 def add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``encdec bench transfer`` flags (also ``python -m encdec.bench.transfer``'s)."""
-    parser.add_argument("--payloads", default="whisper-tiny,whisper-small,whisper-large-v3",
-                        help=f"comma-separated: {', '.join(PAYLOADS)} "
-                             "or LxHxDxS (layers x heads x head_dim x encoder_len)")
-    parser.add_argument("--transports", default="auto",
-                        help=f"comma-separated rows among {', '.join(TRANSPORTS)}; auto = every one available here")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
-                        help="pool and payload dtype")
+    parser.add_argument(
+        "--payloads",
+        default="whisper-tiny,whisper-small,whisper-large-v3",
+        help=f"comma-separated: {', '.join(PAYLOADS)} or LxHxDxS (layers x heads x head_dim x encoder_len)",
+    )
+    parser.add_argument(
+        "--transports",
+        default="auto",
+        help=f"comma-separated rows among {', '.join(TRANSPORTS)}; auto = every one available here",
+    )
+    parser.add_argument(
+        "--dtype", default="float32", choices=["float32", "float16", "bfloat16"], help="pool and payload dtype"
+    )
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--iters", type=int, default=10, help="timed transfers per payload (median reported)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed transfers first (mapping, connection set-up)")
-    parser.add_argument("--threads", type=int, default=0,
-                        help="torch threads in both processes; 0 keeps torch's default")
+    parser.add_argument(
+        "--threads", type=int, default=0, help="torch threads in both processes; 0 keeps torch's default"
+    )
     parser.add_argument("--json", default=None, help="also write the results here")

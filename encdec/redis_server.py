@@ -138,8 +138,21 @@ class LocalRedisServer:
         assert self._tmpdir is not None
         log_path = Path(self._tmpdir.name) / "redis.log"
         args = [
-            exe, "--port", str(port), "--bind", self.host, "--save", "", "--appendonly", "no",
-            "--dir", self._tmpdir.name, "--daemonize", "no", "--logfile", str(log_path),
+            exe,
+            "--port",
+            str(port),
+            "--bind",
+            self.host,
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            self._tmpdir.name,
+            "--daemonize",
+            "no",
+            "--logfile",
+            str(log_path),
             *self.extra_args,
         ]
         self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -22,7 +22,8 @@ log = logging.getLogger(__name__)
 
 # Seconds before the Encode call's gRPC deadline after which the encoder no longer starts a cross-KV write.
 # The decoder frees the reserved blocks at the deadline; a write has this long to finish (an 18 MB shm write
-# takes ~10 ms). A write stalled longer than this (e.g. the process stopped mid-copy) is not covered.
+# takes a small fraction of it: docs/benchmarks.md, Measurements formerly in docstrings). A write stalled longer
+# than this (e.g. the process stopped mid-copy) is not covered.
 WRITE_MARGIN_S = 0.5
 ANSWER_HOLD_S = 0.02  # longest a written item's answer waits for the batch's next writes
 
@@ -65,8 +66,9 @@ class EncodeBatcher:
     The first pending request waits for others until none has arrived for
     ``batch_wait_ms`` (each arrival extends the window, so a burst that
     reaches the encoder over ~100 ms becomes one batch instead of a lone first
-    request and the rest: a 1-source bart-base forward costs 70-100 ms on 2
-    cores, 32 sources 750 ms), never more than ``max_batch_wait_ms`` in all
+    request and the rest: a batched forward costs far less than one forward
+    per source; measured: docs/benchmarks.md, Measurements formerly in
+    docstrings), never more than ``max_batch_wait_ms`` in all
     (the dynamic batching of Triton Inference Server's ``max_queue_delay``, with
     the delay counted from the latest arrival);
     up to ``max_batch_size`` run in one forward, within ``max_batch_tokens``
@@ -98,9 +100,18 @@ class EncodeBatcher:
             costs); the constructor returns when it is done and raises what it raised.
     """
 
-    def __init__(self, model, featurize, writer: CrossKVWriter, max_batch_size: int, batch_wait_ms: float,
-                 num_threads: int | None = None, warm_up: Callable[[], None] | None = None,
-                 max_batch_tokens: int | None = None, max_batch_wait_ms: float | None = None) -> None:
+    def __init__(
+        self,
+        model,
+        featurize,
+        writer: CrossKVWriter,
+        max_batch_size: int,
+        batch_wait_ms: float,
+        num_threads: int | None = None,
+        warm_up: Callable[[], None] | None = None,
+        max_batch_tokens: int | None = None,
+        max_batch_wait_ms: float | None = None,
+    ) -> None:
         self.model = model
         self.device = model_device(model)
         self.featurize = featurize
@@ -112,7 +123,9 @@ class EncodeBatcher:
         self._carried: EncodeItem | None = None  # took the queue's next item, but it opens the next batch
         self._queue: queue.Queue[EncodeItem | None] = queue.Queue()
         self._started: Future = Future()
-        self._thread = threading.Thread(target=self._loop, args=(num_threads, warm_up), name="encode-batcher", daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop, args=(num_threads, warm_up), name="encode-batcher", daemon=True
+        )
         self._thread.start()
         self._started.result()  # the warm-up's exception, if any
 
@@ -183,13 +196,16 @@ class EncodeBatcher:
                 mask = (torch.arange(max(lens))[None, :] < torch.tensor(lens)[:, None]).long()  # [B, S]
                 encoder_out = self.model.encode(ids.to(self.device), mask.to(self.device))  # [B, S, d_model]
             else:
-                features = torch.stack([self.featurize(item.pcm) for item in batch]).to(self.device)  # [B, n_mels, frames]
+                features = torch.stack([self.featurize(item.pcm) for item in batch]).to(
+                    self.device
+                )  # [B, n_mels, frames]
                 encoder_out = self.model.encode(features)  # [B, S, d_model]
                 lens = [encoder_out.shape[1]] * len(batch)
             return self.model.compute_cross_kv(encoder_out), lens  # [L, 2, B, S, H, D]
 
-    def _write(self, item: EncodeItem, cross_kv: torch.Tensor, encoder_len: int, start: float,
-               batch_size: int) -> tuple | BaseException:
+    def _write(
+        self, item: EncodeItem, cross_kv: torch.Tensor, encoder_len: int, start: float, batch_size: int
+    ) -> tuple | BaseException:
         """Writes one item's cross KV (``[L, 2, encoder_len, H, D]``); returns its future's result, or the error."""
         try:
             if item.past_write_deadline():
@@ -198,8 +214,14 @@ class EncodeBatcher:
         except Exception as exc:  # noqa: BLE001 - fail this request only
             log.info("cross KV for %s not delivered (%s): %s", item.request_id, item.spec.transport, exc)
             return exc
-        log.info("cross KV for %s: %d bytes in %.2f ms (%.2f GB/s, %s)", item.request_id, stats.nbytes, stats.ms,
-                 stats.gb_per_s, item.spec.transport)
+        log.info(
+            "cross KV for %s: %d bytes in %.2f ms (%.2f GB/s, %s)",
+            item.request_id,
+            stats.nbytes,
+            stats.ms,
+            stats.gb_per_s,
+            item.spec.transport,
+        )
         return encoder_len, (time.perf_counter() - start) * 1000.0, batch_size, stats
 
     def _run(self, batch: list[EncodeItem]) -> None:
@@ -217,8 +239,9 @@ class EncodeBatcher:
                 item.future.set_exception(exc)
             return
         # Answers are held while the next writes run, up to ANSWER_HOLD_S: each answer wakes the event loop thread,
-        # which then competed with the remaining writes for the GIL (32 t5-small writes took ~50-70 ms interleaved
-        # with their answers). A slow target (torch_dist) therefore delays the others' answers by at most the hold.
+        # which then competed with the remaining writes for the GIL (32 t5-small writes interleaved with their answers
+        # were slow: docs/benchmarks.md, Measurements formerly in docstrings). A slow target (torch_dist) therefore
+        # delays the others' answers by at most the hold.
         held: list[tuple[EncodeItem, tuple | BaseException]] = []
         held_since = time.perf_counter()
         try:
@@ -247,5 +270,7 @@ def _answer(held: list[tuple[EncodeItem, tuple | BaseException]]) -> None:
 
 
 def _too_late(item: EncodeItem) -> UnavailableError:
-    return UnavailableError(f"cross KV for {item.request_id} not written: the Encode call's deadline (less "
-                            f"{WRITE_MARGIN_S:g} s) passed; the decoder has released its blocks")
+    return UnavailableError(
+        f"cross KV for {item.request_id} not written: the Encode call's deadline (less "
+        f"{WRITE_MARGIN_S:g} s) passed; the decoder has released its blocks"
+    )

@@ -36,7 +36,9 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
 
     def _item(self, request: encoder_pb2.EncodeRequest) -> EncodeItem:
         if request.model and request.model not in self.served_names:
-            raise NotFoundError(f"model {request.model!r} is not served here; this encoder serves {self.config.model!r}")
+            raise NotFoundError(
+                f"model {request.model!r} is not served here; this encoder serves {self.config.model!r}"
+            )
         text_model = getattr(self.model, "input_modality", "audio") == "text"
         if text_model:
             if not request.input_ids:
@@ -61,13 +63,23 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             )
         encoder_len = len(request.input_ids) if text_model else cfg.max_source_positions
         if encoder_len > cfg.max_source_positions:
-            raise InvalidRequestError(f"source has {encoder_len} tokens; this model accepts at most {cfg.max_source_positions}")
+            raise InvalidRequestError(
+                f"source has {encoder_len} tokens; this model accepts at most {cfg.max_source_positions}"
+            )
         needed = math.ceil(encoder_len / spec.shape[3])
         if len(request.block_ids) != needed:
-            raise InvalidRequestError(f"{encoder_len} encoder positions need {needed} blocks, got {len(request.block_ids)}")
+            raise InvalidRequestError(
+                f"{encoder_len} encoder positions need {needed} blocks, got {len(request.block_ids)}"
+            )
         if text_model:
-            return EncodeItem(request.request_id, None, spec, list(request.block_ids), input_ids=list(request.input_ids),
-                              transfer_id=request.transfer_id)
+            return EncodeItem(
+                request.request_id,
+                None,
+                spec,
+                list(request.block_ids),
+                input_ids=list(request.input_ids),
+                transfer_id=request.transfer_id,
+            )
         pcm = np.frombuffer(request.pcm, dtype="<f4").astype(np.float32)
         return EncodeItem(request.request_id, pcm, spec, list(request.block_ids), transfer_id=request.transfer_id)
 
@@ -83,6 +95,10 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             raise  # ErrorStatusInterceptor turns it into the status code
         self.metrics.observe_encode(encode_ms, batch_size, stats.nbytes, stats.ms)
         return encoder_pb2.EncodeResponse(
-            request_id=request.request_id, encoder_len=encoder_len, encode_ms=encode_ms, batch_size=batch_size,
-            transfer_bytes=stats.nbytes, transfer_ms=stats.ms,
+            request_id=request.request_id,
+            encoder_len=encoder_len,
+            encode_ms=encode_ms,
+            batch_size=batch_size,
+            transfer_bytes=stats.nbytes,
+            transfer_ms=stats.ms,
         )

@@ -53,23 +53,43 @@ def run(config: EncoderServiceConfig) -> None:
     device = resolve_device(config.device)  # ValueError (a clear one) when the GPU is missing
     if is_encoder_only(config.model):  # BERT family: EmbedService instead of Encode
         if config.quantize != "none":
-            raise ValueError(f"quantize {config.quantize} is for Whisper models only; the Embed service runs "
-                             f"{config.model} in {config.dtype}: use quantize none")
+            raise ValueError(
+                f"quantize {config.quantize} is for Whisper models only; the Embed service runs "
+                f"{config.model} in {config.dtype}: use quantize none"
+            )
         from encoder_svc.embed.startup import run as run_embed
 
         return run_embed(config, threads)
     model = load_model(config.model, torch_dtype(config.dtype))
     apply_quantization(model, config.quantize, "encoder")  # CPU only (the config refuses int8 on CUDA)
     model.to(device)
-    log.info("encoder model %s on %s (%s%s)", config.model, device, config.dtype, ", int8 linears" if config.quantize == "int8" else "")
+    log.info(
+        "encoder model %s on %s (%s%s)",
+        config.model,
+        device,
+        config.dtype,
+        ", int8 linears" if config.quantize == "int8" else "",
+    )
     max_batch_size = config.max_batch_size  # int8 too: its activation scales are per row (shared.models.quantize)
     writer = WriterSet(
         [t.strip() for t in config.kv_transport.split(",") if t.strip()],
-        {"torch_dist": dict(backend=config.kv_dist_backend, device=config.kv_device, timeout_s=config.kv_transfer_timeout_s)},
+        {
+            "torch_dist": dict(
+                backend=config.kv_dist_backend, device=config.kv_device, timeout_s=config.kv_transfer_timeout_s
+            )
+        },
     )
-    batcher = EncodeBatcher(model, log_mel_spectrogram, writer, max_batch_size, config.batch_wait_ms, threads,
-                            warm_up=lambda: _warm_up(model, device), max_batch_tokens=config.max_batch_tokens,
-                            max_batch_wait_ms=config.max_batch_wait_ms)
+    batcher = EncodeBatcher(
+        model,
+        log_mel_spectrogram,
+        writer,
+        max_batch_size,
+        config.batch_wait_ms,
+        threads,
+        warm_up=lambda: _warm_up(model, device),
+        max_batch_tokens=config.max_batch_tokens,
+        max_batch_wait_ms=config.max_batch_wait_ms,
+    )
     servicer = EncoderServicer(config, model, batcher)
     start_metrics_server(config.metrics_port, config.host, servicer.metrics.registry)
 

@@ -16,7 +16,6 @@ import os
 from collections.abc import Callable
 from functools import lru_cache
 
-
 ABI_VERSION = 3  # ENCDEC_KERNELS_ABI of kernels/csrc/parallel.h: the C signatures the wrappers declare
 
 log = logging.getLogger(__name__)
@@ -38,9 +37,13 @@ def open_first(paths: list[str]) -> ctypes.CDLL | None:
         found = abi() if abi is not None else 1
         if found == ABI_VERSION:
             return lib
-        log.warning("%s was built from other kernel sources (C signatures version %d, these wrappers need %d): "
-                    "torch runs instead; rebuild it with `pip install -e .` or `python setup.py build_ext --inplace`",
-                    path, found, ABI_VERSION)
+        log.warning(
+            "%s was built from other kernel sources (C signatures version %d, these wrappers need %d): "
+            "torch runs instead; rebuild it with `pip install -e .` or `python setup.py build_ext --inplace`",
+            path,
+            found,
+            ABI_VERSION,
+        )
     return None
 
 

@@ -54,32 +54,61 @@ def make_attention_backend(backend: str, device: torch.device | str | None = Non
     return backend_class(backend)(device)
 
 
-def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    context_lens: torch.Tensor, query_start_loc: torch.Tensor, causal: bool, scale: float,
-                    max_query_len: int | None = None, max_context_len: int | None = None,
-                    position_bias: torch.Tensor | None = None, step_cache: dict | None = None, *,
-                    backend: str = "torch") -> torch.Tensor:
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    causal: bool,
+    scale: float,
+    max_query_len: int | None = None,
+    max_context_len: int | None = None,
+    position_bias: torch.Tensor | None = None,
+    step_cache: dict | None = None,
+    *,
+    backend: str = "torch",
+) -> torch.Tensor:
     """``kernels.paged_attention.paged_attention`` run by ``backend`` (its ``paged_attention``).
 
     Raises:
         ValueError: unknown or unavailable backend (or what the implementation raises).
     """
     return make_attention_backend(backend).paged_attention(
-        query, k_cache, v_cache, block_tables, context_lens, query_start_loc, causal=causal, scale=scale,
-        max_query_len=max_query_len, max_context_len=max_context_len, position_bias=position_bias,
-        step_cache=step_cache)
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        query_start_loc,
+        causal=causal,
+        scale=scale,
+        max_query_len=max_query_len,
+        max_context_len=max_context_len,
+        position_bias=position_bias,
+        step_cache=step_cache,
+    )
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """``kernels.paged_attention.write_kv`` (same arguments) as every backend writes: the C scatter for float32 CPU
-    caches (~10 us instead of ~200 us per layer of a t5-small batch-32 step), else the torch reference."""
+    caches (a fraction of the reference's time: docs/benchmarks.md, Measurements formerly in docstrings), else the
+    torch reference."""
     TorchAttentionBackend().write_slots(k_cache, v_cache, key, value, slot_mapping)
 
 
-def contiguous_cross_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               spans: list[tuple[int, int, int, int]], scale: float, *,
-                               backend: str = "torch") -> torch.Tensor:
+def contiguous_cross_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    spans: list[tuple[int, int, int, int]],
+    scale: float,
+    *,
+    backend: str = "torch",
+) -> torch.Tensor:
     """``kernels.cross_attention.contiguous_cross_attention`` run by ``backend``.
 
     Raises:

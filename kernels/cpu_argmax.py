@@ -1,10 +1,10 @@
 """Row-wise argmax on CPU (``kernels/csrc/argmax.c``): greedy decoding's token pick.
 
-torch 2.13's CPU ``argmax`` does not vectorize: ~1.3 ms per decode step for
-``[32, 32128]`` logits on our 2-core AVX2 machines (its ``amax`` takes 0.06
-ms). ``argmax_rows`` gives ``torch.argmax(x, dim=-1)``'s answer (first index
-of the maximum; of the first NaN if a row has one) in ~0.1 ms. Its torch
-reference is ``torch.argmax``; tests/test_cpu_argmax.py compares the two.
+torch 2.13's CPU ``argmax`` does not vectorize (its ``amax`` does), which is a
+visible cost of a greedy decode step. ``argmax_rows`` gives ``torch.argmax(x, dim=-1)``'s answer (first index
+of the maximum; of the first NaN if a row has one) in a fraction of its time
+(measured: docs/benchmarks.md, Measurements formerly in docstrings). Its torch
+reference is ``torch.argmax``; tests/kernels/test_cpu_argmax.py compares the two.
 Where the C library is not built, ``argmax_rows`` calls the reference.
 """
 
@@ -30,7 +30,6 @@ _library = _KERNEL.library
 is_available = _KERNEL.is_available
 
 
-
 def argmax_rows(x: torch.Tensor, num_threads: int | None = None) -> torch.Tensor:
     """``torch.argmax(x, dim=-1)`` for ``[N, V]`` logits: ``[N]`` int64.
 
@@ -40,10 +39,18 @@ def argmax_rows(x: torch.Tensor, num_threads: int | None = None) -> torch.Tensor
     (e.g. on an empty ``V``).
     """
     lib = _library()
-    if (lib is None or x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[1] == 0
-            or (x.shape[1] > 1 and x.stride(1) != 1)):
+    if (
+        lib is None
+        or x.dim() != 2
+        or x.dtype != torch.float32
+        or x.device.type != "cpu"
+        or x.shape[1] == 0
+        or (x.shape[1] > 1 and x.stride(1) != 1)
+    ):
         return torch.argmax(x, dim=-1)
     out = torch.empty(x.shape[0], dtype=torch.int64)
     if x.shape[0]:
-        lib.argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(), num_threads or torch.get_num_threads())
+        lib.argmax_rows(
+            x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(), num_threads or torch.get_num_threads()
+        )
     return out

@@ -1,16 +1,17 @@
 """Row normalizations on CPU (``kernels/csrc/row_norm.c``): T5's RMS norm and LayerNorm.
 
 A decode step normalizes a few rows (``[32, 512]`` for t5-small at batch
-32) about 19 times. torch 2.13 spends 30-100 us on each there (its
-reductions open an OpenMP region even for 16k floats, and on 2 cores shared
-with the packed kernels' workers that wake-up is most of the cost); the C
-kernel takes a few microseconds and splits only large inputs over threads.
+32) about 19 times. torch 2.13 is slow on each there (its reductions open an
+OpenMP region even for 16k floats, and on 2 cores shared with the packed
+kernels' workers that wake-up is most of the cost); the C kernel opens none
+and splits only large inputs over threads (measured: docs/benchmarks.md,
+Measurements formerly in docstrings).
 
 ``rms_norm`` / ``layer_norm`` take the C path for float32 CPU inputs with
 float32 CPU parameters (any shape, made contiguous) and otherwise call their
 torch references, ``reference_rms_norm`` (HF's ``T5LayerNorm``: variance in
 float32, no mean subtraction, no bias) and ``F.layer_norm``.
-tests/test_cpu_norm.py compares the two. Inference only: no autograd graph.
+tests/kernels/test_cpu_norm.py compares the two. Inference only: no autograd graph.
 """
 
 from __future__ import annotations
@@ -36,17 +37,19 @@ _library = _KERNEL.library
 is_available = _KERNEL.is_available
 
 
-
 def _serves(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> bool:
     f32 = torch.float32
     if x.dtype != f32 or not x.is_cpu or x.dim() == 0 or (x.requires_grad and torch.is_grad_enabled()):
         return False
     d = x.shape[-1]
-    return ((weight is None or (weight.dtype == f32 and weight.is_cpu and weight.shape == (d,)))
-            and (bias is None or (bias.dtype == f32 and bias.is_cpu and bias.shape == (d,))))
+    return (weight is None or (weight.dtype == f32 and weight.is_cpu and weight.shape == (d,))) and (
+        bias is None or (bias.dtype == f32 and bias.is_cpu and bias.shape == (d,))
+    )
 
 
-def _run(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, rms: bool) -> torch.Tensor:
+def _run(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, rms: bool
+) -> torch.Tensor:
     # Named locals: a strided weight's contiguous copy must outlive the C call (a temporary in the
     # argument list is freed once its data_ptr() is taken, and the kernel would read freed memory).
     x = x.contiguous()
@@ -54,8 +57,17 @@ def _run(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None
     b = bias.contiguous() if bias is not None else None
     out = torch.empty_like(x)
     d = x.shape[-1]
-    _library().row_norm(x.data_ptr(), w.data_ptr() if w is not None else None, b.data_ptr() if b is not None else None,
-                        out.data_ptr(), x.numel() // d if d else 0, d, eps, int(rms), torch.get_num_threads())
+    _library().row_norm(
+        x.data_ptr(),
+        w.data_ptr() if w is not None else None,
+        b.data_ptr() if b is not None else None,
+        out.data_ptr(),
+        x.numel() // d if d else 0,
+        d,
+        eps,
+        int(rms),
+        torch.get_num_threads(),
+    )
     return out
 
 

@@ -3,18 +3,18 @@
 The torch reference (``kernels.paged_attention.paged_attention``) gathers
 every sequence's K/V blocks into a dense copy, builds a mask and calls
 ``F.scaled_dot_product_attention``: for a t5-small batch-32 decode step that
-was ~13 ms of the step's ~75 ms (gathers, SDPA, masks) on our 2-core AVX2
-machines. With one query per sequence, this C kernel reads each key and value
-where it lies, once, through the block table. The ``torch`` attention backend
-(``kernels.attention_backends.torch_backend``) sends every call on float32 CPU caches here; half-precision
-caches and other devices go to the reference; tests/test_cpu_paged_attention.py
+was a sizeable part of the step (gathers, SDPA, masks; measured:
+docs/benchmarks.md, Measurements formerly in docstrings). With one query per
+sequence, this C kernel reads each key and value where it lies, once, through the block table. The
+``torch`` attention backend (``kernels.attention_backends.torch_backend``) sends every call on float32 CPU
+caches here; half-precision caches and other devices go to the reference; tests/kernels/test_cpu_paged_attention.py
 compares the two. A step with several queries per sequence (a prefill, a
 recompute after preemption, next to other sequences' decode rows) is run as
 one kernel row per query (``query_rows``: the query's own causal length), so a
 token's attention is computed the same way whether it is decoded alone, in a
 batch, or recomputed in a prefill: results do not depend on the batch. ``write_kv`` is the C
 scatter of the reference's ``write_kv`` (torch's ``index_copy_`` plus its
-padding check cost ~200 us per layer of such a step, the scatter ~50 us).
+padding check cost several times the scatter per layer of such a step).
 
 The C library is built by ``pip install`` (setup.py, x86-64 Linux only);
 where it is missing or the CPU lacks AVX2/FMA, ``is_available()`` is False
@@ -35,8 +35,25 @@ __all__ = ["applies", "is_available", "paged_decode_attention", "query_rows", "w
 
 def _declare(lib: ctypes.CDLL) -> None:
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.paged_decode_attention.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64,
-                                           ctypes.c_float, ctypes.c_int]
+    lib.paged_decode_attention.argtypes = [
+        ptr,
+        i64,
+        ptr,
+        ptr,
+        ptr,
+        i64,
+        ptr,
+        ptr,
+        i64,
+        ptr,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        ctypes.c_float,
+        ctypes.c_int,
+    ]
     lib.paged_decode_attention.restype = ctypes.c_int
     lib.paged_write_kv.argtypes = [ptr, ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64]
     lib.paged_write_kv.restype = ctypes.c_int
@@ -47,18 +64,32 @@ _library = _KERNEL.library
 is_available = _KERNEL.is_available
 
 
-
 def applies(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether ``paged_decode_attention`` (through ``query_rows`` when a sequence has several queries) can serve
     this call of the reference: float32 CPU query and contiguous caches, when the kernel is available."""
-    return (query.dtype == torch.float32 and k_cache.dtype == torch.float32 and v_cache.dtype == torch.float32 and query.device.type == "cpu"
-            and k_cache.device.type == "cpu" and v_cache.device.type == "cpu" and k_cache.is_contiguous()
-            and v_cache.is_contiguous() and is_available())
+    return (
+        query.dtype == torch.float32
+        and k_cache.dtype == torch.float32
+        and v_cache.dtype == torch.float32
+        and query.device.type == "cpu"
+        and k_cache.device.type == "cpu"
+        and v_cache.device.type == "cpu"
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and is_available()
+    )
 
 
-def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                           context_lens: torch.Tensor, scale: float, position_bias: torch.Tensor | None = None,
-                           num_threads: int | None = None) -> torch.Tensor:
+def paged_decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    position_bias: torch.Tensor | None = None,
+    num_threads: int | None = None,
+) -> torch.Tensor:
     """One query per sequence over its paged K/V (the reference's decode case).
 
     Args:
@@ -86,24 +117,46 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     """
     lib = _library()
     if lib is None:
-        raise RuntimeError("the paged_decode_attention kernel is not available: kernels/_cpu_kernels*.so was "
-                           "not built (no C compiler when the package was installed, or not x86-64 Linux) or this CPU "
-                           "lacks AVX2/FMA")
+        raise RuntimeError(
+            "the paged_decode_attention kernel is not available: kernels/_cpu_kernels*.so was "
+            "not built (no C compiler when the package was installed, or not x86-64 Linux) or this CPU "
+            "lacks AVX2/FMA"
+        )
     b, h, d = query.shape
-    if (query.dtype != torch.float32 or k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32
-            or query.device.type != "cpu" or k_cache.device.type != "cpu" or v_cache.device.type != "cpu"):
-        raise ValueError("paged_decode_attention takes float32 CPU query and caches, got "
-                         f"{query.dtype}/{k_cache.dtype}/{v_cache.dtype} on {query.device}/{k_cache.device}")
-    if (k_cache.dim() != 4 or k_cache.shape != v_cache.shape or tuple(k_cache.shape[2:]) != (h, d) or k_cache.shape[1] < 1
-            or not k_cache.is_contiguous() or not v_cache.is_contiguous()):
-        raise ValueError(f"caches must both be contiguous [num_blocks, block_size >= 1, {h}, {d}], got "
-                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if (
+        query.dtype != torch.float32
+        or k_cache.dtype != torch.float32
+        or v_cache.dtype != torch.float32
+        or query.device.type != "cpu"
+        or k_cache.device.type != "cpu"
+        or v_cache.device.type != "cpu"
+    ):
+        raise ValueError(
+            "paged_decode_attention takes float32 CPU query and caches, got "
+            f"{query.dtype}/{k_cache.dtype}/{v_cache.dtype} on {query.device}/{k_cache.device}"
+        )
+    if (
+        k_cache.dim() != 4
+        or k_cache.shape != v_cache.shape
+        or tuple(k_cache.shape[2:]) != (h, d)
+        or k_cache.shape[1] < 1
+        or not k_cache.is_contiguous()
+        or not v_cache.is_contiguous()
+    ):
+        raise ValueError(
+            f"caches must both be contiguous [num_blocks, block_size >= 1, {h}, {d}], got "
+            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
     if block_tables.dim() != 2 or block_tables.shape[0] != b or tuple(context_lens.shape) != (b,):
-        raise ValueError(f"block_tables must be [{b}, M] and context_lens [{b}], got {tuple(block_tables.shape)} and "
-                         f"{tuple(context_lens.shape)}")
+        raise ValueError(
+            f"block_tables must be [{b}, M] and context_lens [{b}], got {tuple(block_tables.shape)} and "
+            f"{tuple(context_lens.shape)}"
+        )
     if not block_tables.is_cpu or not context_lens.is_cpu or (position_bias is not None and not position_bias.is_cpu):
         raise ValueError("paged_decode_attention takes CPU block_tables, context_lens and position_bias")
-    if position_bias is not None and (position_bias.dim() != 2 or position_bias.shape[0] != h or position_bias.shape[1] < 1):
+    if position_bias is not None and (
+        position_bias.dim() != 2 or position_bias.shape[0] != h or position_bias.shape[1] < 1
+    ):
         raise ValueError(f"position_bias must be [{h}, N] with N >= 1, got {tuple(position_bias.shape)}")
     k, v = k_cache, v_cache
     q = query if query.stride(2) == 1 and query.stride(1) == d else query.contiguous()  # each row's heads as they lie
@@ -113,20 +166,38 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     out = torch.empty(b, h, d, dtype=torch.float32)
     if b == 0 or h == 0 or d == 0:
         return out.zero_()
-    rc = lib.paged_decode_attention(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), tables.data_ptr(), tables.shape[1],
-                                    lens.data_ptr(), bias.data_ptr() if bias is not None else None,
-                                    bias.shape[1] if bias is not None else 0, out.data_ptr(), b, h, d, k.shape[0],
-                                    k.shape[1], float(scale), num_threads or torch.get_num_threads())
+    rc = lib.paged_decode_attention(
+        q.data_ptr(),
+        q.stride(0),
+        k.data_ptr(),
+        v.data_ptr(),
+        tables.data_ptr(),
+        tables.shape[1],
+        lens.data_ptr(),
+        bias.data_ptr() if bias is not None else None,
+        bias.shape[1] if bias is not None else 0,
+        out.data_ptr(),
+        b,
+        h,
+        d,
+        k.shape[0],
+        k.shape[1],
+        float(scale),
+        num_threads or torch.get_num_threads(),
+    )
     if rc == -2:
-        raise ValueError(f"context_lens must be >= 0 and fit the block table ({tables.shape[1]} blocks of {k.shape[1]}), "
-                         f"got {lens.tolist()}")
+        raise ValueError(
+            f"context_lens must be >= 0 and fit the block table ({tables.shape[1]} blocks of {k.shape[1]}), "
+            f"got {lens.tolist()}"
+        )
     if rc == -3:
         raise ValueError(f"block_tables holds a block id outside the cache's {k.shape[0]} blocks")
     return out
 
 
-def query_rows(block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor,
-               causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def query_rows(
+    block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Each query of a flat varlen batch as its own ``paged_decode_attention`` row.
 
     Args:
@@ -151,17 +222,30 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
 
 
-def write_applies(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  slot_mapping: torch.Tensor) -> bool:
+def write_applies(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+) -> bool:
     """Whether ``write_kv`` can serve this call of the reference ``kernels.paged_attention.write_kv``: float32 CPU
     contiguous caches, float32 CPU keys/values and CPU slots, when the kernel is available."""
-    return (k_cache.dtype == torch.float32 and v_cache.dtype == torch.float32 and key.dtype == torch.float32
-            and value.dtype == torch.float32 and k_cache.is_cpu and v_cache.is_cpu and key.is_cpu and value.is_cpu
-            and slot_mapping.is_cpu and k_cache.is_contiguous() and v_cache.is_contiguous() and is_available())
+    return (
+        k_cache.dtype == torch.float32
+        and v_cache.dtype == torch.float32
+        and key.dtype == torch.float32
+        and value.dtype == torch.float32
+        and k_cache.is_cpu
+        and v_cache.is_cpu
+        and key.is_cpu
+        and value.is_cpu
+        and slot_mapping.is_cpu
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and is_available()
+    )
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """``kernels.paged_attention.write_kv`` (one ``memcpy`` per token and cache instead of torch's ``index_copy_``).
 
     Args:
@@ -178,23 +262,50 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, va
     """
     lib = _library()
     if lib is None:
-        raise RuntimeError("the paged_decode_attention kernel is not available: kernels/_cpu_kernels*.so was "
-                           "not built (no C compiler when the package was installed, or not x86-64 Linux) or this CPU "
-                           "lacks AVX2/FMA")
+        raise RuntimeError(
+            "the paged_decode_attention kernel is not available: kernels/_cpu_kernels*.so was "
+            "not built (no C compiler when the package was installed, or not x86-64 Linux) or this CPU "
+            "lacks AVX2/FMA"
+        )
     if not write_applies(k_cache, v_cache, key, value, slot_mapping):
-        raise ValueError("write_kv takes float32 CPU keys, values and contiguous caches and CPU slots, got "
-                         f"{key.dtype}/{value.dtype}/{k_cache.dtype}/{v_cache.dtype} on {key.device}/{slot_mapping.device}")
-    if (k_cache.dim() != 4 or k_cache.shape != v_cache.shape or key.shape != value.shape or key.dim() != 3
-            or tuple(key.shape[1:]) != tuple(k_cache.shape[2:]) or tuple(slot_mapping.shape) != (key.shape[0],)):
-        raise ValueError(f"write_kv takes [T, H, D] keys and values, [num_blocks, block_size, H, D] caches and [T] slots, "
-                         f"got {tuple(key.shape)}, {tuple(value.shape)}, {tuple(k_cache.shape)}, {tuple(slot_mapping.shape)}")
+        raise ValueError(
+            "write_kv takes float32 CPU keys, values and contiguous caches and CPU slots, got "
+            f"{key.dtype}/{value.dtype}/{k_cache.dtype}/{v_cache.dtype} on {key.device}/{slot_mapping.device}"
+        )
+    if (
+        k_cache.dim() != 4
+        or k_cache.shape != v_cache.shape
+        or key.shape != value.shape
+        or key.dim() != 3
+        or tuple(key.shape[1:]) != tuple(k_cache.shape[2:])
+        or tuple(slot_mapping.shape) != (key.shape[0],)
+    ):
+        raise ValueError(
+            f"write_kv takes [T, H, D] keys and values, [num_blocks, block_size, H, D] caches and [T] slots, "
+            f"got {tuple(key.shape)}, {tuple(value.shape)}, {tuple(k_cache.shape)}, {tuple(slot_mapping.shape)}"
+        )
     t = key.shape[0]
     if t == 0:
         return
     row = k_cache.shape[2] * k_cache.shape[3]
-    k, v = (x if x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] else x.contiguous() for x in (key, value))  # rows as they lie
+    k, v = (
+        x if x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] else x.contiguous() for x in (key, value)
+    )  # rows as they lie
     slots = _as(slot_mapping, torch.int64)
     num_slots = k_cache.shape[0] * k_cache.shape[1]
-    if lib.paged_write_kv(k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                          slots.data_ptr(), t, row, num_slots) == -3:
+    if (
+        lib.paged_write_kv(
+            k.data_ptr(),
+            v.data_ptr(),
+            k.stride(0),
+            v.stride(0),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            slots.data_ptr(),
+            t,
+            row,
+            num_slots,
+        )
+        == -3
+    ):
         raise ValueError(f"slot_mapping holds a slot past the cache's {num_slots} slots")

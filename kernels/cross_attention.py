@@ -8,7 +8,7 @@ encoder positions this removes ``2 * B * 1500 * H * D`` elements of copying per
 layer and decode step (the gather was most of the step time at batch 16).
 
 Reference: ``kernels.paged_attention.paged_attention`` with ``causal=False``;
-``tests/test_cross_attention.py`` compares the two.
+``tests/kernels/test_cross_attention.py`` compares the two.
 """
 
 from __future__ import annotations

@@ -2,32 +2,22 @@
 
 A decode step multiplies a few rows (one per running sequence) by the
 ``[vocab_size, d_model]`` output projection. MKL's sgemm re-packs that weight
-on every call before computing, so on our 2-core AVX2 machines it ran
-Whisper tiny's ``[51864, 384]`` at 16 rows in ~17 ms where reading the 80 MB
-once takes ~5 ms and the math ~6 ms. ``PackedWeight`` packs it once into
-16-feature panels (k-major) and ``packed_linear`` streams it once per step:
-measured 2 threads, ms per product (``linear`` = ``shared.models.linear``):
-
-=========================  ========  =============
-weight, rows               linear    packed_linear
-=========================  ========  =============
-``[51864, 384]``, 16       15.9      8.4
-``[51864, 384]``, 8        14.9      7.3
-``[32128, 512]``, 32       17.3      13.2
-``[50265, 768]``, 32       37.1      29.3
-=========================  ========  =============
+on every call before computing, so a few-row product (Whisper tiny's
+``[51864, 384]`` at 16 rows) took well over the time of reading the 80 MB
+weight once plus the math. ``PackedWeight`` packs it once into
+16-feature panels (k-major) and ``packed_linear`` streams it once per step
+(measured against ``shared.models.linear``, ms per product: docs/benchmarks.md,
+Measurements formerly in docstrings).
 
 The decoder layers' products of a decode step use it too (``shared.models.linear``:
-``Linear.pack``, ``pack_fused`` for self-attention q/k/v): 32 rows, 2 threads,
-ms per product, ``linear`` vs packed: ``[512, 512]`` 0.39 / 0.28-0.34,
-``[1536, 512]`` (fused q/k/v) 1.18 (3 products) / 0.73, ``[2048, 512]`` 1.28 /
-0.86-0.94, ``[512, 2048]`` 1.07 / 0.77; no per-call transposes either.
+``Linear.pack``, ``pack_fused`` for self-attention q/k/v; measured in the same
+section); no per-call transposes either.
 Prefills of the decoder run it as well (any row count, ``MAX_ROWS`` rows per
 kernel call): a row's sums do not depend on the other rows, so a token gets
 the same numbers in a prefill, a batch or alone (batch invariance).
 
 The torch reference is ``F.linear`` (``reference_linear``);
-tests/test_packed_linear.py compares the two on irregular shapes. Results
+tests/kernels/test_packed_linear.py compares the two on irregular shapes. Results
 differ from it by float32 rounding only (one running sum per output).
 
 The C library is built by ``pip install`` (setup.py, x86-64 only); where it
@@ -48,8 +38,10 @@ from kernels._clib import CKernel
 __all__ = ["ACTIVATIONS", "MAX_ROWS", "PackedWeight", "activate", "is_available", "packed_linear", "reference_linear"]
 
 MAX_ROWS = 64  # rows per kernel call: a larger input runs in chunks of MAX_ROWS rows (the chunk's x stays in cache)
-_UNAVAILABLE = ("the packed_linear kernel is not available: kernels/_cpu_kernels*.so was not built (no C compiler "
-                "when the package was installed, or not x86-64 Linux) or this CPU lacks AVX2/FMA")
+_UNAVAILABLE = (
+    "the packed_linear kernel is not available: kernels/_cpu_kernels*.so was not built (no C compiler "
+    "when the package was installed, or not x86-64 Linux) or this CPU lacks AVX2/FMA"
+)
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -67,7 +59,6 @@ _library = _KERNEL.library
 is_available = _KERNEL.is_available
 
 
-
 @dataclass(frozen=True)
 class PackedWeight:
     """A ``[out_features, in_features]`` float32 weight packed for ``packed_linear``.
@@ -83,13 +74,21 @@ class PackedWeight:
     def __post_init__(self) -> None:
         """Raises ValueError unless ``data`` is a contiguous float32 CPU tensor of the packed size (the kernel trusts it)."""
         size = -(-self.out_features // 16) * 16 * self.in_features
-        if (self.out_features < 0 or self.in_features < 0 or self.data.dtype != torch.float32 or self.data.device.type != "cpu"
-                or not self.data.is_contiguous() or self.data.numel() != size):
-            raise ValueError(f"PackedWeight data must be {size} contiguous float32 CPU values for a [{self.out_features}, "
-                             f"{self.in_features}] weight; build it with PackedWeight.pack")
+        if (
+            self.out_features < 0
+            or self.in_features < 0
+            or self.data.dtype != torch.float32
+            or self.data.device.type != "cpu"
+            or not self.data.is_contiguous()
+            or self.data.numel() != size
+        ):
+            raise ValueError(
+                f"PackedWeight data must be {size} contiguous float32 CPU values for a [{self.out_features}, "
+                f"{self.in_features}] weight; build it with PackedWeight.pack"
+            )
 
     @classmethod
-    def pack(cls, weight: torch.Tensor) -> "PackedWeight":
+    def pack(cls, weight: torch.Tensor) -> PackedWeight:
         """Packs a contiguous-or-not ``[N, K]`` float32 CPU weight.
 
         Raises:
@@ -100,7 +99,9 @@ class PackedWeight:
         if lib is None:
             raise RuntimeError(_UNAVAILABLE)
         if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
-            raise ValueError(f"PackedWeight.pack takes a 2-D float32 CPU weight, got {weight.dtype} {tuple(weight.shape)} on {weight.device}")
+            raise ValueError(
+                f"PackedWeight.pack takes a 2-D float32 CPU weight, got {weight.dtype} {tuple(weight.shape)} on {weight.device}"
+            )
         n, k = weight.shape
         w = weight.detach().contiguous()
         data = torch.empty(lib.packed_linear_packed_size(n, k), dtype=torch.float32)
@@ -114,9 +115,14 @@ ACTIVATIONS = {None: 0, "relu": 1, "gelu": 2}
 within 2.3e-7 of the float64 GELU, closer than ATen's AVX-512 kernel at the tails: see ``kernels/csrc/simd_math.h``)."""
 
 
-def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None,
-                  num_threads: int | None = None, activation: str | None = None,
-                  residual: torch.Tensor | None = None) -> torch.Tensor:
+def packed_linear(
+    x: torch.Tensor,
+    weight: PackedWeight,
+    bias: torch.Tensor | None = None,
+    num_threads: int | None = None,
+    activation: str | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``residual + act(F.linear(x, W, bias))`` for the weight ``W`` that ``weight`` packs.
 
     Args:
@@ -145,15 +151,21 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | No
     if lib is None:
         raise RuntimeError(_UNAVAILABLE)
     if activation not in ACTIVATIONS:
-        raise ValueError(f"packed_linear activation must be one of {sorted(a for a in ACTIVATIONS if a)} or None, got {activation!r}")
+        raise ValueError(
+            f"packed_linear activation must be one of {sorted(a for a in ACTIVATIONS if a)} or None, got {activation!r}"
+        )
     if x.dtype != torch.float32 or not x.is_cpu or x.shape[-1] != weight.in_features:
-        raise ValueError(f"packed_linear takes float32 CPU [..., {weight.in_features}] input, got {x.dtype} {tuple(x.shape)} on {x.device}")
+        raise ValueError(
+            f"packed_linear takes float32 CPU [..., {weight.in_features}] input, got {x.dtype} {tuple(x.shape)} on {x.device}"
+        )
     rows = x.numel() // weight.in_features if weight.in_features else x.shape[:-1].numel()
     if bias is not None and (bias.dtype != torch.float32 or bias.shape != (weight.out_features,)):
         raise ValueError(f"bias must be float32 [{weight.out_features}], got {bias.dtype} {tuple(bias.shape)}")
     out_shape = (*x.shape[:-1], weight.out_features)
     if residual is not None and (residual.dtype != torch.float32 or not residual.is_cpu or residual.shape != out_shape):
-        raise ValueError(f"residual must be float32 CPU {list(out_shape)}, got {residual.dtype} {tuple(residual.shape)} on {residual.device}")
+        raise ValueError(
+            f"residual must be float32 CPU {list(out_shape)}, got {residual.dtype} {tuple(residual.shape)} on {residual.device}"
+        )
     if weight.in_features == 0:  # empty sums: the bias alone, as F.linear
         out = activate(torch.zeros(out_shape) + (bias if bias is not None else 0.0), activation)
         return out + residual if residual is not None else out
@@ -164,9 +176,18 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | No
     k, n, threads = weight.in_features, weight.out_features, num_threads or torch.get_num_threads()
     for r0 in range(0, rows, MAX_ROWS):  # float32 offsets into the contiguous [rows, k] / [rows, n] operands
         m = min(MAX_ROWS, rows - r0)
-        lib.packed_linear(x2.data_ptr() + 4 * r0 * k, weight.data.data_ptr(), b.data_ptr() if b is not None else None,
-                          r.data_ptr() + 4 * r0 * n if r is not None else None, out.data_ptr() + 4 * r0 * n, m, n, k,
-                          threads, ACTIVATIONS[activation])
+        lib.packed_linear(
+            x2.data_ptr() + 4 * r0 * k,
+            weight.data.data_ptr(),
+            b.data_ptr() if b is not None else None,
+            r.data_ptr() + 4 * r0 * n if r is not None else None,
+            out.data_ptr() + 4 * r0 * n,
+            m,
+            n,
+            k,
+            threads,
+            ACTIVATIONS[activation],
+        )
     return out
 
 
@@ -178,7 +199,8 @@ def activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
     return _ACTIVATION_FNS[activation](y)
 
 
-def reference_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                     activation: str | None = None) -> torch.Tensor:
+def reference_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, activation: str | None = None
+) -> torch.Tensor:
     """The torch reference of ``packed_linear``: ``F.linear`` on the unpacked weight, then the activation."""
     return activate(F.linear(x, weight, bias), activation)

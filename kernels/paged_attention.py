@@ -55,9 +55,7 @@ def write_kv(
     v_flat.index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
-def gather_kv(
-    cache: torch.Tensor, block_tables: torch.Tensor, max_len: int
-) -> torch.Tensor:
+def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
     """Copy each sequence's first ``max_len`` cache entries into a dense tensor.
 
     Args:
@@ -75,12 +73,14 @@ def gather_kv(
     block_size = cache.shape[1]
     num_blocks = -(-max_len // block_size)
     if num_blocks > block_tables.shape[1]:
-        raise ValueError(f"max_len {max_len} needs {num_blocks} blocks, block_tables has {block_tables.shape[1]} columns")
+        raise ValueError(
+            f"max_len {max_len} needs {num_blocks} blocks, block_tables has {block_tables.shape[1]} columns"
+        )
     b = block_tables.shape[0]
     ids = block_tables[:, :num_blocks].reshape(-1)
     if cache.is_contiguous():
-        # Whole blocks as rows: index_select copies each row with one memcpy (~5x faster on CPU than
-        # advanced indexing, which copies element by element).
+        # Whole blocks as rows: index_select copies each row with one memcpy (faster on CPU than advanced
+        # indexing, which copies element by element; measured: docs/benchmarks.md, Measurements formerly in docstrings).
         blocks = cache.view(cache.shape[0], -1).index_select(0, ids)  # [B * nb, block_size * H * D]
     else:
         blocks = cache[ids]
@@ -149,12 +149,29 @@ def paged_attention(
     if max_context_len is None:
         max_context_len = block_tables.shape[1] * k_cache.shape[1]
     max_context_len = max(int(max_context_len), 1)
-    key = (t, causal, max_query_len, max_context_len, id(block_tables), None if position_bias is None else id(position_bias),
-           compute_dtype)
+    key = (
+        t,
+        causal,
+        max_query_len,
+        max_context_len,
+        id(block_tables),
+        None if position_bias is None else id(position_bias),
+        compute_dtype,
+    )
     plan = step_cache.get(key) if step_cache is not None else None
     if plan is None:
-        plan = _plan(t, block_tables, context_lens, query_start_loc, causal, max_query_len, max_context_len, position_bias,
-                     compute_dtype, device)
+        plan = _plan(
+            t,
+            block_tables,
+            context_lens,
+            query_start_loc,
+            causal,
+            max_query_len,
+            max_context_len,
+            position_bias,
+            compute_dtype,
+            device,
+        )
         if step_cache is not None:
             step_cache[key] = plan
     seq_of_tok, idx_in_seq, max_query_len, attn_mask, has_key, block_tables = plan
@@ -187,9 +204,18 @@ def token_index(query_start_loc: torch.Tensor, t: int) -> tuple[torch.Tensor, to
     return seq_of_tok, tok - query_start_loc[seq_of_tok]
 
 
-def _plan(t: int, block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor, causal: bool,
-          max_query_len: int | None, max_context_len: int, position_bias: torch.Tensor | None, compute_dtype: torch.dtype,
-          device: torch.device) -> tuple:
+def _plan(
+    t: int,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    causal: bool,
+    max_query_len: int | None,
+    max_context_len: int,
+    position_bias: torch.Tensor | None,
+    compute_dtype: torch.dtype,
+    device: torch.device,
+) -> tuple:
     """What ``paged_attention`` needs besides Q/K/V, from the step's metadata alone.
 
     Returns ``(seq_of_tok, idx_in_seq, max_query_len, attn_mask, has_key, block_tables)``;

@@ -4,7 +4,7 @@ Same signatures and semantics as the torch references beside this file:
 ``kernels.paged_attention.paged_attention`` (K/V found through a block table,
 optional causal mask, optional T5 additive position bias) and
 ``kernels.cross_attention.contiguous_cross_attention`` (cross K/V read as one
-run of flat cache slots per sequence). ``tests/test_triton_kernels.py``
+run of flat cache slots per sequence). ``tests/kernels/test_triton_kernels.py``
 compares them on irregular shapes.
 
 Algorithm: one program per (query token, head), as in vLLM's PagedAttention
@@ -38,21 +38,44 @@ import triton.language as tl
 # K tile is 16 KB of registers per program.
 BLOCK_N = 64
 # The interpreter pays per tile, not per element (a 1500-key Whisper cross
-# attention: 13.5 s at 64-key tiles, 0.66 s at 2048), so it takes the longest
-# context in one tile, up to this many keys.
+# attention runs far faster in one tile than in 64-key tiles; measured:
+# docs/benchmarks.md, Measurements formerly in docstrings), so it takes the
+# longest context in one tile, up to this many keys.
 INTERPRET_MAX_BLOCK_N = 2048
 
 
 @triton.jit
 def _paged_attention_kernel(
-    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
-    block_tables_ptr, first_slot_ptr, seq_idx_ptr, kv_len_ptr, q_pos_ptr, bias_ptr,
-    scale, head_dim, num_bias,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_bt, stride_bias_h,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_BIAS: tl.constexpr, CONTIGUOUS: tl.constexpr,
+    out_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    first_slot_ptr,
+    seq_idx_ptr,
+    kv_len_ptr,
+    q_pos_ptr,
+    bias_ptr,
+    scale,
+    head_dim,
+    num_bias,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    stride_bias_h,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    CONTIGUOUS: tl.constexpr,
 ):
     """Program (t, h): output row ``out[t, h, :]``; see the module docstring."""
     t = tl.program_id(0)
@@ -82,8 +105,11 @@ def _paged_attention_kernel(
             off = offs_n % BLOCK_SIZE
         blk = blk.to(tl.int64)
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + (blk * stride_kb + off * stride_ks + h * stride_kh)[:, None] + offs_d[None, :],
-                    mask=kv_mask, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_D]
+        k = tl.load(
+            k_cache_ptr + (blk * stride_kb + off * stride_ks + h * stride_kh)[:, None] + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        ).to(tl.float32)  # [BLOCK_N, BLOCK_D]
         s = tl.sum(q[None, :] * k, 1) * scale  # [BLOCK_N]
         if HAS_BIAS:
             dist = tl.minimum(tl.maximum(q_pos - offs_n, 0), num_bias - 1)
@@ -92,8 +118,11 @@ def _paged_attention_kernel(
         m_new = tl.maximum(m_i, tl.max(s, 0))  # finite: every tile holds a visible key
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new)  # [BLOCK_N]; 0 at masked keys
-        v = tl.load(v_cache_ptr + (blk * stride_vb + off * stride_vs + h * stride_vh)[:, None] + offs_d[None, :],
-                    mask=kv_mask, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(
+            v_cache_ptr + (blk * stride_vb + off * stride_vs + h * stride_vh)[:, None] + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        ).to(tl.float32)  # [BLOCK_N, BLOCK_D]
         acc = acc * alpha + tl.sum(p[:, None] * v, 0)
         l_i = l_i * alpha + tl.sum(p, 0)
         m_i = m_new
@@ -101,13 +130,26 @@ def _paged_attention_kernel(
     tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-def _launch(query, k_cache, v_cache, seq_idx, kv_len, scale, *, block_tables=None, first_slot=None,
-            q_pos=None, position_bias=None) -> torch.Tensor:
+def _launch(
+    query,
+    k_cache,
+    v_cache,
+    seq_idx,
+    kv_len,
+    scale,
+    *,
+    block_tables=None,
+    first_slot=None,
+    q_pos=None,
+    position_bias=None,
+) -> torch.Tensor:
     """Runs the kernel over grid ``(T, H)``; per-token ``seq_idx`` / ``kv_len`` (/ ``q_pos``) are int64 ``[T]``."""
     t, h, d = query.shape
     if not _INTERPRET and query.device.type != "cuda":
-        raise ValueError(f"the Triton attention kernels need CUDA tensors, got {query.device}; "
-                         "on CPU set TRITON_INTERPRET=1 before importing them (tests only) or use attention_backend 'torch'")
+        raise ValueError(
+            f"the Triton attention kernels need CUDA tensors, got {query.device}; "
+            "on CPU set TRITON_INTERPRET=1 before importing them (tests only) or use attention_backend 'torch'"
+        )
     out = torch.empty_like(query)
     if query.stride(-1) != 1:
         query = query.contiguous()
@@ -118,20 +160,36 @@ def _launch(query, k_cache, v_cache, seq_idx, kv_len, scale, *, block_tables=Non
         position_bias = position_bias.to(device=query.device, dtype=torch.float32).contiguous()  # [H, N]
     contiguous = first_slot is not None
     _paged_attention_kernel[(t, h)](
-        out, query, k_cache, v_cache,
+        out,
+        query,
+        k_cache,
+        v_cache,
         block_tables if block_tables is not None else dummy,
         first_slot if contiguous else dummy,
-        seq_idx, kv_len,
+        seq_idx,
+        kv_len,
         q_pos if q_pos is not None else dummy,
         position_bias if position_bias is not None else dummy,
-        float(scale), d, position_bias.shape[1] if position_bias is not None else 1,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        float(scale),
+        d,
+        position_bias.shape[1] if position_bias is not None else 1,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
         block_tables.stride(0) if block_tables is not None else 0,
         position_bias.stride(0) if position_bias is not None else 0,
-        BLOCK_SIZE=k_cache.shape[1], BLOCK_N=_block_n(kv_len), BLOCK_D=triton.next_power_of_2(d),
-        HAS_BIAS=position_bias is not None, CONTIGUOUS=contiguous,
+        BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_N=_block_n(kv_len),
+        BLOCK_D=triton.next_power_of_2(d),
+        HAS_BIAS=position_bias is not None,
+        CONTIGUOUS=contiguous,
     )
     return out
 
@@ -204,9 +262,17 @@ def paged_attention(
     seq_idx = torch.searchsorted(qsl[1:], tok, right=True)  # [T]
     q_pos = ctx[seq_idx] - (qsl[seq_idx + 1] - tok)  # [T] absolute position of each query token
     kv_len = (q_pos + 1).clamp(min=0).minimum(ctx[seq_idx]) if causal else ctx[seq_idx]  # [T] visible keys
-    return _launch(query, k_cache, v_cache, seq_idx, kv_len, scale,
-                   block_tables=block_tables.to(device=device, dtype=torch.long),
-                   q_pos=q_pos, position_bias=position_bias)
+    return _launch(
+        query,
+        k_cache,
+        v_cache,
+        seq_idx,
+        kv_len,
+        scale,
+        block_tables=block_tables.to(device=device, dtype=torch.long),
+        q_pos=q_pos,
+        position_bias=position_bias,
+    )
 
 
 def contiguous_cross_attention(
@@ -242,5 +308,12 @@ def contiguous_cross_attention(
         kv_len[q_start:q_end] = [n] * (q_end - q_start)
     device = query.device
     first_slot = torch.tensor([s[2] for s in spans], dtype=torch.long, device=device)
-    return _launch(query, k_cache, v_cache, torch.tensor(seq_idx, dtype=torch.long, device=device),
-                   torch.tensor(kv_len, dtype=torch.long, device=device), scale, first_slot=first_slot)
+    return _launch(
+        query,
+        k_cache,
+        v_cache,
+        torch.tensor(seq_idx, dtype=torch.long, device=device),
+        torch.tensor(kv_len, dtype=torch.long, device=device),
+        scale,
+        first_slot=first_slot,
+    )

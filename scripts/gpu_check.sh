@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check of the CUDA cross-KV transports (issue 5), on a machine with one CUDA GPU:
-#   1. tests/test_kv_transport_cuda.py without NCCL: cuda_ipc with encoder and decoder as two
+#   1. tests/shared/test_kv_transport_cuda.py without NCCL: cuda_ipc with encoder and decoder as two
 #      processes on the one device (bit-exact blocks, non-contiguous ids, encoder lengths that do
 #      not divide the block size, restarted decoder, malformed targets);
 #   2. the same file's NCCL test (torch_dist, two processes on the one device), run apart so that
@@ -45,12 +45,12 @@ print(f"gpu_check: {props.name}, {props.total_memory / 2**30:.0f} GiB, CUDA {tor
 start=$SECONDS
 echo "== 1/3 cuda_ipc transfer tests: encoder and decoder as two processes on one GPU"
 timeout -k 10 90 "$PY" -m pytest -q -p no:cacheprovider -rs -o timeout=60 -k "not nccl" \
-  --junitxml "$OUT/tests_cuda_ipc.xml" tests/test_kv_transport_cuda.py 2>&1 | tee "$OUT/tests_cuda_ipc.log"
+  --junitxml "$OUT/tests_cuda_ipc.xml" tests/shared/test_kv_transport_cuda.py 2>&1 | tee "$OUT/tests_cuda_ipc.log"
 ipc_rc=${PIPESTATUS[0]}
 
 echo "== 2/3 NCCL transfer test: torch_dist, two processes on one GPU"
 timeout -k 10 60 "$PY" -m pytest -q -p no:cacheprovider -rs -o timeout=50 -k nccl \
-  --junitxml "$OUT/tests_nccl.xml" tests/test_kv_transport_cuda.py 2>&1 | tee "$OUT/tests_nccl.log"
+  --junitxml "$OUT/tests_nccl.xml" tests/shared/test_kv_transport_cuda.py 2>&1 | tee "$OUT/tests_nccl.log"
 nccl_rc=${PIPESTATUS[0]}
 
 echo "== 3/3 transfer bench: every transport available here"
@@ -77,7 +77,7 @@ rows = []
 for part in ("cuda_ipc", "nccl"):
     path = f"{out}/tests_{part}.xml"
     if not os.path.exists(path):
-        rows.append((f"{part} tests", "tests/test_kv_transport_cuda.py", "FAILED (no report: crashed or timed out)", "", "", ""))
+        rows.append((f"{part} tests", "tests/shared/test_kv_transport_cuda.py", "FAILED (no report: crashed or timed out)", "", "", ""))
         continue
     groups = {}  # test function -> (verdict of each case, detail to show)
     for case in ET.parse(path).iter("testcase"):

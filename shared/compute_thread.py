@@ -8,9 +8,9 @@ together with its worker threads. Once that count exceeds the CPUs the process
 may use, libgomp throttles: every worker spins only ~100 times (instead of
 ~300,000) before sleeping on a futex, so each of the hundreds of parallel ops
 of a decode step pays a wake-up. Loading the model on the main thread with 2
-threads was enough to trigger it on our 2-core machines: a t5-small batch-32
-decode step took ~100 ms instead of ~80 ms (52,640 voluntary context switches
-in 130 steps instead of 18).
+threads was enough to trigger it on 2 cores: a t5-small batch-32 decode step
+got slower, with hundreds of times more voluntary context switches (measured:
+docs/benchmarks.md, Measurements formerly in docstrings).
 
 So the main thread loads and prepares with one thread (``single_threaded_main``)
 and the compute thread takes the configured count when it starts
@@ -21,21 +21,15 @@ OpenMP's own (``omp_set_num_threads`` is per calling thread), which
 How long an idle worker spins is a trade-off on 2 cores shared by two
 services: the decoder's steady stream of small ops wants its workers awake
 between ops, while spinning workers take the cores from the other service
-(Whisper: the encoder's 30 s windows are half the work). Measured on our
-2-core machines, walls of the t5-small seq2seq bench (32 x 64 tokens) /
-the Whisper bench at concurrency 16 (16 clips), seconds, +-0.5, with both
-services' main threads single-threaded:
+(Whisper: the encoder's 30 s windows are half the work). The walls of the
+t5-small seq2seq bench and the Whisper bench at concurrency 16 were compared
+for libgomp's default spin, ``OMP_WAIT_POLICY=PASSIVE`` and a short spin of
+3,000 in both services (``short_omp_spin``): the short spin was as fast as the
+best of the others on each (measured: docs/benchmarks.md, Measurements
+formerly in docstrings).
 
-===========================================  =========  ==========
-encoder / decoder spin                       t5-small   Whisper
-===========================================  =========  ==========
-PASSIVE / 300,000 (libgomp's default)        7.4        13.6-14.8
-PASSIVE / PASSIVE                            8.0-9.5    11.0-12.2
-3,000 / 3,000 (``short_omp_spin``)           7.0-7.4    11.5-12.1
-===========================================  =========  ==========
-
-So both services default to ``GOMP_SPINCOUNT=3000`` (about 30 us of spinning:
-enough to bridge the gap between a step's consecutive ops, asleep on real idle)
+So both services default to ``GOMP_SPINCOUNT=3000`` (a short spin: enough to
+bridge the gap between a step's consecutive ops, asleep on real idle)
 unless the environment sets ``GOMP_SPINCOUNT`` or ``OMP_WAIT_POLICY``.
 
 The C kernels of decode steps (``kernels/csrc``) run on a pool of their own

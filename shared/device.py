@@ -31,6 +31,7 @@ def is_cuda(name: str) -> bool:
 
 def same_device(a: str, b: str) -> bool:
     """True when two valid device names denote one device (``cuda`` is taken as ``cuda:0``)."""
+
     def norm(name: str) -> str:
         return "cuda:0" if name == "cuda" else name
 
@@ -60,13 +61,21 @@ def resolve_device(name: str):
     if device.type != "cuda":
         return device
     if not torch.cuda.is_available():
-        build = f"torch {torch.__version__} has no CUDA support" if torch.version.cuda is None else "torch sees no CUDA device"
-        raise ValueError(f"device {name!r} requested but {build} (check the driver, nvidia-smi and CUDA_VISIBLE_DEVICES, "
-                         "and that torch is a CUDA build); set device cpu (ENCDEC_DEVICE=cpu / --device cpu) to run on the CPU")
+        build = (
+            f"torch {torch.__version__} has no CUDA support"
+            if torch.version.cuda is None
+            else "torch sees no CUDA device"
+        )
+        raise ValueError(
+            f"device {name!r} requested but {build} (check the driver, nvidia-smi and CUDA_VISIBLE_DEVICES, "
+            "and that torch is a CUDA build); set device cpu (ENCDEC_DEVICE=cpu / --device cpu) to run on the CPU"
+        )
     count = torch.cuda.device_count()
     index = 0 if device.index is None else device.index
     if index >= count:
-        raise ValueError(f"device {name!r} requested but only {count} CUDA device(s) are visible (cuda:0..cuda:{count - 1})")
+        raise ValueError(
+            f"device {name!r} requested but only {count} CUDA device(s) are visible (cuda:0..cuda:{count - 1})"
+        )
     device = torch.device("cuda", index)
     torch.cuda.set_device(device)
     torch.backends.cudnn.allow_tf32 = False  # torch's default is True for cuDNN convolutions
@@ -92,5 +101,13 @@ def model_device(model):
     return next(model.parameters()).device
 
 
-__all__ = ["DEVICE_PATTERN", "MODEL_DTYPES", "check_device_name", "is_cuda", "model_device", "resolve_device",
-           "same_device", "torch_dtype"]
+__all__ = [
+    "DEVICE_PATTERN",
+    "MODEL_DTYPES",
+    "check_device_name",
+    "is_cuda",
+    "model_device",
+    "resolve_device",
+    "same_device",
+    "torch_dtype",
+]

@@ -123,7 +123,9 @@ async def serve(
     await server.start()
     for name in ["", *service_names]:
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("serving %s on %s:%d", ", ".join(service_names), address.rpartition(":")[0], bound)  # port 0: the one picked
+    log.info(
+        "serving %s on %s:%d", ", ".join(service_names), address.rpartition(":")[0], bound
+    )  # port 0: the one picked
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

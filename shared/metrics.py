@@ -49,33 +49,43 @@ class _EngineCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         s = self._stats()
-        yield GaugeMetricFamily("encdec_decoder_num_requests_running", "Sequences in the running batch", s["num_running"])
+        yield GaugeMetricFamily(
+            "encdec_decoder_num_requests_running", "Sequences in the running batch", s["num_running"]
+        )
         yield GaugeMetricFamily(
             "encdec_decoder_num_requests_waiting",
             "Sequences not running: waiting for cross blocks, encoding, or waiting for self blocks / a seat",
             s["num_waiting"],
         )
-        free = GaugeMetricFamily("encdec_decoder_kv_free_blocks", "Free KV cache blocks per cache group", labels=["group"])
+        free = GaugeMetricFamily(
+            "encdec_decoder_kv_free_blocks", "Free KV cache blocks per cache group", labels=["group"]
+        )
         total = GaugeMetricFamily("encdec_decoder_kv_blocks", "KV cache blocks per cache group", labels=["group"])
         for group in ("self", "cross"):
             free.add_metric([group], s[f"num_free_{group}_blocks"])
             total.add_metric([group], s[f"num_{group}_blocks"])
         yield free
         yield total
-        yield CounterMetricFamily("encdec_decoder_model_steps", "Engine steps that ran the model (decode or prefill)",
-                                  s["num_model_steps"])
-        yield CounterMetricFamily("encdec_decoder_step_sequences",
-                                  "Sequences over all model steps (mean batch = this / encdec_decoder_model_steps)",
-                                  s["num_step_sequences"])
+        yield CounterMetricFamily(
+            "encdec_decoder_model_steps", "Engine steps that ran the model (decode or prefill)", s["num_model_steps"]
+        )
+        yield CounterMetricFamily(
+            "encdec_decoder_step_sequences",
+            "Sequences over all model steps (mean batch = this / encdec_decoder_model_steps)",
+            s["num_step_sequences"],
+        )
         sched = self._scheduler
-        yield CounterMetricFamily("encdec_decoder_num_preemptions", "Recompute preemptions since start", sched.num_preemptions)
+        yield CounterMetricFamily(
+            "encdec_decoder_num_preemptions", "Recompute preemptions since start", sched.num_preemptions
+        )
         yield CounterMetricFamily(
             "encdec_decoder_encoder_cache_hits",
             "Requests that shared another unfinished request's cross KV instead of being encoded",
             sched.encoder_cache.num_hits,
         )
         yield GaugeMetricFamily(
-            "encdec_decoder_encoder_cache_entries", "Distinct encoder inputs whose cross KV is shareable now",
+            "encdec_decoder_encoder_cache_entries",
+            "Distinct encoder inputs whose cross KV is shareable now",
             len(sched.encoder_cache.entries),
         )
 
@@ -101,18 +111,33 @@ class DecoderMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else new_registry()
         r = self.registry
-        self.requests = Counter("encdec_decoder_requests", "Finished Generate requests by final state",
-                                ["state", "finish_reason"], registry=r)
-        self.ttft = Histogram("encdec_decoder_time_to_first_token_seconds", "Time to first token",
-                              buckets=TTFT_BUCKETS, registry=r)
-        self.tpot = Histogram("encdec_decoder_time_per_output_token_seconds", "Time between a request's consecutive tokens",
-                              buckets=TPOT_BUCKETS, registry=r)
-        self.encode = Histogram("encdec_decoder_encode_seconds", "Encode round trip seen by the decoder",
-                                buckets=ENCODE_BUCKETS, registry=r)
-        self.kv_transfer_bytes = Counter("encdec_decoder_kv_transfer_bytes", "Cross-KV bytes transferred into the pool",
-                                         registry=r)
-        self.kv_transfer = Histogram("encdec_decoder_kv_transfer_seconds", "Wall time of one request's cross-KV transfer",
-                                     buckets=TRANSFER_BUCKETS, registry=r)
+        self.requests = Counter(
+            "encdec_decoder_requests",
+            "Finished Generate requests by final state",
+            ["state", "finish_reason"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "encdec_decoder_time_to_first_token_seconds", "Time to first token", buckets=TTFT_BUCKETS, registry=r
+        )
+        self.tpot = Histogram(
+            "encdec_decoder_time_per_output_token_seconds",
+            "Time between a request's consecutive tokens",
+            buckets=TPOT_BUCKETS,
+            registry=r,
+        )
+        self.encode = Histogram(
+            "encdec_decoder_encode_seconds", "Encode round trip seen by the decoder", buckets=ENCODE_BUCKETS, registry=r
+        )
+        self.kv_transfer_bytes = Counter(
+            "encdec_decoder_kv_transfer_bytes", "Cross-KV bytes transferred into the pool", registry=r
+        )
+        self.kv_transfer = Histogram(
+            "encdec_decoder_kv_transfer_seconds",
+            "Wall time of one request's cross-KV transfer",
+            buckets=TRANSFER_BUCKETS,
+            registry=r,
+        )
 
     def watch_engine(self, stats: Callable[[], dict], scheduler) -> None:
         """Exposes the engine's running / waiting sequences, free and total blocks per group,
@@ -149,13 +174,27 @@ class EncoderMetrics:
         self.registry = registry if registry is not None else new_registry()
         r = self.registry
         self.requests = Counter("encdec_encoder_requests", "Encode calls by outcome", ["outcome"], registry=r)
-        self.encode = Histogram("encdec_encoder_encode_seconds", "Batch start to cross KV written, per request",
-                                buckets=ENCODE_BUCKETS, registry=r)
-        self.batch_size = Histogram("encdec_encoder_batch_size", "Requests encoded in one forward, per request",
-                                    buckets=BATCH_SIZE_BUCKETS, registry=r)
-        self.kv_transfer_bytes = Counter("encdec_encoder_kv_transfer_bytes", "Cross-KV bytes written / sent", registry=r)
-        self.kv_transfer = Histogram("encdec_encoder_kv_transfer_seconds", "Wall time of one request's cross-KV write / send",
-                                     buckets=TRANSFER_BUCKETS, registry=r)
+        self.encode = Histogram(
+            "encdec_encoder_encode_seconds",
+            "Batch start to cross KV written, per request",
+            buckets=ENCODE_BUCKETS,
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "encdec_encoder_batch_size",
+            "Requests encoded in one forward, per request",
+            buckets=BATCH_SIZE_BUCKETS,
+            registry=r,
+        )
+        self.kv_transfer_bytes = Counter(
+            "encdec_encoder_kv_transfer_bytes", "Cross-KV bytes written / sent", registry=r
+        )
+        self.kv_transfer = Histogram(
+            "encdec_encoder_kv_transfer_seconds",
+            "Wall time of one request's cross-KV write / send",
+            buckets=TRANSFER_BUCKETS,
+            registry=r,
+        )
 
     def observe_encode(self, encode_ms: float, batch_size: int, transfer_bytes: int, transfer_ms: float) -> None:
         """Records one successful Encode (the values of its ``EncodeResponse``)."""

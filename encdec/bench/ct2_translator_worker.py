@@ -1,7 +1,7 @@
 """CTranslate2 ``Translator`` runs for ``encdec bench seq2seq``, in their own process.
 
 Like ``ct2_worker`` (Whisper): CTranslate2 and torch each ship an OpenMP
-runtime and CT2 slows by up to ~50% next to multi-threaded torch, so the bench
+runtime and CT2 slows next to multi-threaded torch (see ``ct2_worker``), so the bench
 runs this module as a subprocess. It reads one JSON job on stdin and prints one
 JSON line.
 
@@ -50,14 +50,16 @@ def main() -> None:
 
     vocab = json.loads((Path(job["ct2_dir"]) / "shared_vocabulary.json").read_text())
     index = {t: i for i, t in enumerate(vocab)}
-    translator = ctranslate2.Translator(job["ct2_dir"], device="cpu", compute_type=job["compute_type"],
-                                        intra_threads=int(job["threads"]))
+    translator = ctranslate2.Translator(
+        job["ct2_dir"], device="cpu", compute_type=job["compute_type"], intra_threads=int(job["threads"])
+    )
     n = int(job["new_tokens"])
     sources = [[vocab[i] for i in src] for src in job["sources"]]
 
     def run(batch: list[list[str]]) -> list[list[int]]:
-        res = translator.translate_batch(batch, beam_size=1, min_decoding_length=n, max_decoding_length=n,
-                                         max_batch_size=len(batch))
+        res = translator.translate_batch(
+            batch, beam_size=1, min_decoding_length=n, max_decoding_length=n, max_batch_size=len(batch)
+        )
         return [[index[t] for t in r.hypotheses[0]] for r in res]
 
     run(sources[:1])  # warm-up

@@ -1,7 +1,8 @@
 """CTranslate2 Whisper runs for the bench, in their own process.
 
 CTranslate2 and torch each ship an OpenMP runtime; in one process with
-multi-threaded torch, CT2 decoding runs up to ~50% slower (notes/facts.md), so
+multi-threaded torch, CT2 decoding runs slower (notes/facts.md; measured:
+docs/benchmarks.md, Measurements formerly in docstrings), so
 the bench calls this module as a subprocess and reads one JSON line back.
 
 Usage: ``python -m encdec.bench.ct2_worker MODEL_DIR COMPUTE_TYPE MODE THREADS REPEATS FILE...``
@@ -30,7 +31,9 @@ def main(argv: list[str]) -> None:
 
     def run(batch: list) -> list[list[int]]:
         feats = np.stack([log_mel_spectrogram(a).numpy() for a in batch])  # [B, 80, 3000]
-        results = model.generate(ctranslate2.StorageView.from_array(feats), [prompt] * len(batch), beam_size=1, max_length=448)
+        results = model.generate(
+            ctranslate2.StorageView.from_array(feats), [prompt] * len(batch), beam_size=1, max_length=448
+        )
         return [list(r.sequences_ids[0]) for r in results]
 
     run(audio[:1])  # warm-up

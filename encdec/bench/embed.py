@@ -21,10 +21,12 @@ import grpc
 
 from encdec.bench.table import markdown_table, write_json
 
-WORDS = ("the a serving system batches requests of different lengths together while every padded position costs compute "
-         "sorting by length and packing tokens keeps waste small encoder models embed sentences into vectors for search "
-         "retrieval clustering and ranking users compare latency throughput quality across machines today tomorrow "
-         "quickly slowly large small new old city river mountain music book data model").split()
+WORDS = (
+    "the a serving system batches requests of different lengths together while every padded position costs compute "
+    "sorting by length and packing tokens keeps waste small encoder models embed sentences into vectors for search "
+    "retrieval clustering and ranking users compare latency throughput quality across machines today tomorrow "
+    "quickly slowly large small new old city river mountain music book data model"
+).split()
 COLUMNS = ["system", "batch", "requests", "sentences/s", "p50 ms", "p99 ms", "x sentence-transformers"]
 
 
@@ -36,8 +38,14 @@ def make_sentences(n: int, seed: int = 0) -> list[str]:
 def _row(system: str, batch: int, latencies: list[float]) -> dict:
     lat = sorted(latencies)
     p99 = lat[min(len(lat) - 1, int(round(0.99 * (len(lat) - 1))))]
-    return {"system": system, "batch": batch, "requests": len(lat), "sentences/s": batch * len(lat) / sum(lat),
-            "p50 ms": statistics.median(lat) * 1000, "p99 ms": p99 * 1000}
+    return {
+        "system": system,
+        "batch": batch,
+        "requests": len(lat),
+        "sentences/s": batch * len(lat) / sum(lat),
+        "p50 ms": statistics.median(lat) * 1000,
+        "p99 ms": p99 * 1000,
+    }
 
 
 def _requests(sentences: list[str], batch: int, count: int) -> list[list[str]]:
@@ -89,8 +97,11 @@ def main(args) -> int:
     model_dir = str(resolve_model(args.model)[1])
     sentences = make_sentences(512)
     work = {1: _requests(sentences, 1, args.requests_b1), 32: _requests(sentences, 32, args.requests_b32)}
-    print(f"model {args.model}, {args.threads} threads per system, {os.cpu_count()} CPUs; "
-          f"batch 1: {args.requests_b1} requests, batch 32: {args.requests_b32} requests", file=sys.stderr)
+    print(
+        f"model {args.model}, {args.threads} threads per system, {os.cpu_count()} CPUs; "
+        f"batch 1: {args.requests_b1} requests, batch 32: {args.requests_b32} requests",
+        file=sys.stderr,
+    )
     if args.address:
         ours = run_ours(args.address, work)
     else:
@@ -105,6 +116,8 @@ def main(args) -> int:
         rows += [ref, mine]
     print(markdown_table(rows, COLUMNS))
     if args.json:
-        write_json(args.json, {"bench": "embed", "model": args.model, "threads": args.threads, "cpu_count": os.cpu_count(),
-                               "rows": rows})
+        write_json(
+            args.json,
+            {"bench": "embed", "model": args.model, "threads": args.threads, "cpu_count": os.cpu_count(), "rows": rows},
+        )
     return 0

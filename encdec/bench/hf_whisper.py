@@ -79,14 +79,26 @@ def build_hf_whisper(model_dir: str | Path):
     with open(model_dir / "config.json", encoding="utf-8") as f:
         pkg = json.load(f)
     cfg = WhisperConfig(
-        vocab_size=VOCAB, num_mel_bins=MELS, d_model=D_MODEL,
-        encoder_layers=LAYERS, decoder_layers=LAYERS,
-        encoder_attention_heads=HEADS, decoder_attention_heads=HEADS,
-        encoder_ffn_dim=FFN, decoder_ffn_dim=FFN,
-        max_source_positions=1500, max_target_positions=448,
-        activation_function="gelu", scale_embedding=False, tie_word_embeddings=True,
-        pad_token_id=50256, bos_token_id=50257, eos_token_id=50256, decoder_start_token_id=50257,
-        begin_suppress_tokens=None, suppress_tokens=None,
+        vocab_size=VOCAB,
+        num_mel_bins=MELS,
+        d_model=D_MODEL,
+        encoder_layers=LAYERS,
+        decoder_layers=LAYERS,
+        encoder_attention_heads=HEADS,
+        decoder_attention_heads=HEADS,
+        encoder_ffn_dim=FFN,
+        decoder_ffn_dim=FFN,
+        max_source_positions=1500,
+        max_target_positions=448,
+        activation_function="gelu",
+        scale_embedding=False,
+        tie_word_embeddings=True,
+        pad_token_id=50256,
+        bos_token_id=50257,
+        eos_token_id=50256,
+        decoder_start_token_id=50257,
+        begin_suppress_tokens=None,
+        suppress_tokens=None,
     )
     cfg._attn_implementation = "sdpa"
     with no_init_weights():  # every weight is overwritten below; skip the slow random init

@@ -26,8 +26,20 @@ from pathlib import Path
 
 from encdec.bench.table import markdown_table, write_json
 
-COLUMNS = ["workload", "rate req/s", "duration s", "requests", "failed", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms",
-           "TPOT p99 ms", "e2e mean s", "req/s", "tokens/s"]
+COLUMNS = [
+    "workload",
+    "rate req/s",
+    "duration s",
+    "requests",
+    "failed",
+    "TTFT p50 ms",
+    "TTFT p99 ms",
+    "TPOT p50 ms",
+    "TPOT p99 ms",
+    "e2e mean s",
+    "req/s",
+    "tokens/s",
+]
 
 
 def arrival_times(rate: float, duration: float, seed: int) -> list[float]:
@@ -70,7 +82,8 @@ def _workload(args):
     sources = source_ids(args.workload, 256, args.source_len, seed=args.seed)
     sampling = sampling_for(args.new_tokens)
     return str(model_dir), lambda i: decoder_pb2.GenerateRequest(
-        input_ids=decoder_pb2.TokenIds(ids=sources[i % len(sources)]), sampling=sampling)
+        input_ids=decoder_pb2.TokenIds(ids=sources[i % len(sources)]), sampling=sampling
+    )
 
 
 async def _drive(address: str, make_request, offsets: list[float], progress: bool) -> tuple[list[dict], float]:
@@ -97,9 +110,15 @@ async def _drive(address: str, make_request, offsets: list[float], progress: boo
                 error = f"{exc.code().name}: {exc.details()}"
             end = time.perf_counter()
             bar.update(1)
-            return {"arrival_s": at, "start": start - t0, "end": end - t0, "tokens": n, "error": error,
-                    "ttft_s": None if first is None else first - start,
-                    "tpot_s": (end - first) / (n - 1) if first is not None and n > 1 else None}
+            return {
+                "arrival_s": at,
+                "start": start - t0,
+                "end": end - t0,
+                "tokens": n,
+                "error": error,
+                "ttft_s": None if first is None else first - start,
+                "tpot_s": (end - first) / (n - 1) if first is not None and n > 1 else None,
+            }
 
         async for _ in stub.Generate(make_request(0)):  # warm-up, not counted
             pass
@@ -120,12 +139,20 @@ def summarize(workload: str, rate: float, duration: float, results: list[dict]) 
     def ms(v: float | None) -> float | None:
         return None if v is None else v * 1000
 
-    return {"workload": workload, "rate req/s": rate, "duration s": duration, "requests": len(results),
-            "failed": len(results) - len(ok), "TTFT p50 ms": ms(percentile(ttft, 50)), "TTFT p99 ms": ms(percentile(ttft, 99)),
-            "TPOT p50 ms": ms(percentile(tpot, 50)), "TPOT p99 ms": ms(percentile(tpot, 99)),
-            "e2e mean s": statistics.fmean(r["end"] - r["start"] for r in ok) if ok else None,
-            "req/s": len(ok) / span if span > 0 else None,
-            "tokens/s": sum(r["tokens"] for r in ok) / span if span > 0 else None}
+    return {
+        "workload": workload,
+        "rate req/s": rate,
+        "duration s": duration,
+        "requests": len(results),
+        "failed": len(results) - len(ok),
+        "TTFT p50 ms": ms(percentile(ttft, 50)),
+        "TTFT p99 ms": ms(percentile(ttft, 99)),
+        "TPOT p50 ms": ms(percentile(tpot, 50)),
+        "TPOT p99 ms": ms(percentile(tpot, 99)),
+        "e2e mean s": statistics.fmean(r["end"] - r["start"] for r in ok) if ok else None,
+        "req/s": len(ok) / span if span > 0 else None,
+        "tokens/s": sum(r["tokens"] for r in ok) / span if span > 0 else None,
+    }
 
 
 def run(args, progress: bool = True) -> dict:
@@ -137,21 +164,37 @@ def run(args, progress: bool = True) -> dict:
     offsets = arrival_times(args.rate, args.duration, args.seed)
     model, make_request = _workload(args)
     if progress:
-        print(f"[online {args.workload}] {len(offsets)} Poisson arrivals at {args.rate} req/s over {args.duration} s",
-              file=sys.stderr, flush=True)
+        print(
+            f"[online {args.workload}] {len(offsets)} Poisson arrivals at {args.rate} req/s over {args.duration} s",
+            file=sys.stderr,
+            flush=True,
+        )
     if args.address:
         results, _ = asyncio.run(_drive(args.address, make_request, offsets, progress))
     else:
         from encdec.launcher import Services
 
         flags = ["--num-threads", str(args.threads)]
-        with Services(model=model, log_level="WARNING", extra_encoder_args=flags,
-                      extra_decoder_args=[*flags, "--max-num-seqs", str(args.max_num_seqs),
-                                          "--encoder-cache", "0"]) as svc:  # repeated clips are encoded each time
+        with Services(
+            model=model,
+            log_level="WARNING",
+            extra_encoder_args=flags,
+            extra_decoder_args=[*flags, "--max-num-seqs", str(args.max_num_seqs), "--encoder-cache", "0"],
+        ) as svc:  # repeated clips are encoded each time
             results, _ = asyncio.run(_drive(svc.decoder_address, make_request, offsets, progress))
     row = summarize(args.workload, args.rate, args.duration, results)
-    return {"bench": "online", "workload": args.workload, "rate": args.rate, "duration": args.duration, "seed": args.seed,
-            "threads": args.threads, "cpu_count": os.cpu_count(), "columns": COLUMNS, "rows": [row], "requests": results}
+    return {
+        "bench": "online",
+        "workload": args.workload,
+        "rate": args.rate,
+        "duration": args.duration,
+        "seed": args.seed,
+        "threads": args.threads,
+        "cpu_count": os.cpu_count(),
+        "columns": COLUMNS,
+        "rows": [row],
+        "requests": results,
+    }
 
 
 def main(args) -> int:

@@ -46,8 +46,12 @@ def plot_results(benches: dict[str, dict], path: str | Path) -> Path:
     panels = [(name, p["rows"]) for name, p in benches.items() if p and p.get("rows")]
     if not panels:
         raise ValueError("no bench results to plot")
-    heights = [max(1.6, 0.32 * len(rows) * (len(ONLINE_METRICS) if name == "online" else 1) + 1.0) for name, rows in panels]
-    fig, axes = plt.subplots(len(panels), 1, figsize=(10, sum(heights)), gridspec_kw={"height_ratios": heights}, squeeze=False)
+    heights = [
+        max(1.6, 0.32 * len(rows) * (len(ONLINE_METRICS) if name == "online" else 1) + 1.0) for name, rows in panels
+    ]
+    fig, axes = plt.subplots(
+        len(panels), 1, figsize=(10, sum(heights)), gridspec_kw={"height_ratios": heights}, squeeze=False
+    )
     for ax, (name, rows) in zip(axes[:, 0], panels):
         if name == "online":
             labels, values = [], []

@@ -23,8 +23,8 @@ each decoded greedily to exactly ``--new-tokens`` tokens:
   (``ct2_translator_worker``).
 
 Batched runs (ours, HF batched, CTranslate2 batched) are timed ``--repeats``
-times and the median is reported (a shared 2-core machine varies ~10% run to
-run); sequential runs once.
+times and the median is reported (a shared machine varies from run to run:
+docs/benchmarks.md, Measurements formerly in docstrings); sequential runs once.
 
 Columns: generated tokens, wall seconds, tokens/s, ``x best batched`` (tokens/s
 over the better of HF batched and CTranslate2 fp32 batched, the issue-7 target)
@@ -50,12 +50,25 @@ COLUMNS = ["model", "system", "mode", "requests", "tokens", "wall s", "tokens/s"
 
 
 def _gen_kwargs(n: int) -> dict:
-    return dict(min_new_tokens=n, max_new_tokens=n, do_sample=False, num_beams=1,
-                forced_bos_token_id=None, forced_eos_token_id=None)
+    return dict(
+        min_new_tokens=n,
+        max_new_tokens=n,
+        do_sample=False,
+        num_beams=1,
+        forced_bos_token_id=None,
+        forced_eos_token_id=None,
+    )
 
 
-def run_hf(model_dir: Path, sources: list[list[int]], new_tokens: int, threads: int, sequential: bool = True,
-           progress: bool = True, repeats: int = 1) -> dict[str, tuple[float, list[list[int]]]]:
+def run_hf(
+    model_dir: Path,
+    sources: list[list[int]],
+    new_tokens: int,
+    threads: int,
+    sequential: bool = True,
+    progress: bool = True,
+    repeats: int = 1,
+) -> dict[str, tuple[float, list[list[int]]]]:
     """HF ``generate`` (fp32, greedy): ``{"sequential" | "batched": (wall_s, tokens)}``; tokens exclude the start token;
     batched: the median of ``repeats`` runs."""
     import torch
@@ -70,8 +83,10 @@ def run_hf(model_dir: Path, sources: list[list[int]], new_tokens: int, threads: 
         model.generate(torch.tensor(sources[:1]), **kw)  # warm-up
         if sequential:
             start = time.perf_counter()
-            tokens = [model.generate(torch.tensor([s]), **kw)[0, 1:].tolist()
-                      for s in tqdm(sources, desc="HF sequential", disable=not progress, leave=False)]
+            tokens = [
+                model.generate(torch.tensor([s]), **kw)[0, 1:].tolist()
+                for s in tqdm(sources, desc="HF sequential", disable=not progress, leave=False)
+            ]
             out["sequential"] = (time.perf_counter() - start, tokens)
         ids = torch.tensor(sources)  # every source has the same length: no padding
         runs = []
@@ -83,14 +98,34 @@ def run_hf(model_dir: Path, sources: list[list[int]], new_tokens: int, threads: 
     return out
 
 
-def run_ct2(model_dir: Path, ct2_dir: Path, sources: list[list[int]], new_tokens: int, threads: int, compute_type: str,
-            modes: list[str], repeats: int = 1) -> dict[str, tuple[float, list[list[int]]]]:
+def run_ct2(
+    model_dir: Path,
+    ct2_dir: Path,
+    sources: list[list[int]],
+    new_tokens: int,
+    threads: int,
+    compute_type: str,
+    modes: list[str],
+    repeats: int = 1,
+) -> dict[str, tuple[float, list[list[int]]]]:
     """CTranslate2 in a subprocess (converts on first use): ``{mode: (wall_s, tokens)}``; batched: the median of
     ``repeats`` runs."""
-    job = {"model_dir": str(model_dir), "ct2_dir": str(ct2_dir), "compute_type": compute_type, "threads": threads,
-           "sources": sources, "new_tokens": new_tokens, "modes": modes, "repeats": repeats}
-    proc = subprocess.run([sys.executable, "-m", "encdec.bench.ct2_translator_worker"], input=json.dumps(job),
-                          capture_output=True, text=True)
+    job = {
+        "model_dir": str(model_dir),
+        "ct2_dir": str(ct2_dir),
+        "compute_type": compute_type,
+        "threads": threads,
+        "sources": sources,
+        "new_tokens": new_tokens,
+        "modes": modes,
+        "repeats": repeats,
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "encdec.bench.ct2_translator_worker"],
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"CTranslate2 worker failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
     res = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -118,7 +153,9 @@ async def generate_ids(stub, ids: list[int], sampling) -> tuple[list[int], float
     start = time.perf_counter()
     first = None
     tokens: list[int] = []
-    async for m in stub.Generate(decoder_pb2.GenerateRequest(input_ids=decoder_pb2.TokenIds(ids=ids), sampling=sampling)):
+    async for m in stub.Generate(
+        decoder_pb2.GenerateRequest(input_ids=decoder_pb2.TokenIds(ids=ids), sampling=sampling)
+    ):
         if m.token_ids and first is None:
             first = time.perf_counter() - start
         tokens.extend(m.token_ids)
@@ -146,8 +183,15 @@ def service_args(threads: int, max_num_seqs: int, quantize: str = "none") -> tup
     return common, [*common, "--max-num-seqs", str(max_num_seqs)]
 
 
-def run_ours(model_dir: Path, sources: list[list[int]], new_tokens: int, threads: int, quantize: str = "none",
-             stream_interval: int = 1, repeats: int = 1) -> tuple[float, list[list[int]]]:
+def run_ours(
+    model_dir: Path,
+    sources: list[list[int]],
+    new_tokens: int,
+    threads: int,
+    quantize: str = "none",
+    stream_interval: int = 1,
+    repeats: int = 1,
+) -> tuple[float, list[list[int]]]:
     """Our services (started and stopped here) on ``model_dir``: all requests at once over gRPC, ``repeats`` times
     against the same services; the median run."""
     from encdec.launcher import Services
@@ -155,15 +199,27 @@ def run_ours(model_dir: Path, sources: list[list[int]], new_tokens: int, threads
     enc, dec = service_args(threads, max(len(sources), 1), quantize)
     dec = [*dec, "--stream-interval", str(stream_interval)]
     with Services(model=str(model_dir), log_level="WARNING", extra_encoder_args=enc, extra_decoder_args=dec) as svc:
-        return median_run([asyncio.run(_ours_once(svc.decoder_address, sources, new_tokens)) for _ in range(max(repeats, 1))])
+        return median_run(
+            [asyncio.run(_ours_once(svc.decoder_address, sources, new_tokens)) for _ in range(max(repeats, 1))]
+        )
 
 
-def _row(model: str, system: str, mode: str, wall: float, tokens: list[list[int]], truth: list[list[int]] | None,
-         load: float) -> dict:
+def _row(
+    model: str, system: str, mode: str, wall: float, tokens: list[list[int]], truth: list[list[int]] | None, load: float
+) -> dict:
     n = sum(len(t) for t in tokens)
     same = None if truth is None else f"{sum(a == b for a, b in zip(tokens, truth))}/{len(tokens)}"
-    return {"model": model, "system": system, "mode": mode, "requests": len(tokens), "tokens": n, "wall s": wall,
-            "tokens/s": n / wall if wall > 0 else 0.0, "same as HF": same, "load": load}
+    return {
+        "model": model,
+        "system": system,
+        "mode": mode,
+        "requests": len(tokens),
+        "tokens": n,
+        "wall s": wall,
+        "tokens/s": n / wall if wall > 0 else 0.0,
+        "same as HF": same,
+        "load": load,
+    }
 
 
 def bench_model(name: str, args, progress: bool = True) -> list[dict]:
@@ -171,19 +227,34 @@ def bench_model(name: str, args, progress: bool = True) -> list[dict]:
     model_dir = build_checkpoint(name, args.cache_dir)
     sources = source_ids(name, args.requests, args.source_len)
     n = args.new_tokens
-    say = (lambda msg: print(f"[seq2seq {name}] {msg}", file=sys.stderr, flush=True)) if progress else (lambda msg: None)
+    say = (
+        (lambda msg: print(f"[seq2seq {name}] {msg}", file=sys.stderr, flush=True)) if progress else (lambda msg: None)
+    )
     rows: list[dict] = []
     load = os.getloadavg
     intervals = [int(k) for k in str(args.stream_intervals).split(",") if k.strip()] or [1]
     ours = {}
     for k in intervals:
         say(f"our services (gRPC, all requests at once, stream interval {k}) ...")
-        ours[("fp32", k)] = (*run_ours(model_dir, sources, n, args.threads, stream_interval=k, repeats=args.repeats), load()[0])
+        ours[("fp32", k)] = (
+            *run_ours(model_dir, sources, n, args.threads, stream_interval=k, repeats=args.repeats),
+            load()[0],
+        )
     if args.int8:
-        ours[("int8", intervals[0])] = (*run_ours(model_dir, sources, n, args.threads, "int8", intervals[0], args.repeats), load()[0])
+        ours[("int8", intervals[0])] = (
+            *run_ours(model_dir, sources, n, args.threads, "int8", intervals[0], args.repeats),
+            load()[0],
+        )
     say("HF generate ...")
-    hf = run_hf(model_dir, sources, n, args.threads, sequential=not args.skip_hf_sequential, progress=progress,
-                repeats=args.repeats)
+    hf = run_hf(
+        model_dir,
+        sources,
+        n,
+        args.threads,
+        sequential=not args.skip_hf_sequential,
+        progress=progress,
+        repeats=args.repeats,
+    )
     hf_load = load()[0]
     truth = hf.get("sequential", hf["batched"])[1]
     for mode, (wall, tokens) in hf.items():
@@ -193,8 +264,16 @@ def bench_model(name: str, args, progress: bool = True) -> list[dict]:
         modes = ["batched"] if args.skip_hf_sequential else ["sequential", "batched"]
         for compute_type in ("float32", "int8") if args.int8 else ("float32",):
             say(f"CTranslate2 {compute_type} ...")
-            res = run_ct2(model_dir, Path(args.cache_dir) / f"{model_dir.name}-ct2", sources, n, args.threads, compute_type, modes,
-                          args.repeats)
+            res = run_ct2(
+                model_dir,
+                Path(args.cache_dir) / f"{model_dir.name}-ct2",
+                sources,
+                n,
+                args.threads,
+                compute_type,
+                modes,
+                args.repeats,
+            )
             ct2_load = load()[0]
             for mode, (wall, tokens) in res.items():
                 rows.append(_row(name, f"CTranslate2 {compute_type}", mode, wall, tokens, truth, ct2_load))
@@ -220,10 +299,20 @@ def run(args, progress: bool = True) -> dict:
     for name in names:
         rows += bench_model(name, args, progress)
     fixed = {"min_tokens", "ignore_eos"} <= set(_sampling_fields())
-    return {"bench": "seq2seq", "models": names, "requests": args.requests, "source_len": args.source_len,
-            "new_tokens": args.new_tokens, "threads": args.threads, "repeats": args.repeats,
-            "stream_intervals": args.stream_intervals, "cpu_count": os.cpu_count(),
-            "ours_fixed_length": fixed, "columns": COLUMNS, "rows": rows}
+    return {
+        "bench": "seq2seq",
+        "models": names,
+        "requests": args.requests,
+        "source_len": args.source_len,
+        "new_tokens": args.new_tokens,
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "stream_intervals": args.stream_intervals,
+        "cpu_count": os.cpu_count(),
+        "ours_fixed_length": fixed,
+        "columns": COLUMNS,
+        "rows": rows,
+    }
 
 
 def _sampling_fields() -> list[str]:

@@ -4,7 +4,7 @@ Each is written with ``save_pretrained`` (config, safetensors weights,
 generation config, tokenizer files) and cached by shape, so every system under
 test (our services, HF ``generate``, CTranslate2's converter) loads the very same
 directory. Weights are re-drawn with unit-scale variance, as
-``tests/text_checkpoints.py`` does (HF's 0.02 init makes greedy output one token
+``tests/helpers/text_checkpoints.py`` does (HF's 0.02 init makes greedy output one token
 repeated), so greedy outputs vary and token equality means something.
 
 Tokenizers cover the whole vocabulary with synthetic pieces (``w<id>``): the
@@ -41,15 +41,17 @@ SHAPES = {
     "t5-small": Shape("t5", 512, 6, 8, 2048, 32128),
     # bart-base: d_model 768, 6+6 layers, 12 heads, ffn 3072, GELU, vocab 50265, 1024 positions.
     "bart-base": Shape("bart", 768, 6, 12, 3072, 50265, 1024),
-    # Tiny shapes for tests/test_bench_cli.py.
+    # Tiny shapes for tests/app/test_bench_cli.py.
     "t5-tiny": Shape("t5", 64, 2, 4, 128, 512),
     "bart-tiny": Shape("bart", 64, 2, 4, 128, 512, 128),
 }
 
 
-def random_init(model, seed: int, gain: float = 3.0, q_gain: float | None = None, final_logits_bias: bool = False) -> None:
+def random_init(
+    model, seed: int, gain: float = 3.0, q_gain: float | None = None, final_logits_bias: bool = False
+) -> None:
     """Large random weights so greedy outputs vary from token to token instead of collapsing
-    (also the recipe of ``tests/text_checkpoints.py``): matrices ~ N(0, gain^2 / fan_in) (sharp
+    (also the recipe of ``tests/helpers/text_checkpoints.py``): matrices ~ N(0, gain^2 / fan_in) (sharp
     attention), embeddings ~ N(0, 1), FFN output rows centred (so the positive mean of ReLU/GELU
     does not add the same vector at every position), norms ~ 1 +- 0.2, other vectors ~ N(0, 0.01);
     with ``final_logits_bias`` BART's logits bias buffer ~ N(0, 0.01) too.
@@ -91,9 +93,19 @@ def _t5(shape: Shape, out: Path, seed: int) -> None:
 
     vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)] + [(f"\u2581w{i}", -1.0) for i in range(3, shape.vocab)]
     tok = T5Tokenizer(vocab=vocab, extra_ids=0, model_max_length=shape.max_positions)
-    cfg = T5Config(vocab_size=shape.vocab, d_model=shape.d_model, d_kv=shape.d_model // shape.heads, d_ff=shape.ffn,
-                   num_layers=shape.layers, num_decoder_layers=shape.layers, num_heads=shape.heads, feed_forward_proj="relu",
-                   pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+    cfg = T5Config(
+        vocab_size=shape.vocab,
+        d_model=shape.d_model,
+        d_kv=shape.d_model // shape.heads,
+        d_ff=shape.ffn,
+        num_layers=shape.layers,
+        num_decoder_layers=shape.layers,
+        num_heads=shape.heads,
+        feed_forward_proj="relu",
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
+    )
     with no_init_weights():
         model = T5ForConditionalGeneration(cfg)
     model.tie_weights()  # no_init_weights skips post_init's tying
@@ -111,11 +123,24 @@ def _bart(shape: Shape, out: Path, seed: int) -> None:
     pieces = special + [f"\u0120w{i}" for i in range(len(special), shape.vocab - 1)] + ["<mask>"]
     (out / "vocab.json").write_text(json.dumps({p: i for i, p in enumerate(pieces)}))
     (out / "merges.txt").write_text("#version: 0.2\n")
-    tok = BartTokenizer(vocab=str(out / "vocab.json"), merges=str(out / "merges.txt"), model_max_length=shape.max_positions)
-    cfg = BartConfig(vocab_size=shape.vocab, d_model=shape.d_model, encoder_layers=shape.layers, decoder_layers=shape.layers,
-                     encoder_attention_heads=shape.heads, decoder_attention_heads=shape.heads, encoder_ffn_dim=shape.ffn,
-                     decoder_ffn_dim=shape.ffn, max_position_embeddings=shape.max_positions, activation_function="gelu",
-                     scale_embedding=False, forced_eos_token_id=None, forced_bos_token_id=None)
+    tok = BartTokenizer(
+        vocab=str(out / "vocab.json"), merges=str(out / "merges.txt"), model_max_length=shape.max_positions
+    )
+    cfg = BartConfig(
+        vocab_size=shape.vocab,
+        d_model=shape.d_model,
+        encoder_layers=shape.layers,
+        decoder_layers=shape.layers,
+        encoder_attention_heads=shape.heads,
+        decoder_attention_heads=shape.heads,
+        encoder_ffn_dim=shape.ffn,
+        decoder_ffn_dim=shape.ffn,
+        max_position_embeddings=shape.max_positions,
+        activation_function="gelu",
+        scale_embedding=False,
+        forced_eos_token_id=None,
+        forced_bos_token_id=None,
+    )
     # CTranslate2's converter reads this attribute, absent from transformers 5's BartConfig (HF ignores it).
     cfg.normalize_before = False
     with no_init_weights():

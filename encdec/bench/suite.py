@@ -45,7 +45,7 @@ def _columns(name: str, payload: dict) -> list[str]:
         return list(payload["rows"][0]) if payload.get("rows") else []
 
 
-def _bench_args(name: str, args, json_path: str) -> "object":
+def _bench_args(name: str, args, json_path: str) -> object:
     argv = ["bench", name, "--json", json_path]
     if name in THREADED:
         argv += ["--threads", str(args.threads)]

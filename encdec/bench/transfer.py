@@ -57,8 +57,12 @@ def _has_torch_dist() -> bool:
 def _environment() -> dict:
     import torch
 
-    env = {"torch": torch.__version__, "python": platform.python_version(), "cpu_count": os.cpu_count(),
-           "torch_threads": torch.get_num_threads()}
+    env = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+    }
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name(0)
         if torch.distributed.is_available() and torch.distributed.is_nccl_available():
@@ -82,7 +86,11 @@ def run(args: argparse.Namespace) -> int:
     if args.iters < 1 or args.warmup < 0 or args.block_size < 1:
         raise ValueError("--iters and --block-size must be >= 1, --warmup >= 0")
     payloads = parse_payloads(args.payloads, args.dtype)
-    names = available_transports() if args.transports == "auto" else [t.strip() for t in args.transports.split(",") if t.strip()]
+    names = (
+        available_transports()
+        if args.transports == "auto"
+        else [t.strip() for t in args.transports.split(",") if t.strip()]
+    )
     unknown = [n for n in names if n not in TRANSPORTS]
     if unknown:
         raise ValueError(f"unknown transports {unknown}; known: {list(TRANSPORTS)}")
@@ -100,12 +108,24 @@ def run(args: argparse.Namespace) -> int:
                 row["x memcpy"] = row["GB/s"] / row["memcpy GB/s"]
             rows.append(row)
     env = _environment()
-    print(f"cross-KV transfer, {args.dtype}, block size {args.block_size}, median of {args.iters}: "
-          + ", ".join(f"{k} {v}" for k, v in env.items()), file=sys.stderr)
+    print(
+        f"cross-KV transfer, {args.dtype}, block size {args.block_size}, median of {args.iters}: "
+        + ", ".join(f"{k} {v}" for k, v in env.items()),
+        file=sys.stderr,
+    )
     print(markdown_table(rows, COLUMNS))
     if args.json:
-        write_json(args.json, {"bench": "transfer", "dtype": args.dtype, "block_size": args.block_size,
-                               "iters": args.iters, "environment": env, "rows": rows})
+        write_json(
+            args.json,
+            {
+                "bench": "transfer",
+                "dtype": args.dtype,
+                "block_size": args.block_size,
+                "iters": args.iters,
+                "environment": env,
+                "rows": rows,
+            },
+        )
     failed = [r for r in rows if str(r.get("note", "")).startswith("error") or r.get("bit-exact") == "NO"]
     return 1 if failed else 0
 

@@ -125,7 +125,13 @@ def run_transport(name: str, payloads: list[Payload], args) -> list[dict]:
 
 
 def _row(name: str, payload: Payload, **values) -> dict:
-    return {"payload": payload.name, "MB": payload.nbytes / 1e6, "transport": name, "device": TRANSPORTS[name][1], **values}
+    return {
+        "payload": payload.name,
+        "MB": payload.nbytes / 1e6,
+        "transport": name,
+        "device": TRANSPORTS[name][1],
+        **values,
+    }
 
 
 def _decoder_main(name: str, payloads: list[Payload], args, result) -> None:
@@ -146,7 +152,13 @@ def _decoder_main(name: str, payloads: list[Payload], args, result) -> None:
                 rows.append(_row(name, payload, note=f"not run: {failed}"))
                 continue
             try:
-                rows.append(_row(name, payload, **_run_payload(transport, device, options, payload, args, conn, proc, seed=1000 + i)))
+                rows.append(
+                    _row(
+                        name,
+                        payload,
+                        **_run_payload(transport, device, options, payload, args, conn, proc, seed=1000 + i),
+                    )
+                )
             except Exception as exc:  # noqa: BLE001 - one failed payload is a row, not the end of the bench
                 rows.append(_row(name, payload, note=_short_error(exc)))
                 failed = rows[-1]["note"]
@@ -226,6 +238,8 @@ def _blocks_equal(pool, block_ids: list[int], expected) -> bool:
 def _short_error(exc: BaseException) -> str:
     text = str(exc).replace("\n", " ").replace("|", "/")
     if any(m in text for m in ("Duplicate GPU", "ncclInvalidUsage", "invalid usage")):
-        return ("unsupported: this NCCL refuses two ranks on one GPU (NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1 "
-                f"allows it): {text[:120]}")
+        return (
+            "unsupported: this NCCL refuses two ranks on one GPU (NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1 "
+            f"allows it): {text[:120]}"
+        )
     return f"error: {text[:200]}"

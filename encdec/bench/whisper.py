@@ -9,8 +9,9 @@ CTranslate2 runs in its own process (see ``ct2_worker``).
 
 Batched runs (HF batched, CTranslate2 batched, each of our concurrency levels)
 are timed ``--repeats`` times and the median is reported, as in ``encdec bench
-seq2seq``: on a shared 2-core machine one run of 16 clips varied 5.9-9.4 s
-against the same services within minutes; sequential runs once.
+seq2seq``, since one run of 16 clips varies widely against the same services
+within minutes (measured: docs/benchmarks.md, Measurements formerly in
+docstrings); sequential runs once.
 """
 
 from __future__ import annotations
@@ -41,11 +42,20 @@ def _strip(ids: list[int]) -> list[int]:
     return [t for t in ids if t not in SPECIAL]
 
 
-def _row(system: str, mode: str, audio_s: float, wall: float, tokens: list[list[int]], truth: list[list[int]] | None) -> dict:
+def _row(
+    system: str, mode: str, audio_s: float, wall: float, tokens: list[list[int]], truth: list[list[int]] | None
+) -> dict:
     n_tok = sum(len(_strip(t)) + 1 for t in tokens)  # + the end token each
     same = None if truth is None else f"{sum(_strip(a) == _strip(b) for a, b in zip(tokens, truth))}/{len(tokens)}"
-    return {"system": system, "mode": mode, "requests": len(tokens), "wall s": wall, "tokens/s": n_tok / wall,
-            "x realtime": audio_s / wall, "same as HF": same}
+    return {
+        "system": system,
+        "mode": mode,
+        "requests": len(tokens),
+        "wall s": wall,
+        "tokens/s": n_tok / wall,
+        "x realtime": audio_s / wall,
+        "same as HF": same,
+    }
 
 
 def run_hf(audio: list, threads: int, repeats: int = 1) -> tuple[dict[str, float], dict[str, list[list[int]]]]:
@@ -70,10 +80,22 @@ def run_hf(audio: list, threads: int, repeats: int = 1) -> tuple[dict[str, float
     return walls, tokens
 
 
-def run_ct2(files: list[str], compute_type: str, mode: str, threads: int, repeats: int = 1) -> tuple[float, list[list[int]]]:
+def run_ct2(
+    files: list[str], compute_type: str, mode: str, threads: int, repeats: int = 1
+) -> tuple[float, list[list[int]]]:
     """CTranslate2 in a subprocess: ``(wall_s, tokens)``, the median of ``repeats`` runs."""
     model_dir = str(resolve_model("whisper-tiny.en")[1])
-    cmd = [sys.executable, "-m", "encdec.bench.ct2_worker", model_dir, compute_type, mode, str(threads), str(repeats), *files]
+    cmd = [
+        sys.executable,
+        "-m",
+        "encdec.bench.ct2_worker",
+        model_dir,
+        compute_type,
+        mode,
+        str(threads),
+        str(repeats),
+        *files,
+    ]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
     result = json.loads(out)
     return result["wall_s"], result["tokens"]
@@ -98,8 +120,14 @@ async def _ours_once(address: str, files: list[str], concurrency: int) -> tuple[
         return time.perf_counter() - start, list(tokens)
 
 
-def run_ours(files: list[str], concurrencies: list[int], threads: int, address: str | None,
-             quantize: str = "none", repeats: int = 1) -> dict[int, tuple[float, list[list[int]]]]:
+def run_ours(
+    files: list[str],
+    concurrencies: list[int],
+    threads: int,
+    address: str | None,
+    quantize: str = "none",
+    repeats: int = 1,
+) -> dict[int, tuple[float, list[list[int]]]]:
     """Our services end to end over gRPC (started here unless ``address`` is given): per concurrency level, the
     median of ``repeats`` runs against the same services."""
     from encdec.launcher import Services
@@ -115,7 +143,9 @@ def run_ours(files: list[str], concurrencies: list[int], threads: int, address: 
     flags = ["--num-threads", str(threads), "--quantize", quantize]
     # Clips repeat across requests: turn the encoder-output cache off so every request is encoded, as
     # HF and CTranslate2 encode every one.
-    with Services(log_level="WARNING", extra_encoder_args=flags, extra_decoder_args=[*flags, "--encoder-cache", "0"]) as svc:
+    with Services(
+        log_level="WARNING", extra_encoder_args=flags, extra_decoder_args=[*flags, "--encoder-cache", "0"]
+    ) as svc:
         for c in concurrencies:
             results[c] = median_of_runs(svc.decoder_address, c)
     return results
@@ -141,16 +171,30 @@ def main(args) -> int:
     if not args.skip_ct2:
         for compute_type in ("float32", "int8"):
             for mode in ("sequential", "batched"):
-                wall, tokens = run_ct2(files, compute_type, mode, args.threads, args.repeats if mode == "batched" else 1)
+                wall, tokens = run_ct2(
+                    files, compute_type, mode, args.threads, args.repeats if mode == "batched" else 1
+                )
                 rows.append(_row(f"CTranslate2 {compute_type}", mode, audio_s, wall, tokens, truth))
     for quantize in ("none", "int8") if args.int8 else ("none",):
         name = "encdec-serve " + ("fp32" if quantize == "none" else "int8") + " (2 services, gRPC)"
-        for c, (wall, tokens) in run_ours(files, concurrencies, args.threads, args.address, quantize, args.repeats).items():
+        for c, (wall, tokens) in run_ours(
+            files, concurrencies, args.threads, args.address, quantize, args.repeats
+        ).items():
             rows.append(_row(name, f"concurrency {c}", audio_s, wall, tokens, truth))
         if args.address:
             break  # running services have their own settings
     print(markdown_table(rows, COLUMNS))
     if args.json:
-        write_json(args.json, {"bench": "whisper", "requests": len(files), "audio_s": audio_s, "threads": args.threads,
-                               "repeats": args.repeats, "cpu_count": os.cpu_count(), "rows": rows})
+        write_json(
+            args.json,
+            {
+                "bench": "whisper",
+                "requests": len(files),
+                "audio_s": audio_s,
+                "threads": args.threads,
+                "repeats": args.repeats,
+                "cpu_count": os.cpu_count(),
+                "rows": rows,
+            },
+        )
     return 0

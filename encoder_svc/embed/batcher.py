@@ -187,5 +187,9 @@ class EmbedBatcher:
             job.pending = [i for i in job.pending if i not in ran]
             if not job.pending and not job.done():
                 _resolve(job.future, job.outputs)
-        log.debug("forward of %d sequences (longest %d) in %.1f ms", len(live), max(lengths[k] for k in group),
-                  (time.perf_counter() - start) * 1000.0)
+        log.debug(
+            "forward of %d sequences (longest %d) in %.1f ms",
+            len(live),
+            max(lengths[k] for k in group),
+            (time.perf_counter() - start) * 1000.0,
+        )

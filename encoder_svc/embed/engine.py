@@ -79,8 +79,13 @@ class EmbedEngine:
         self._tokenizer_lock = threading.Lock()
 
     @classmethod
-    def load(cls, path: str | Path, model_class: type[BertEncoderModel], dtype: torch.dtype = torch.float32,
-             device: torch.device | str = "cpu") -> EmbedEngine:
+    def load(
+        cls,
+        path: str | Path,
+        model_class: type[BertEncoderModel],
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> EmbedEngine:
         """Loads a sentence-transformers or HF-format directory; the model runs on ``device``.
 
         Raises:
@@ -132,8 +137,11 @@ class EmbedEngine:
             types = enc.get("token_type_ids")
             offs = enc.get("offset_mapping")
             for j, i in enumerate(idx):
-                out[i] = Encoded(list(enc["input_ids"][j]), list(types[j]) if types is not None else None,
-                                 [tuple(o) for o in offs[j]] if offs is not None else None)
+                out[i] = Encoded(
+                    list(enc["input_ids"][j]),
+                    list(types[j]) if types is not None else None,
+                    [tuple(o) for o in offs[j]] if offs is not None else None,
+                )
         if check_length and not truncate:
             for i, e in enumerate(out):
                 if len(e.ids) > self.max_input_length:
@@ -195,8 +203,9 @@ def label_scores(logits: torch.Tensor, multi_label: bool, raw: bool) -> torch.Te
     return torch.sigmoid(logits) if multi_label else torch.softmax(logits, dim=-1)
 
 
-def load_embed_engine(name_or_path: str | Path, dtype: torch.dtype = torch.float32,
-                      device: torch.device | str = "cpu") -> EmbedEngine:
+def load_embed_engine(
+    name_or_path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> EmbedEngine:
     """Resolves a model name or directory through the registry and loads it for Embed on ``device``.
 
     Raises:

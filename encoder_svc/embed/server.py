@@ -39,7 +39,9 @@ class EmbedServicer(embed_pb2_grpc.EmbedServiceServicer):
         max_inputs: most inputs (or documents) per request.
     """
 
-    def __init__(self, engine: EmbedEngine, batcher: EmbedBatcher, model_name: str, served_names: frozenset[str], max_inputs: int) -> None:
+    def __init__(
+        self, engine: EmbedEngine, batcher: EmbedBatcher, model_name: str, served_names: frozenset[str], max_inputs: int
+    ) -> None:
         self.engine = engine
         self.batcher = batcher
         self.model_name = model_name
@@ -59,7 +61,9 @@ class EmbedServicer(embed_pb2_grpc.EmbedServiceServicer):
 
     def _head(self, rerank: bool) -> None:
         if not self.engine.num_labels:
-            raise UnsupportedByModelError(f"model {self.model_name!r} has no sequence-classification head; it serves Embed and Tokenize")
+            raise UnsupportedByModelError(
+                f"model {self.model_name!r} has no sequence-classification head; it serves Embed and Tokenize"
+            )
         if rerank and self.engine.num_labels != 1:
             raise UnsupportedByModelError(
                 f"Rerank needs a single-score cross-encoder; model {self.model_name!r} has {self.engine.num_labels} labels: use Classify"
@@ -82,16 +86,22 @@ class EmbedServicer(embed_pb2_grpc.EmbedServiceServicer):
     async def Embed(self, request, context):
         self._check(request.model, len(request.inputs))
         if request.dimensions > self.engine.hidden_size:
-            raise InvalidRequestError(f"dimensions {request.dimensions} is more than the model's {self.engine.hidden_size}")
+            raise InvalidRequestError(
+                f"dimensions {request.dimensions} is more than the model's {self.engine.hidden_size}"
+            )
         if request.pooling != embed_pb2.POOLING_UNSPECIFIED and request.pooling not in _POOLING:
-            raise InvalidRequestError(f"pooling {request.pooling} is not a known Pooling value; use POOLING_CLS, "
-                                      "POOLING_MEAN, POOLING_LAST or leave it unset for the model's default")
+            raise InvalidRequestError(
+                f"pooling {request.pooling} is not a known Pooling value; use POOLING_CLS, "
+                "POOLING_MEAN, POOLING_LAST or leave it unset for the model's default"
+            )
         pooling = _POOLING.get(request.pooling, self.engine.spec.pooling)
         normalize = request.normalize if request.HasField("normalize") else self.engine.spec.normalize
         seqs = await self._tokenize(list(request.inputs), truncate=request.truncate)
         outs = await self._batch(seqs, pooling)
         embeddings = [
-            embed_pb2.Embedding(values=finish_embedding(v, normalize, request.dimensions).tolist(), num_tokens=len(s.ids))
+            embed_pb2.Embedding(
+                values=finish_embedding(v, normalize, request.dimensions).tolist(), num_tokens=len(s.ids)
+            )
             for v, s in zip(outs, seqs)
         ]
         return embed_pb2.EmbedResponse(model=self.model_name, embeddings=embeddings, usage=_usage(seqs))
@@ -121,8 +131,11 @@ class EmbedServicer(embed_pb2_grpc.EmbedServiceServicer):
         for o in outs:
             scores = label_scores(o, self.engine.multi_label, request.raw_scores).tolist()
             order = sorted(range(len(scores)), key=lambda i: -scores[i])
-            results.append(embed_pb2.Classification(
-                scores=[embed_pb2.LabelScore(label_id=i, label=labels[i], score=scores[i]) for i in order]))
+            results.append(
+                embed_pb2.Classification(
+                    scores=[embed_pb2.LabelScore(label_id=i, label=labels[i], score=scores[i]) for i in order]
+                )
+            )
         return embed_pb2.ClassifyResponse(model=self.model_name, results=results, usage=_usage(seqs))
 
     async def Tokenize(self, request, context):
@@ -130,16 +143,25 @@ class EmbedServicer(embed_pb2_grpc.EmbedServiceServicer):
         texts = [i.text for i in request.inputs]
         pairs = [i.text_pair if i.HasField("text_pair") else None for i in request.inputs]
         special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        seqs = await self._tokenize(texts, pairs, truncate=request.truncate, add_special_tokens=special,
-                                    check_length=False, offsets=True)
+        seqs = await self._tokenize(
+            texts, pairs, truncate=request.truncate, add_special_tokens=special, check_length=False, offsets=True
+        )
         tok = self.engine.tokenizer
         out = []
         for s in seqs:
             offs = s.offsets or []
-            out.append(embed_pb2.TokenizedInput(
-                ids=s.ids, token_type_ids=s.type_ids or [0] * len(s.ids), tokens=tok.convert_ids_to_tokens(s.ids),
-                starts=[a for a, _ in offs], ends=[b for _, b in offs]))
-        return embed_pb2.TokenizeResponse(model=self.model_name, tokens=out, max_input_length=self.engine.max_input_length)
+            out.append(
+                embed_pb2.TokenizedInput(
+                    ids=s.ids,
+                    token_type_ids=s.type_ids or [0] * len(s.ids),
+                    tokens=tok.convert_ids_to_tokens(s.ids),
+                    starts=[a for a, _ in offs],
+                    ends=[b for _, b in offs],
+                )
+            )
+        return embed_pb2.TokenizeResponse(
+            model=self.model_name, tokens=out, max_input_length=self.engine.max_input_length
+        )
 
 
 def _usage(seqs) -> embed_pb2.EmbedUsage:

@@ -28,13 +28,27 @@ def run(config: EncoderServiceConfig, num_threads: int | None = None) -> None:
     ``num_threads``: torch intra-op threads of the batcher thread (``shared.compute_thread``).
     """
     engine = load_embed_engine(config.model, torch_dtype(config.dtype), resolve_device(config.device))
-    log.info("encoder-only model %s on %s (%s): pooling %s, normalize %s, max input %d tokens, %d labels", config.model,
-             engine.device, config.dtype, engine.spec.pooling, engine.spec.normalize, engine.max_input_length, engine.num_labels)
+    log.info(
+        "encoder-only model %s on %s (%s): pooling %s, normalize %s, max input %d tokens, %d labels",
+        config.model,
+        engine.device,
+        config.dtype,
+        engine.spec.pooling,
+        engine.spec.normalize,
+        engine.max_input_length,
+        engine.num_labels,
+    )
     batcher = EmbedBatcher(engine, max(config.max_batch_tokens, engine.max_input_length), num_threads)
     servicer = EmbedServicer(engine, batcher, config.model, model_names(config.model), config.max_inputs_per_request)
 
     async def on_stop() -> None:
         batcher.stop()
 
-    asyncio.run(serve(lambda server: embed_pb2_grpc.add_EmbedServiceServicer_to_server(servicer, server),
-                      ["encdec.v1.EmbedService"], f"{config.host}:{config.port}", on_stop))
+    asyncio.run(
+        serve(
+            lambda server: embed_pb2_grpc.add_EmbedServiceServicer_to_server(servicer, server),
+            ["encdec.v1.EmbedService"],
+            f"{config.host}:{config.port}",
+            on_stop,
+        )
+    )

@@ -59,17 +59,29 @@ class AttentionBackend(ABC):
         """Writes the step's new self-attention keys and values ``[T, H, D]`` into ``kv`` at ``md.slot_mapping``."""
         self.write_slots(kv[0], kv[1], key, value, md.slot_mapping)
 
-    def paged(self, query: torch.Tensor, kv: torch.Tensor, md, *, scale: float,
-              position_bias: torch.Tensor | None = None) -> torch.Tensor:
+    def paged(
+        self, query: torch.Tensor, kv: torch.Tensor, md, *, scale: float, position_bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Causal self-attention of the step's queries ``[T, H, D]`` over the paged self-attention cache ``kv``
         (its new K/V written first, ``write_kv``); ``position_bias`` ``[H, N]`` is T5's relative position bias.
 
         Returns:
             ``[T, H, D]`` in the dtype of ``query``.
         """
-        return self.paged_attention(query, kv[0], kv[1], md.block_tables, md.seq_lens, md.query_start_loc, causal=True,
-                                    scale=scale, max_query_len=md.max_query_len, max_context_len=md.max_seq_len,
-                                    position_bias=position_bias, step_cache=md.step_cache)
+        return self.paged_attention(
+            query,
+            kv[0],
+            kv[1],
+            md.block_tables,
+            md.seq_lens,
+            md.query_start_loc,
+            causal=True,
+            scale=scale,
+            max_query_len=md.max_query_len,
+            max_context_len=md.max_seq_len,
+            position_bias=position_bias,
+            step_cache=md.step_cache,
+        )
 
     def cross(self, query: torch.Tensor, kv: torch.Tensor, md, *, scale: float, in_place: bool = False) -> torch.Tensor:
         """Cross-attention of the step's queries ``[T, H, D]`` over the paged cross-attention cache ``kv``: every
@@ -86,14 +98,30 @@ class AttentionBackend(ABC):
         """
         if in_place and md.cross_kv_spans is not None and not self.reads_blocks_in_place(query, kv[0], kv[1]):
             return self.contiguous_cross_attention(query, kv[0], kv[1], md.cross_kv_spans, scale)
-        return self.paged_attention(query, kv[0], kv[1], md.cross_block_tables, md.encoder_lens, md.query_start_loc,
-                                    causal=False, scale=scale, max_query_len=md.max_query_len,
-                                    max_context_len=md.max_encoder_len, step_cache=md.step_cache)
+        return self.paged_attention(
+            query,
+            kv[0],
+            kv[1],
+            md.cross_block_tables,
+            md.encoder_lens,
+            md.query_start_loc,
+            causal=False,
+            scale=scale,
+            max_query_len=md.max_query_len,
+            max_context_len=md.max_encoder_len,
+            step_cache=md.step_cache,
+        )
 
     # The kernels behind them, on explicit tensors (arguments and results of the torch references).
 
-    def write_slots(self, k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    slot_mapping: torch.Tensor) -> None:
+    def write_slots(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
         """``kernels.paged_attention.write_kv`` (same arguments), whatever the backend: float32 CPU caches take the C
         scatter (``kernels.cpu_paged_attention.write_kv``); every other case (half precision, CUDA, the kernel not
         built) the torch reference."""
@@ -103,16 +131,33 @@ class AttentionBackend(ABC):
             reference.write_kv(k_cache, v_cache, key, value, slot_mapping)
 
     @abstractmethod
-    def paged_attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor, *,
-                        causal: bool, scale: float, max_query_len: int | None = None,
-                        max_context_len: int | None = None, position_bias: torch.Tensor | None = None,
-                        step_cache: dict | None = None) -> torch.Tensor:
+    def paged_attention(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        *,
+        causal: bool,
+        scale: float,
+        max_query_len: int | None = None,
+        max_context_len: int | None = None,
+        position_bias: torch.Tensor | None = None,
+        step_cache: dict | None = None,
+    ) -> torch.Tensor:
         """``kernels.paged_attention.paged_attention`` (same arguments, masking and result) run by this backend."""
 
     @abstractmethod
-    def contiguous_cross_attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                   spans: list[tuple[int, int, int, int]], scale: float) -> torch.Tensor:
+    def contiguous_cross_attention(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        spans: list[tuple[int, int, int, int]],
+        scale: float,
+    ) -> torch.Tensor:
         """``kernels.cross_attention.contiguous_cross_attention`` (same arguments and result) run by this backend."""
 
     def reads_blocks_in_place(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:

@@ -31,30 +31,64 @@ class TritonAttentionBackend(AttentionBackend):
         (the CPU interpreter, for tests only: it is orders of magnitude slower); or with a non-CUDA ``device``
         outside the interpreter."""
         if importlib.util.find_spec("triton") is None:
-            raise ValueError("attention_backend 'triton' needs the triton package: pip install 'encdec-serve[gpu]' "
-                             "(or triton==3.9.0), or use attention_backend 'torch'")
+            raise ValueError(
+                "attention_backend 'triton' needs the triton package: pip install 'encdec-serve[gpu]' "
+                "(or triton==3.9.0), or use attention_backend 'torch'"
+            )
         if not torch.cuda.is_available() and not interpret():
-            raise ValueError("attention_backend 'triton' needs a CUDA device (none is visible); on CPU set "
-                             "TRITON_INTERPRET=1 (tests only, very slow) or use attention_backend 'torch'")
+            raise ValueError(
+                "attention_backend 'triton' needs a CUDA device (none is visible); on CPU set "
+                "TRITON_INTERPRET=1 (tests only, very slow) or use attention_backend 'torch'"
+            )
         if device is not None and torch.device(device).type != "cuda" and not interpret():
-            raise ValueError(f"attention_backend 'triton' runs on CUDA tensors but the KV cache is on {device}; "
-                             "put the model and KV cache on the GPU or use attention_backend 'torch'")
+            raise ValueError(
+                f"attention_backend 'triton' runs on CUDA tensors but the KV cache is on {device}; "
+                "put the model and KV cache on the GPU or use attention_backend 'torch'"
+            )
 
-    def paged_attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor, *,
-                        causal: bool, scale: float, max_query_len: int | None = None,
-                        max_context_len: int | None = None, position_bias: torch.Tensor | None = None,
-                        step_cache: dict | None = None) -> torch.Tensor:
+    def paged_attention(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        *,
+        causal: bool,
+        scale: float,
+        max_query_len: int | None = None,
+        max_context_len: int | None = None,
+        position_bias: torch.Tensor | None = None,
+        step_cache: dict | None = None,
+    ) -> torch.Tensor:
         """``kernels.triton_paged_attention.paged_attention`` (``step_cache`` unused).
 
         Raises:
             ValueError: ``position_bias`` with ``causal=False``, or tensors off CUDA outside the interpreter.
         """
-        return _kernels().paged_attention(query, k_cache, v_cache, block_tables, context_lens, query_start_loc,
-                                          causal, scale, max_query_len, max_context_len, position_bias)
+        return _kernels().paged_attention(
+            query,
+            k_cache,
+            v_cache,
+            block_tables,
+            context_lens,
+            query_start_loc,
+            causal,
+            scale,
+            max_query_len,
+            max_context_len,
+            position_bias,
+        )
 
-    def contiguous_cross_attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                   spans: list[tuple[int, int, int, int]], scale: float) -> torch.Tensor:
+    def contiguous_cross_attention(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        spans: list[tuple[int, int, int, int]],
+        scale: float,
+    ) -> torch.Tensor:
         """``kernels.triton_paged_attention.contiguous_cross_attention``."""
         return _kernels().contiguous_cross_attention(query, k_cache, v_cache, spans, scale)
 

@@ -6,7 +6,7 @@
  * layer inside a step (the weights streamed by the products evict the interpreter's caches, so every bytecode
  * is slow): ~6 ms of a t5-small batch-32 step of ~45 ms. decode_layer runs the same kernels, in the same order
  * and with the same arguments, from C: its output equals the Python layer's bit for bit
- * (tests/test_decode_layer.py), so the Python layer stays the reference and runs everything else (prefill,
+ * (tests/kernels/test_decode_layer.py), so the Python layer stays the reference and runs everything else (prefill,
  * GPUs, int8, activations the packed epilogue lacks).
  *
  * Pre-norm layers (T5, mBART, Whisper):  x += Attn(norm0(x)); x += Cross(norm1(x)); x += FFN(norm2(x)).

@@ -70,11 +70,15 @@ class ServiceConfig:
         if dtype not in MODEL_DTYPES:
             raise ValueError(f"dtype must be one of: {', '.join(MODEL_DTYPES)}; got {dtype!r}")
         if dtype != "float32" and not is_cuda(device):
-            raise ValueError(f"dtype {dtype} is for CUDA devices (half-precision matmuls on the CPU are slow and lose "
-                             "accuracy): set device cuda, or dtype float32 (or quantize int8 on the CPU)")
+            raise ValueError(
+                f"dtype {dtype} is for CUDA devices (half-precision matmuls on the CPU are slow and lose "
+                "accuracy): set device cuda, or dtype float32 (or quantize int8 on the CPU)"
+            )
         if quantize != "none" and is_cuda(device):
-            raise ValueError(f"quantize {quantize} is CPU dynamic quantization (torch._int_mm on the CPU): on device {device!r} "
-                             "use quantize none (dtype float16 or bfloat16 halves the weights on a GPU)")
+            raise ValueError(
+                f"quantize {quantize} is CPU dynamic quantization (torch._int_mm on the CPU): on device {device!r} "
+                "use quantize none (dtype float16 or bfloat16 halves the weights on a GPU)"
+            )
 
     def _check_kv_dist(self, used: bool = True) -> None:
         """Checks the torch_dist fields; ``used``: torch_dist is one of the service's transports
@@ -86,8 +90,10 @@ class ServiceConfig:
             raise ValueError(f"kv_dist_backend nccl moves CUDA tensors: set kv_device to cuda, got {device!r}")
         if used and backend == "gloo" and is_cuda(device):
             # torch.distributed's backend table: gloo send/recv take CPU tensors only.
-            raise ValueError(f"kv_dist_backend gloo sends CPU tensors only, but kv_device is {device!r}: "
-                             "use kv_dist_backend nccl, or keep the KV on the CPU")
+            raise ValueError(
+                f"kv_dist_backend gloo sends CPU tensors only, but kv_device is {device!r}: "
+                "use kv_dist_backend nccl, or keep the KV on the CPU"
+            )
         if self.kv_transfer_timeout_s <= 0:
             raise ValueError(f"kv_transfer_timeout_s must be > 0, got {self.kv_transfer_timeout_s}")
 

@@ -140,7 +140,9 @@ class DecoderServiceConfig(ServiceConfig):
             raise ValueError(f"kv_dist_address must be host:port, got {self.kv_dist_address!r}")
         check_port(int(port))
         if self.kv_transfer_dtype not in KV_DTYPES:
-            raise ValueError(f"kv_transfer_dtype must be one of: {', '.join(KV_DTYPES)}; got {self.kv_transfer_dtype!r}")
+            raise ValueError(
+                f"kv_transfer_dtype must be one of: {', '.join(KV_DTYPES)}; got {self.kv_transfer_dtype!r}"
+            )
         if self.encode_timeout_s <= 0 or self.max_audio_s <= 0:
             raise ValueError("encode_timeout_s and max_audio_s must be > 0")
         if not self.max_decode_hold_ms >= 0:  # also refuses NaN
@@ -159,12 +161,18 @@ class DecoderServiceConfig(ServiceConfig):
             object.__setattr__(self, "kv_device", self.device)
         check_device_name(self.kv_device, "kv_device")
         if not same_device(self.kv_device, self.device):
-            raise ValueError(f"kv_device {self.kv_device!r} differs from device {self.device!r}: the decoder attends over both "
-                             "KV caches on its model's device; leave kv_device unset (it follows device) or set both alike")
+            raise ValueError(
+                f"kv_device {self.kv_device!r} differs from device {self.device!r}: the decoder attends over both "
+                "KV caches on its model's device; leave kv_device unset (it follows device) or set both alike"
+            )
         if is_cuda(self.device) and self.kv_transport == "shm":
-            raise ValueError(f"kv_transport shm keeps the cross-KV pool in host shared memory, which a decoder on {self.device!r} "
-                             "cannot attend over: use kv_transport cuda_ipc (encoder on the same host) or torch_dist with "
-                             "kv_dist_backend nccl, or device cpu")
+            raise ValueError(
+                f"kv_transport shm keeps the cross-KV pool in host shared memory, which a decoder on {self.device!r} "
+                "cannot attend over: use kv_transport cuda_ipc (encoder on the same host) or torch_dist with "
+                "kv_dist_backend nccl, or device cpu"
+            )
         if not is_cuda(self.device) and self.kv_transport == "cuda_ipc":
-            raise ValueError("kv_transport cuda_ipc puts the cross-KV pool on a GPU: set device cuda (kv_device follows it), "
-                             "or use kv_transport shm on the CPU")
+            raise ValueError(
+                "kv_transport cuda_ipc puts the cross-KV pool on a GPU: set device cuda (kv_device follows it), "
+                "or use kv_transport shm on the CPU"
+            )

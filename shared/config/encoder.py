@@ -10,9 +10,8 @@ from shared.device import check_device_name, is_cuda
 CPU_MAX_BATCH_TOKENS = 4096
 """The encoder's default padded-token budget per forward on the CPU. A forward of ~3000 rows already runs its
 products at the GEMM's peak; more rows only stream larger activations (a Whisper tiny FFN's ``[8, 1500, 1536]``
-is 74 MB against a 32 MB L3) through memory. Whisper tiny.en, 16 clips at once through both services on 2 cores,
-3 alternating service starts x 2 runs: 8 windows per forward 6.6-9.1 s, mean 7.9 (encoder 10.7-14.9 CPU-s), 2 windows
-6.5-8.0 s, mean 6.9 (encoder 10.0-12.8 CPU-s), measured on one 2-core AMD EPYC (Zen 4) machine. Embed batches of 32
+is 74 MB against a 32 MB L3) through memory: with Whisper tiny.en, 2 windows per forward were no slower than 8
+(measured: docs/benchmarks.md, Measurements formerly in docstrings). Embed batches of 32
 inputs of up to 128 tokens still run in one forward; 32 text sources of more than 128 tokens now take several."""
 CUDA_MAX_BATCH_TOKENS = 12288
 """The encoder's default padded-token budget per forward on a GPU: 8 Whisper windows, where a larger batch keeps
@@ -74,7 +73,9 @@ class EncoderServiceConfig(ServiceConfig):
             raise ValueError(f"kv_transport must list some of: {', '.join(KV_TRANSPORTS)}; got {self.kv_transport!r}")
         self._check_model_device()
         if self.max_batch_tokens == 0:
-            object.__setattr__(self, "max_batch_tokens", CUDA_MAX_BATCH_TOKENS if is_cuda(self.device) else CPU_MAX_BATCH_TOKENS)
+            object.__setattr__(
+                self, "max_batch_tokens", CUDA_MAX_BATCH_TOKENS if is_cuda(self.device) else CPU_MAX_BATCH_TOKENS
+            )
         if not self.kv_device:  # staging follows the model onto the GPU only where the backend can send from there
             object.__setattr__(self, "kv_device", self.device if self.kv_dist_backend == "nccl" else "cpu")
         check_device_name(self.kv_device, "kv_device")
@@ -82,9 +83,13 @@ class EncoderServiceConfig(ServiceConfig):
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if not (self.batch_wait_ms >= 0 and self.max_batch_wait_ms >= 0):  # also refuses NaN
-            raise ValueError(f"batch_wait_ms and max_batch_wait_ms must be >= 0, got {self.batch_wait_ms} and {self.max_batch_wait_ms}")
+            raise ValueError(
+                f"batch_wait_ms and max_batch_wait_ms must be >= 0, got {self.batch_wait_ms} and {self.max_batch_wait_ms}"
+            )
         if self.max_batch_tokens < 1:
-            raise ValueError(f"max_batch_tokens must be >= 1, or 0 for the device's default; got {self.max_batch_tokens}")
+            raise ValueError(
+                f"max_batch_tokens must be >= 1, or 0 for the device's default; got {self.max_batch_tokens}"
+            )
         if self.max_inputs_per_request < 1:
             raise ValueError(f"max_inputs_per_request must be >= 1, got {self.max_inputs_per_request}")
         self._check_quantize()

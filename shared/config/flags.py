@@ -19,8 +19,13 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
     """Adds one ``--field-name`` flag per dataclass field, defaulting to None."""
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
-        parser.add_argument(flag, dest=f.name, type=_field_type(f),
-                            default=None, help=f"(env ENCDEC_{f.name.upper()}, default {f.default!r})")
+        parser.add_argument(
+            flag,
+            dest=f.name,
+            type=_field_type(f),
+            default=None,
+            help=f"(env ENCDEC_{f.name.upper()}, default {f.default!r})",
+        )
 
 
 def _field_type(f: dataclasses.Field) -> Any:

@@ -2,8 +2,22 @@
 
 from __future__ import annotations
 
-_MEMORY_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-                 "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_MEMORY_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def parse_memory_size(text: str) -> tuple[float, bool] | None:
@@ -29,7 +43,7 @@ def parse_memory_size(text: str) -> tuple[float, bool] | None:
                 raise ValueError
             return fraction, True
         number = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-        value, unit = float(number), s[len(number):]
+        value, unit = float(number), s[len(number) :]
         if unit not in _MEMORY_UNITS or value <= 0:
             raise ValueError
     except ValueError:

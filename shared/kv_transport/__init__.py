@@ -11,7 +11,6 @@ import threading
 import torch
 
 from shared.errors import InvalidRequestError
-
 from shared.kv_transport.base import CrossKVPool, CrossKVWriter, KVTargetSpec, TransferStats, write_blocks
 from shared.kv_transport.shm import ShmCrossKVPool, ShmCrossKVWriter
 
@@ -90,7 +89,9 @@ class WriterSet(CrossKVWriter):
                 self._writers[transport] = create_writer(transport, **self.options.get(transport, {}))
             return self._writers[transport]
 
-    def write(self, spec: KVTargetSpec, block_ids: list[int], cross_kv: torch.Tensor, transfer_id: int = 0) -> TransferStats:
+    def write(
+        self, spec: KVTargetSpec, block_ids: list[int], cross_kv: torch.Tensor, transfer_id: int = 0
+    ) -> TransferStats:
         self.check(spec)
         return self.writer(spec.transport).write(spec, block_ids, cross_kv, transfer_id)
 

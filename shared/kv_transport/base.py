@@ -88,7 +88,7 @@ class CrossKVPool(ABC):
         """
         return None
 
-    def cancel(self, transfer_id: int) -> None:
+    def cancel(self, transfer_id: int) -> None:  # noqa: B027 - optional hook: pools without transfer ids keep this no-op
         """Forgets ``transfer_id``; once this returns no write for it lands in the pool."""
 
     @abstractmethod
@@ -100,7 +100,9 @@ class CrossKVWriter(ABC):
     """Encoder side: writes one request's cross KV into the decoder's blocks."""
 
     @abstractmethod
-    def write(self, spec: KVTargetSpec, block_ids: list[int], cross_kv: torch.Tensor, transfer_id: int = 0) -> TransferStats:
+    def write(
+        self, spec: KVTargetSpec, block_ids: list[int], cross_kv: torch.Tensor, transfer_id: int = 0
+    ) -> TransferStats:
         """Writes ``cross_kv`` ``[num_layers, 2, encoder_len, num_heads, head_dim]`` into ``block_ids``.
 
         ``cross_kv`` is cast to ``spec.dtype``. ``transfer_id`` names the
@@ -131,7 +133,11 @@ def check_write(pool_shape: tuple[int, ...], block_ids: list[int], cross_kv_shap
             range or repeated.
     """
     num_layers, _, num_blocks, block_size, num_heads, head_dim = (int(s) for s in pool_shape)
-    if len(cross_kv_shape) != 5 or tuple(cross_kv_shape[:2]) != (num_layers, 2) or tuple(cross_kv_shape[3:]) != (num_heads, head_dim):
+    if (
+        len(cross_kv_shape) != 5
+        or tuple(cross_kv_shape[:2]) != (num_layers, 2)
+        or tuple(cross_kv_shape[3:]) != (num_heads, head_dim)
+    ):
         raise ValueError(
             f"cross KV shape {tuple(cross_kv_shape)} does not fit pool {tuple(pool_shape)}: expected "
             f"[{num_layers}, 2, encoder_len, {num_heads}, {head_dim}]"
@@ -139,7 +145,9 @@ def check_write(pool_shape: tuple[int, ...], block_ids: list[int], cross_kv_shap
     encoder_len = int(cross_kv_shape[2])
     needed = math.ceil(encoder_len / block_size)
     if encoder_len < 1 or len(block_ids) != needed:
-        raise ValueError(f"{encoder_len} positions need {needed} blocks of {block_size}, got {len(block_ids)} block ids")
+        raise ValueError(
+            f"{encoder_len} positions need {needed} blocks of {block_size}, got {len(block_ids)} block ids"
+        )
     if len(set(block_ids)) != len(block_ids):
         raise ValueError("block ids repeat")
     if any(b < 0 or b >= num_blocks for b in block_ids):

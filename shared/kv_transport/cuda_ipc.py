@@ -11,7 +11,8 @@ the proto needs no new field.
 
 The encoder opens the handle once per decoder instance with
 ``UntypedStorage._new_shared_cuda`` (``rebuild_cuda_tensor``'s path: waits on
-the event, then ``cudaIpcOpenMemHandle``, about 1 ms) and caches the mapping by
+the event, then ``cudaIpcOpenMemHandle``; measured: docs/benchmarks.md, Measurements formerly in docstrings) and
+caches the mapping by
 ``instance_id``. A new instance on the same GPU means the decoder restarted:
 the old mapping is dropped (closing the handle). Each write is a device copy
 (host-to-device first when the encoder ran on CPU) on the encoder's current
@@ -62,9 +63,14 @@ def require_cuda() -> None:
     """Raises ValueError naming why this process cannot use ``cuda_ipc``."""
     if torch.cuda.is_available():
         return
-    why = ("this torch build has no CUDA support" if torch.version.cuda is None
-           else "no CUDA device is visible (check the driver and CUDA_VISIBLE_DEVICES)")
-    raise ValueError(f"kv_transport 'cuda_ipc' needs a CUDA GPU, but {why}; use kv_transport 'shm' on a CPU-only machine")
+    why = (
+        "this torch build has no CUDA support"
+        if torch.version.cuda is None
+        else "no CUDA device is visible (check the driver and CUDA_VISIBLE_DEVICES)"
+    )
+    raise ValueError(
+        f"kv_transport 'cuda_ipc' needs a CUDA GPU, but {why}; use kv_transport 'shm' on a CPU-only machine"
+    )
 
 
 @dataclass(frozen=True)
@@ -112,11 +118,19 @@ class CudaIpcHandle:
         if len(segment) > MAX_SEGMENT_CHARS:
             raise ValueError(f"cuda_ipc segment is {len(segment)} characters; at most {MAX_SEGMENT_CHARS}")
         try:
-            fields = json.loads(base64.urlsafe_b64decode(segment[len(SEGMENT_PREFIX):].encode("ascii")))
+            fields = json.loads(base64.urlsafe_b64decode(segment[len(SEGMENT_PREFIX) :].encode("ascii")))
         except (binascii.Error, UnicodeError, ValueError) as exc:
             raise ValueError(f"cuda_ipc segment does not decode: {exc}") from exc
-        expected = {"device_uuid": str, "mem_handle": str, "size_bytes": int, "offset_bytes": int, "ref_counter": str,
-                    "ref_counter_offset": int, "event_handle": str, "event_sync_required": bool}
+        expected = {
+            "device_uuid": str,
+            "mem_handle": str,
+            "size_bytes": int,
+            "offset_bytes": int,
+            "ref_counter": str,
+            "ref_counter_offset": int,
+            "event_handle": str,
+            "event_sync_required": bool,
+        }
         if not isinstance(fields, dict) or set(fields) != set(expected):
             got = sorted(fields) if isinstance(fields, dict) else type(fields).__name__
             raise ValueError(f"cuda_ipc segment must hold the fields {sorted(expected)}, got {got}")
@@ -170,7 +184,9 @@ def _local_index(device_uuid: str) -> int:
     for index in range(torch.cuda.device_count()):
         if _device_uuid(index) == device_uuid:
             return index
-    raise UnavailableError(f"the decoder's GPU {device_uuid} is not visible to this encoder (another host, or CUDA_VISIBLE_DEVICES)")
+    raise UnavailableError(
+        f"the decoder's GPU {device_uuid} is not visible to this encoder (another host, or CUDA_VISIBLE_DEVICES)"
+    )
 
 
 class CudaIpcCrossKVPool(CrossKVPool):
@@ -187,7 +203,9 @@ class CudaIpcCrossKVPool(CrossKVPool):
         torch.OutOfMemoryError: the pool does not fit on the device.
     """
 
-    def __init__(self, shape: tuple[int, ...], dtype: str = "float32", device: str | torch.device | None = None) -> None:
+    def __init__(
+        self, shape: tuple[int, ...], dtype: str = "float32", device: str | torch.device | None = None
+    ) -> None:
         require_cuda()
         if dtype not in DTYPES:
             raise ValueError(f"unknown pool dtype {dtype!r}; known: {sorted(DTYPES)}")
@@ -198,10 +216,26 @@ class CudaIpcCrossKVPool(CrossKVPool):
         if dev.type != "cuda":
             raise ValueError(f"cuda_ipc pool device must be a CUDA device, got {dev}")
         self.tensor = torch.zeros(shape, dtype=DTYPES[dtype], device=dev)  # [L, 2, blocks, bs, H, D]
-        (index, mem_handle, size_bytes, offset_bytes,
-         ref_counter, ref_counter_offset, event_handle, event_sync_required) = self.tensor.untyped_storage()._share_cuda_()
-        handle = CudaIpcHandle(_device_uuid(index), mem_handle, size_bytes, offset_bytes,
-                               ref_counter, ref_counter_offset, event_handle, bool(event_sync_required))
+        (
+            index,
+            mem_handle,
+            size_bytes,
+            offset_bytes,
+            ref_counter,
+            ref_counter_offset,
+            event_handle,
+            event_sync_required,
+        ) = self.tensor.untyped_storage()._share_cuda_()
+        handle = CudaIpcHandle(
+            _device_uuid(index),
+            mem_handle,
+            size_bytes,
+            offset_bytes,
+            ref_counter,
+            ref_counter_offset,
+            event_handle,
+            bool(event_sync_required),
+        )
         instance_id = secrets.token_hex(8)
         self.spec = KVTargetSpec("cuda_ipc", handle.to_segment(), shape, dtype, instance_id)
         _EXPORTED[instance_id] = self.tensor
@@ -214,7 +248,9 @@ class CudaIpcCrossKVPool(CrossKVPool):
 
 def _fitting(pool: torch.Tensor, spec: KVTargetSpec) -> torch.Tensor:
     if tuple(pool.shape) != spec.shape or pool.dtype != DTYPES[spec.dtype]:
-        raise InvalidRequestError(f"KV target shape {list(spec.shape)} {spec.dtype} is not the layout decoder instance {spec.instance_id} exported")
+        raise InvalidRequestError(
+            f"KV target shape {list(spec.shape)} {spec.dtype} is not the layout decoder instance {spec.instance_id} exported"
+        )
     return pool
 
 
@@ -248,7 +284,9 @@ class CudaIpcCrossKVWriter(CrossKVWriter):
             cached = self._open.get(spec.instance_id)
             if cached is not None:
                 if cached.segment != spec.segment:
-                    raise InvalidRequestError(f"KV target of decoder instance {spec.instance_id} names another pool than the one it exported")
+                    raise InvalidRequestError(
+                        f"KV target of decoder instance {spec.instance_id} names another pool than the one it exported"
+                    )
                 return _fitting(cached.tensor, spec)
             local = _EXPORTED.get(spec.instance_id)
             index = _local_index(handle.device_uuid)
@@ -260,17 +298,29 @@ class CudaIpcCrossKVWriter(CrossKVWriter):
             else:
                 try:
                     storage = torch.UntypedStorage._new_shared_cuda(
-                        index, handle.mem_handle, handle.size_bytes, handle.offset_bytes, handle.ref_counter,
-                        handle.ref_counter_offset, handle.event_handle, handle.event_sync_required,
+                        index,
+                        handle.mem_handle,
+                        handle.size_bytes,
+                        handle.offset_bytes,
+                        handle.ref_counter,
+                        handle.ref_counter_offset,
+                        handle.event_handle,
+                        handle.event_sync_required,
                     )
                 except RuntimeError as exc:
-                    raise UnavailableError(f"cannot open the CUDA IPC handle of decoder instance {spec.instance_id} (decoder gone?): {exc}") from exc
+                    raise UnavailableError(
+                        f"cannot open the CUDA IPC handle of decoder instance {spec.instance_id} (decoder gone?): {exc}"
+                    ) from exc
                 stride = torch.empty(spec.shape, device="meta").stride()
-                tensor = torch.empty(0, dtype=DTYPES[spec.dtype], device=torch.device("cuda", index)).set_(storage, 0, spec.shape, stride)
+                tensor = torch.empty(0, dtype=DTYPES[spec.dtype], device=torch.device("cuda", index)).set_(
+                    storage, 0, spec.shape, stride
+                )
             self._open[spec.instance_id] = _OpenPool(spec.segment, handle.device_uuid, tensor)
             return _fitting(tensor, spec)
 
-    def write(self, spec: KVTargetSpec, block_ids: list[int], cross_kv: torch.Tensor, transfer_id: int = 0) -> TransferStats:
+    def write(
+        self, spec: KVTargetSpec, block_ids: list[int], cross_kv: torch.Tensor, transfer_id: int = 0
+    ) -> TransferStats:
         """See ``CrossKVWriter.write``; returns once the blocks are in the decoder's GPU memory.
 
         ``cross_kv`` may live on the CPU (copied host-to-device) or on any GPU;

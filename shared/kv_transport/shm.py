@@ -38,7 +38,6 @@ import torch
 from shared.errors import InvalidRequestError, UnavailableError
 from shared.kv_transport.base import DTYPES, CrossKVPool, CrossKVWriter, KVTargetSpec, TransferStats, write_blocks
 
-
 _INSTANCE_ID = re.compile(r"[0-9a-f]{16}")
 MAGIC = 0x454E43534B5631  # "ENCSKV1"
 HEADER = struct.Struct("<8q")  # [MAGIC, dtype code, 6 pool dims]: 64 bytes, so the pool starts cache-line aligned
@@ -51,7 +50,9 @@ def _layout(spec: KVTargetSpec) -> tuple[int, ...]:
 
 def _tensor_over(buf, spec: KVTargetSpec) -> torch.Tensor:
     """The pool tensor over ``buf`` (an mmap) after the header; it holds ``buf``'s buffer export (see module docstring)."""
-    raw = np.frombuffer(buf, dtype=np.uint8, count=spec.nbytes, offset=HEADER.size)  # NumPy has no bfloat16: bytes, then a view
+    raw = np.frombuffer(
+        buf, dtype=np.uint8, count=spec.nbytes, offset=HEADER.size
+    )  # NumPy has no bfloat16: bytes, then a view
     return torch.from_numpy(raw).view(DTYPES[spec.dtype]).view(spec.shape)
 
 
@@ -129,8 +130,10 @@ class ShmCrossKVWriter(CrossKVWriter):
     @staticmethod
     def _check_layout(spec: KVTargetSpec, tensor: torch.Tensor) -> None:
         if tuple(tensor.shape) != spec.shape or tensor.dtype != DTYPES[spec.dtype]:
-            raise InvalidRequestError(f"segment {spec.segment} holds a {list(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')} "
-                                      f"pool, but the target describes {list(spec.shape)} {spec.dtype}")
+            raise InvalidRequestError(
+                f"segment {spec.segment} holds a {list(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')} "
+                f"pool, but the target describes {list(spec.shape)} {spec.dtype}"
+            )
 
     def _attach(self, spec: KVTargetSpec) -> torch.Tensor:
         with self._lock:
@@ -145,8 +148,10 @@ class ShmCrossKVWriter(CrossKVWriter):
             try:
                 size = os.fstat(fd).st_size
                 if size != HEADER.size + spec.nbytes:
-                    raise InvalidRequestError(f"segment {spec.segment} holds {size - HEADER.size} bytes of pool, but the target's shape "
-                                              f"and dtype describe {spec.nbytes}")
+                    raise InvalidRequestError(
+                        f"segment {spec.segment} holds {size - HEADER.size} bytes of pool, but the target's shape "
+                        f"and dtype describe {spec.nbytes}"
+                    )
                 mm = mmap.mmap(fd, size)
             finally:
                 os.close(fd)
@@ -154,8 +159,10 @@ class ShmCrossKVWriter(CrossKVWriter):
                 magic, code, *shape = HEADER.unpack_from(mm, 0)
                 mm.close()
                 dtype = {v: k for k, v in DTYPE_CODES.items()}.get(code, "?") if magic == MAGIC else "unknown-layout"
-                raise InvalidRequestError(f"segment {spec.segment} holds a {shape} {dtype} pool, but the target describes "
-                                          f"{list(spec.shape)} {spec.dtype}")
+                raise InvalidRequestError(
+                    f"segment {spec.segment} holds a {shape} {dtype} pool, but the target describes "
+                    f"{list(spec.shape)} {spec.dtype}"
+                )
             self._drop_stale()
             tensor = _tensor_over(mm, spec)
             self._maps[spec.segment] = (mm, tensor)
@@ -176,7 +183,9 @@ class ShmCrossKVWriter(CrossKVWriter):
         except BufferError:  # a concurrent write still holds the tensor: unmapped when it lets go
             pass
 
-    def write(self, spec: KVTargetSpec, block_ids: list[int], cross_kv: torch.Tensor, transfer_id: int = 0) -> TransferStats:
+    def write(
+        self, spec: KVTargetSpec, block_ids: list[int], cross_kv: torch.Tensor, transfer_id: int = 0
+    ) -> TransferStats:
         start = time.perf_counter()
         if spec.transport != "shm":
             raise InvalidRequestError(f"shm writer got a {spec.transport!r} target")
@@ -185,7 +194,9 @@ class ShmCrossKVWriter(CrossKVWriter):
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from exc
         if not _INSTANCE_ID.fullmatch(spec.instance_id) or spec.segment != f"encdec-kv-{spec.instance_id}":
-            raise InvalidRequestError(f"malformed KV target: segment {spec.segment[:64]!r} does not belong to decoder instance {spec.instance_id[:64]!r}")
+            raise InvalidRequestError(
+                f"malformed KV target: segment {spec.segment[:64]!r} does not belong to decoder instance {spec.instance_id[:64]!r}"
+            )
         pool = self._attach(spec)
         try:
             write_blocks(pool, block_ids, cross_kv)

@@ -58,7 +58,15 @@ import torch
 import torch.distributed as dist
 
 from shared.errors import InvalidRequestError, UnavailableError
-from shared.kv_transport.base import DTYPES, CrossKVPool, CrossKVWriter, KVTargetSpec, TransferStats, check_write, write_blocks
+from shared.kv_transport.base import (
+    DTYPES,
+    CrossKVPool,
+    CrossKVWriter,
+    KVTargetSpec,
+    TransferStats,
+    check_write,
+    write_blocks,
+)
 
 log = logging.getLogger(__name__)
 
@@ -157,8 +165,16 @@ class TorchDistCrossKVPool(CrossKVPool):
         RuntimeError: the store cannot listen there (port taken).
     """
 
-    def __init__(self, shape: tuple[int, ...], dtype: str = "float32", *, address: str = "127.0.0.1:0",
-                 backend: str = "gloo", device: str = "cpu", timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        shape: tuple[int, ...],
+        dtype: str = "float32",
+        *,
+        address: str = "127.0.0.1:0",
+        backend: str = "gloo",
+        device: str = "cpu",
+        timeout_s: float = 30.0,
+    ) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"unknown pool dtype {dtype!r}; known: {sorted(DTYPES)}")
         self.device = check_backend(backend, device)
@@ -225,7 +241,9 @@ class TorchDistCrossKVPool(CrossKVPool):
 
     def _serve_pair(self, n: int) -> None:
         try:
-            pg = new_pair_group(self.backend, dist.PrefixStore(f"encdec/pair/{n}/", self._store), 0, self._hostname, IDLE_TIMEOUT)
+            pg = new_pair_group(
+                self.backend, dist.PrefixStore(f"encdec/pair/{n}/", self._store), 0, self._hostname, IDLE_TIMEOUT
+            )
         except Exception as exc:  # noqa: BLE001 - an encoder that never showed up
             log.warning("cross-KV pair %d not established: %s", n, exc)
             return
@@ -252,7 +270,9 @@ class TorchDistCrossKVPool(CrossKVPool):
                     pg.recv([payload], 1, TAG_PAYLOAD).wait()
                     _sync(self.device)
                 except Exception as exc:
-                    self._fail(transfer, UnavailableError(f"encoder lost during the cross-KV transfer (pair {n}): {exc}"))
+                    self._fail(
+                        transfer, UnavailableError(f"encoder lost during the cross-KV transfer (pair {n}): {exc}")
+                    )
                     raise
                 status = self._finish(fields[1], transfer, payload, nbytes, start)
                 pg.send([torch.tensor([status, 0], dtype=torch.int64, device=self.device)], 1, TAG_DONE).wait()
@@ -279,7 +299,9 @@ class TorchDistCrossKVPool(CrossKVPool):
             dtype = DTYPE_NAMES.get(code, "")
             if (layers, heads, head_dim) != (num_layers, num_heads, dh) or dtype != self.spec.dtype:
                 status = MALFORMED
-            elif not 1 <= encoder_len <= len(transfer.block_ids) * block_size or math.ceil(encoder_len / block_size) != len(transfer.block_ids):
+            elif not 1 <= encoder_len <= len(transfer.block_ids) * block_size or math.ceil(
+                encoder_len / block_size
+            ) != len(transfer.block_ids):
                 status = OVERSIZED
             elif nbytes != num_layers * 2 * encoder_len * num_heads * dh * DTYPES[dtype].itemsize:
                 status = MALFORMED
@@ -385,9 +407,13 @@ class TorchDistCrossKVWriter(CrossKVWriter):
         except (OSError, RuntimeError) as exc:
             raise UnavailableError(f"cannot reach the decoder's cross-KV rendezvous at {spec.segment}: {exc}") from exc
         if instance_id != spec.instance_id:
-            raise UnavailableError(f"decoder at {spec.segment} is instance {instance_id}, the target names {spec.instance_id} (stale target: the decoder restarted)")
+            raise UnavailableError(
+                f"decoder at {spec.segment} is instance {instance_id}, the target names {spec.instance_id} (stale target: the decoder restarted)"
+            )
         if backend != self.backend:
-            raise UnavailableError(f"decoder at {spec.segment} uses kv_dist_backend {backend!r}, this encoder {self.backend!r}")
+            raise UnavailableError(
+                f"decoder at {spec.segment} uses kv_dist_backend {backend!r}, this encoder {self.backend!r}"
+            )
         n = store.add("encdec/num_pairs", 1)
         try:
             group = new_pair_group(self.backend, dist.PrefixStore(f"encdec/pair/{n}/", store), 1, local_host, timeout)
@@ -396,7 +422,9 @@ class TorchDistCrossKVWriter(CrossKVWriter):
         log.info("paired with decoder %s at %s (pair %d, %s)", instance_id, spec.segment, n, self.backend)
         return _Link(instance_id, store, group)
 
-    def write(self, spec: KVTargetSpec, block_ids: list[int], cross_kv: torch.Tensor, transfer_id: int = 0) -> TransferStats:
+    def write(
+        self, spec: KVTargetSpec, block_ids: list[int], cross_kv: torch.Tensor, transfer_id: int = 0
+    ) -> TransferStats:
         """Sends ``cross_kv`` ``[L, 2, S, H, D]`` for ``transfer_id``; see ``CrossKVWriter.write``.
 
         Raises:
@@ -420,8 +448,11 @@ class TorchDistCrossKVWriter(CrossKVWriter):
         payload = cross_kv.to(device=self.device, dtype=DTYPES[spec.dtype]).contiguous()  # [L, 2, S, H, D]
         num_layers, _, _, _, num_heads, head_dim = spec.shape
         nbytes = payload.numel() * payload.element_size()
-        header = torch.tensor([MAGIC, transfer_id, encoder_len, DTYPE_CODES[spec.dtype], num_layers, num_heads, head_dim, nbytes],
-                              dtype=torch.int64, device=self.device)
+        header = torch.tensor(
+            [MAGIC, transfer_id, encoder_len, DTYPE_CODES[spec.dtype], num_layers, num_heads, head_dim, nbytes],
+            dtype=torch.int64,
+            device=self.device,
+        )
         link = self._link(spec)
         reply = torch.zeros(2, dtype=torch.int64, device=self.device)
         with link.lock:
@@ -435,7 +466,9 @@ class TorchDistCrossKVWriter(CrossKVWriter):
                     status = int(reply[0].item())
             except RuntimeError as exc:
                 self._drop(spec.segment, link)
-                raise UnavailableError(f"cross-KV transfer to the decoder at {spec.segment} failed: {str(exc).splitlines()[0][:300]}") from exc
+                raise UnavailableError(
+                    f"cross-KV transfer to the decoder at {spec.segment} failed: {str(exc).splitlines()[0][:300]}"
+                ) from exc
         if status != OK:
             raise InvalidRequestError(f"decoder refused cross-KV transfer {transfer_id}: {REASONS.get(status, status)}")
         return TransferStats(nbytes, (time.perf_counter() - start) * 1000.0)

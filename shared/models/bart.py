@@ -34,7 +34,16 @@ from kernels.decode_layer import FusedDecodeLayer, LayerWeights
 from kernels.packed_linear import ACTIVATIONS
 from shared.attention_metadata import AttentionMetadata
 from shared.models.hf_checkpoint import TextGenerationDefaults, copy_weights, linear_names, load_hf_weights, read_json
-from shared.models.linear import FusedPacked, Linear, PackedDecodeWeights, fused_products, linear_act, linear_add, pack_fused, packed_product
+from shared.models.linear import (
+    FusedPacked,
+    Linear,
+    PackedDecodeWeights,
+    fused_products,
+    linear_act,
+    linear_add,
+    pack_fused,
+    packed_product,
+)
 from shared.models.norm import LayerNorm
 
 __all__ = ["BartConfig", "BartForConditionalGeneration", "sinusoidal_positions"]
@@ -68,16 +77,24 @@ class BartConfig:
         return self.d_model // self.num_heads
 
     @classmethod
-    def from_hf(cls, c: dict, **variant) -> "BartConfig":
+    def from_hf(cls, c: dict, **variant) -> BartConfig:
         """From an HF Bart/MBart/Marian config dict; ``variant`` sets the family flags."""
         max_pos = c.get("max_position_embeddings", 1024)
         base = cls(
-            vocab_size=c["vocab_size"], d_model=c["d_model"], num_heads=c["decoder_attention_heads"],
-            encoder_heads=c["encoder_attention_heads"], encoder_layers=c["encoder_layers"], decoder_layers=c["decoder_layers"],
-            encoder_ffn_dim=c["encoder_ffn_dim"], decoder_ffn_dim=c["decoder_ffn_dim"],
-            max_source_positions=max_pos, max_target_positions=max_pos, activation=c.get("activation_function", "gelu"),
+            vocab_size=c["vocab_size"],
+            d_model=c["d_model"],
+            num_heads=c["decoder_attention_heads"],
+            encoder_heads=c["encoder_attention_heads"],
+            encoder_layers=c["encoder_layers"],
+            decoder_layers=c["decoder_layers"],
+            encoder_ffn_dim=c["encoder_ffn_dim"],
+            decoder_ffn_dim=c["decoder_ffn_dim"],
+            max_source_positions=max_pos,
+            max_target_positions=max_pos,
+            activation=c.get("activation_function", "gelu"),
             scale_embedding=bool(c.get("scale_embedding", False)),
-            share_embeddings=c.get("share_encoder_decoder_embeddings", True), tie_word_embeddings=c.get("tie_word_embeddings", True),
+            share_embeddings=c.get("share_encoder_decoder_embeddings", True),
+            tie_word_embeddings=c.get("tie_word_embeddings", True),
         )
         return replace(base, **variant)
 
@@ -103,7 +120,11 @@ class Attention(nn.Module):
     packed_qkv: FusedPacked | None = None  # set by DecoderLayer.pack_decode_weights (self-attention)
 
     def names(self, p: str) -> dict[str, torch.Tensor]:
-        return {k: v for n in ("q_proj", "k_proj", "v_proj", "out_proj") for k, v in linear_names(f"{p}.{n}", getattr(self, n)).items()}
+        return {
+            k: v
+            for n in ("q_proj", "k_proj", "v_proj", "out_proj")
+            for k, v in linear_names(f"{p}.{n}", getattr(self, n)).items()
+        }
 
     def qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[T, d] -> 3 x [T, d]``: q, k, v (one packed product on decode steps once packed)."""
@@ -143,7 +164,9 @@ class EncoderLayer(_FeedForward):
         a = self.self_attn
 
         def attend(h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-            q, k, v = (p(h).view(b, s, a.h, a.dh).transpose(1, 2) for p in (a.q_proj, a.k_proj, a.v_proj))  # [B, H, S, Dh]
+            q, k, v = (
+                p(h).view(b, s, a.h, a.dh).transpose(1, 2) for p in (a.q_proj, a.k_proj, a.v_proj)
+            )  # [B, H, S, Dh]
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(b, s, d)
             return linear_add(a.out_proj, out, residual)
 
@@ -161,7 +184,9 @@ class DecoderLayer(_FeedForward):
 
     fused: FusedDecodeLayer | None = None  # set by pack_decode_weights where kernels.decode_layer serves this layer
 
-    def forward(self, x: torch.Tensor, md: AttentionMetadata, self_kv: torch.Tensor, cross_kv: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, md: AttentionMetadata, self_kv: torch.Tensor, cross_kv: torch.Tensor
+    ) -> torch.Tensor:
         if self.fused is not None and (y := self.fused.run(x, md, self_kv, cross_kv)) is not None:
             return y  # a CPU decode step in one C call, equal to the rest of this method bit for bit
         t, d = x.shape
@@ -195,16 +220,39 @@ class DecoderLayer(_FeedForward):
         """The C decode layer for this layer, or None (unpacked or int8 layers, an activation the kernel lacks)."""
         a, c = self.self_attn, self.encoder_attn
         blocks = (self.self_block, self.cross_block, self.ffn_block)
-        o, cross_q, cross_o, fc1, fc2 = products = [packed_product(m) for m in (a.out_proj, c.q_proj, c.out_proj, self.fc1, self.fc2)]
-        if (self.act_name not in ACTIVATIONS or a.packed_qkv is None or None in products
-                or not all(b.norm.use_kernel and b.norm.weight is not None for b in blocks) or len({b.norm.eps for b in blocks}) != 1
-                or len({b.pre_norm for b in blocks}) != 1 or not decode_layer.is_available()):
+        o, cross_q, cross_o, fc1, fc2 = products = [
+            packed_product(m) for m in (a.out_proj, c.q_proj, c.out_proj, self.fc1, self.fc2)
+        ]
+        if (
+            self.act_name not in ACTIVATIONS
+            or a.packed_qkv is None
+            or None in products
+            or not all(b.norm.use_kernel and b.norm.weight is not None for b in blocks)
+            or len({b.norm.eps for b in blocks}) != 1
+            or len({b.pre_norm for b in blocks}) != 1
+            or not decode_layer.is_available()
+        ):
             return None
-        return FusedDecodeLayer(LayerWeights(
-            norms=tuple((b.norm.weight.detach(), b.norm.bias.detach() if b.norm.bias is not None else None) for b in blocks),
-            eps=blocks[0].norm.eps, rms=False, pre_norm=blocks[0].pre_norm, qkv=(a.packed_qkv.weight, a.packed_qkv.bias),
-            o=o, cross_q=cross_q, cross_o=cross_o, fc1=fc1, fc2=fc2, activation=self.act_name, heads=a.h, head_dim=a.dh,
-            scale=a.dh**-0.5))
+        return FusedDecodeLayer(
+            LayerWeights(
+                norms=tuple(
+                    (b.norm.weight.detach(), b.norm.bias.detach() if b.norm.bias is not None else None) for b in blocks
+                ),
+                eps=blocks[0].norm.eps,
+                rms=False,
+                pre_norm=blocks[0].pre_norm,
+                qkv=(a.packed_qkv.weight, a.packed_qkv.bias),
+                o=o,
+                cross_q=cross_q,
+                cross_o=cross_o,
+                fc1=fc1,
+                fc2=fc2,
+                activation=self.act_name,
+                heads=a.h,
+                head_dim=a.dh,
+                scale=a.dh**-0.5,
+            )
+        )
 
 
 class Stack(nn.Module):
@@ -215,7 +263,9 @@ class Stack(nn.Module):
         self.embed_tokens = embed
         self.embed_scale = math.sqrt(c.d_model) if c.scale_embedding else 1.0
         if c.sinusoidal_positions:
-            self.register_buffer("embed_positions", sinusoidal_positions(c.max_source_positions, c.d_model), persistent=False)
+            self.register_buffer(
+                "embed_positions", sinusoidal_positions(c.max_source_positions, c.d_model), persistent=False
+            )
             self.offset = 0
         else:
             self.embed_positions = nn.Parameter(torch.zeros(c.max_source_positions + POSITION_OFFSET, c.d_model))
@@ -268,12 +318,15 @@ class BartForConditionalGeneration(PackedDecodeWeights, nn.Module):
         return hf
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32) -> "BartForConditionalGeneration":
+    def from_pretrained(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32) -> BartForConditionalGeneration:
         """Loads an HF directory of this architecture; returns the model in eval mode with weights in ``dtype``."""
         model_dir = Path(model_dir)
         hf = read_json(model_dir / "config.json")
         config = BartConfig.from_hf(hf, **cls.variant)
-        model = cls(config, TextGenerationDefaults.from_model_dir(model_dir, cls.hf_generation_config(hf), config.max_target_positions))
+        model = cls(
+            config,
+            TextGenerationDefaults.from_model_dir(model_dir, cls.hf_generation_config(hf), config.max_target_positions),
+        )
         model.load_weights(load_hf_weights(model_dir))
         return model.to(dtype).eval()
 
@@ -284,8 +337,11 @@ class BartForConditionalGeneration(PackedDecodeWeights, nn.Module):
             KeyError: a parameter is missing. ValueError: a shape does not match.
         """
         m: dict[str, torch.Tensor] = {"model.decoder.embed_tokens.weight": self.decoder.embed_tokens.weight}
-        aliases = {"model.decoder.embed_tokens.weight": ["model.shared.weight"], "model.encoder.embed_tokens.weight": ["model.shared.weight"],
-                   "lm_head.weight": ["model.shared.weight", "model.decoder.embed_tokens.weight"]}
+        aliases = {
+            "model.decoder.embed_tokens.weight": ["model.shared.weight"],
+            "model.encoder.embed_tokens.weight": ["model.shared.weight"],
+            "lm_head.weight": ["model.shared.weight", "model.decoder.embed_tokens.weight"],
+        }
         if self.encoder.embed_tokens is not self.decoder.embed_tokens:
             m["model.encoder.embed_tokens.weight"] = self.encoder.embed_tokens.weight
         if self.lm_head is not None:
@@ -330,12 +386,20 @@ class BartForConditionalGeneration(PackedDecodeWeights, nn.Module):
         b, s, _ = encoder_out.shape
         c = self.config
         x = encoder_out.to(self.dtype)
-        kv = torch.stack([torch.stack([l.encoder_attn.k_proj(x), l.encoder_attn.v_proj(x)]) for l in self.decoder.layers])
+        kv = torch.stack(
+            [torch.stack([layer.encoder_attn.k_proj(x), layer.encoder_attn.v_proj(x)]) for layer in self.decoder.layers]
+        )
         return kv.view(c.decoder_layers, 2, b, s, c.num_heads, c.head_dim).contiguous()
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
-                self_kv_cache: torch.Tensor, cross_kv_cache: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        self_kv_cache: torch.Tensor,
+        cross_kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
         """Decoder over a flat varlen batch: ``input_ids``/``positions`` ``[T]`` -> ``[T, d_model]``.
 
         Caches: ``[num_decoder_layers, 2, num_blocks, block_size, H, Dh]``; this

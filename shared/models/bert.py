@@ -69,16 +69,25 @@ class BertConfig:
             ValueError: an unsupported ``position_embedding_type`` or ``hidden_act``.
         """
         if d.get("position_embedding_type", "absolute") != "absolute":
-            raise ValueError(f"position_embedding_type {d['position_embedding_type']!r} is not supported (absolute only)")
+            raise ValueError(
+                f"position_embedding_type {d['position_embedding_type']!r} is not supported (absolute only)"
+            )
         if d.get("hidden_act", "gelu") not in _ACTIVATIONS:
             raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported; one of {', '.join(_ACTIVATIONS)}")
         id2label = {int(k): str(v) for k, v in (d.get("id2label") or {}).items()}
         return cls(
-            vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], num_hidden_layers=d["num_hidden_layers"],
-            num_attention_heads=d["num_attention_heads"], intermediate_size=d["intermediate_size"],
-            hidden_act=d.get("hidden_act", "gelu"), max_position_embeddings=d.get("max_position_embeddings", 512),
-            type_vocab_size=d.get("type_vocab_size", 2), layer_norm_eps=d.get("layer_norm_eps", 1e-12),
-            pad_token_id=d.get("pad_token_id") or 0, position_offset=position_offset, id2label=id2label,
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=d["num_attention_heads"],
+            intermediate_size=d["intermediate_size"],
+            hidden_act=d.get("hidden_act", "gelu"),
+            max_position_embeddings=d.get("max_position_embeddings", 512),
+            type_vocab_size=d.get("type_vocab_size", 2),
+            layer_norm_eps=d.get("layer_norm_eps", 1e-12),
+            pad_token_id=d.get("pad_token_id") or 0,
+            position_offset=position_offset,
+            id2label=id2label,
             problem_type=d.get("problem_type"),
         )
 
@@ -101,7 +110,9 @@ class PackedBatch:
     def from_lists(cls, ids: list[list[int]], type_ids: list[list[int] | None]) -> PackedBatch:
         flat_ids = [t for seq in ids for t in seq]
         flat_types = [t for seq, types in zip(ids, type_ids) for t in (types if types is not None else [0] * len(seq))]
-        return cls(torch.tensor(flat_ids, dtype=torch.long), torch.tensor(flat_types, dtype=torch.long), [len(s) for s in ids])
+        return cls(
+            torch.tensor(flat_ids, dtype=torch.long), torch.tensor(flat_types, dtype=torch.long), [len(s) for s in ids]
+        )
 
     def to(self, device: torch.device | str) -> PackedBatch:
         """The batch with its token tensors on ``device`` (the model's); derived index tensors follow them."""
@@ -149,7 +160,11 @@ class AttentionLayout:
         self.batch_idx = torch.repeat_interleave(torch.arange(self.num_seqs, device=device), lens)  # [T]
         self.pos_idx = PackedBatch(torch.empty(0, device=device), torch.empty(0), seq_lens).positions()  # [T]
         # Key mask [B, 1, 1, S]: True where a real token sits.
-        self.key_mask = (torch.arange(self.max_len, device=device)[None, :] < lens[:, None])[:, None, None, :] if self.padded else None
+        self.key_mask = (
+            (torch.arange(self.max_len, device=device)[None, :] < lens[:, None])[:, None, None, :]
+            if self.padded
+            else None
+        )
 
 
 def packed_attention(qkv: torch.Tensor, layout: AttentionLayout, num_heads: int) -> torch.Tensor:
@@ -282,7 +297,7 @@ class BertEncoderModel(nn.Module):
     def _strip(cls, name: str) -> str:
         for prefix in cls.PREFIXES:
             if name.startswith(prefix):
-                return name[len(prefix):]
+                return name[len(prefix) :]
         return name
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:

@@ -87,7 +87,9 @@ class _Cursor:
         n = self.u16(f"length of {what}")
         raw = bytes(self.take(n, what))
         if n == 0 or raw[-1] != 0:
-            raise ValueError(f"{self.path}: garbled CTranslate2 model.bin: {what} at offset {self.pos - n} is not NUL-terminated")
+            raise ValueError(
+                f"{self.path}: garbled CTranslate2 model.bin: {what} at offset {self.pos - n} is not NUL-terminated"
+            )
         try:
             return raw[:-1].decode("utf-8")
         except UnicodeDecodeError as exc:
@@ -127,7 +129,9 @@ def read_ct2_model(path: str | Path, expected_spec: str | None = None) -> CT2Mod
 
     version = cur.u32("binary version")
     if version not in SUPPORTED_BINARY_VERSIONS:
-        raise ValueError(f"{path}: unsupported CTranslate2 binary version {version} (supported: {SUPPORTED_BINARY_VERSIONS})")
+        raise ValueError(
+            f"{path}: unsupported CTranslate2 binary version {version} (supported: {SUPPORTED_BINARY_VERSIONS})"
+        )
     spec = cur.string("spec name")
     if expected_spec is not None and spec != expected_spec:
         raise ValueError(f"{path}: model spec is {spec!r}, expected {expected_spec!r}")
@@ -146,7 +150,9 @@ def read_ct2_model(path: str | Path, expected_spec: str | None = None) -> CT2Mod
         nbytes = cur.u32(f"byte count of {name}")
         expected = int(np.prod(dims, dtype=np.int64)) * np_dtype.itemsize
         if nbytes != expected:
-            raise ValueError(f"{path}: variable {name!r} of shape {dims} and dtype id {dtype_id} declares {nbytes} bytes, expected {expected}")
+            raise ValueError(
+                f"{path}: variable {name!r} of shape {dims} and dtype id {dtype_id} declares {nbytes} bytes, expected {expected}"
+            )
         start = cur.pos
         cur.take(nbytes, f"data of {name}")
         arr = np.frombuffer(data, dtype=np_dtype, count=nbytes // np_dtype.itemsize, offset=start).reshape(dims)

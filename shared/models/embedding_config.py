@@ -18,9 +18,14 @@ POOLING_MODES = ("cls", "mean", "last")
 
 # sentence-transformers pooling mode -> ours; others (max, weightedmean, ...) are not served.
 _ST_MODES = {"cls": "cls", "mean": "mean", "lasttoken": "last"}
-_ST_LEGACY_KEYS = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean", "pooling_mode_lasttoken": "lasttoken",
-                   "pooling_mode_max_tokens": "max", "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
-                   "pooling_mode_weightedmean_tokens": "weightedmean"}
+_ST_LEGACY_KEYS = {
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_lasttoken": "lasttoken",
+    "pooling_mode_max_tokens": "max",
+    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+    "pooling_mode_weightedmean_tokens": "weightedmean",
+}
 
 
 @dataclass(frozen=True)

@@ -49,10 +49,14 @@ def load_hf_weights(model_dir: str | Path) -> dict[str, torch.Tensor]:
             else:
                 out.update(torch.load(str(f), map_location="cpu", weights_only=True))
         return out
-    raise FileNotFoundError(f"no weights in {model_dir}: expected one of {', '.join(WEIGHT_FILES)} (or a sharded *.index.json)")
+    raise FileNotFoundError(
+        f"no weights in {model_dir}: expected one of {', '.join(WEIGHT_FILES)} (or a sharded *.index.json)"
+    )
 
 
-def copy_weights(name_map: dict[str, torch.Tensor], weights: dict[str, torch.Tensor], aliases: dict[str, list[str]] | None = None) -> None:
+def copy_weights(
+    name_map: dict[str, torch.Tensor], weights: dict[str, torch.Tensor], aliases: dict[str, list[str]] | None = None
+) -> None:
     """Copies ``weights[name]`` into each destination tensor of ``name_map``, checking shapes.
 
     Args:
@@ -85,8 +89,15 @@ def linear_names(prefix: str, mod: nn.Linear) -> dict[str, torch.Tensor]:
 
 
 # generation_config fields this server does not implement (greedy / sampling only); reported, never silently dropped.
-_UNSUPPORTED = {"num_beams": 1, "no_repeat_ngram_size": 0, "min_length": 0, "min_new_tokens": None,
-                "repetition_penalty": 1.0, "encoder_no_repeat_ngram_size": 0, "length_penalty": 1.0}
+_UNSUPPORTED = {
+    "num_beams": 1,
+    "no_repeat_ngram_size": 0,
+    "min_length": 0,
+    "min_new_tokens": None,
+    "repetition_penalty": 1.0,
+    "encoder_no_repeat_ngram_size": 0,
+    "length_penalty": 1.0,
+}
 
 
 @dataclass(frozen=True)
@@ -118,7 +129,7 @@ class TextGenerationDefaults:
         return [self.decoder_start_token_id]
 
     @classmethod
-    def from_model_dir(cls, model_dir: Path, hf_config: dict, max_target_positions: int) -> "TextGenerationDefaults":
+    def from_model_dir(cls, model_dir: Path, hf_config: dict, max_target_positions: int) -> TextGenerationDefaults:
         """Reads ``generation_config.json`` (else the generation fields of ``config.json``).
 
         ``max_length`` is the file's own value when it sets one, capped at
@@ -137,7 +148,9 @@ class TextGenerationDefaults:
         if isinstance(eos, list):
             eos = eos[0] if eos else None
         if start is None or eos is None:
-            raise ValueError(f"{model_dir}: generation config defines no decoder_start_token_id/bos_token_id or eos_token_id")
+            raise ValueError(
+                f"{model_dir}: generation config defines no decoder_start_token_id/bos_token_id or eos_token_id"
+            )
         suppress = list(g.get("suppress_tokens") or [])
         suppress += [w[0] for w in (g.get("bad_words_ids") or []) if len(w) == 1]
         ignored = [f"{k}={g[k]}" for k, default in _UNSUPPORTED.items() if g.get(k, default) not in (default, None)]
@@ -166,8 +179,15 @@ class TextGenerationDefaults:
 
 
 # A tokenizer's vocabulary: fast (tokenizer.json), sentencepiece (T5, mBART, Marian), BPE / WordPiece files.
-TOKENIZER_VOCAB_FILES = ("tokenizer.json", "spiece.model", "sentencepiece.bpe.model", "source.spm", "tokenizer.model",
-                         "vocab.json", "vocab.txt")
+TOKENIZER_VOCAB_FILES = (
+    "tokenizer.json",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "source.spm",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+)
 
 
 def load_hf_tokenizer(model_dir: str | Path):
@@ -183,7 +203,8 @@ def load_hf_tokenizer(model_dir: str | Path):
     if not any((Path(model_dir) / name).is_file() for name in TOKENIZER_VOCAB_FILES):
         raise FileNotFoundError(
             f"no tokenizer in {model_dir}: expected one of {', '.join(TOKENIZER_VOCAB_FILES)} "
-            "(save it beside the weights with tokenizer.save_pretrained(DIR))")
+            "(save it beside the weights with tokenizer.save_pretrained(DIR))"
+        )
     return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
 
 

@@ -1,23 +1,14 @@
 """Linear layers that compute few-row products as ``(W @ x^T)^T`` on CPU.
 
 A decode step multiplies a handful of rows (one per running sequence) by
-every weight matrix. For that shape MKL's fp32 GEMM on our CPU machines (2-core
-AMD EPYC, AVX2; torch 2.13's MKL 2024.2) is far slower in ``F.linear``'s
-layout, ``x @ W^T``, than in ``W @ x^T``. Measured with 2 threads, 32 rows
-(16 for whisper), ms per product:
-
-============================  ==========  ===============
-weight ``[out, in]``          F.linear    ``(W @ x^T)^T``
-============================  ==========  ===============
-``[32128, 512]`` (t5 logits)  29.5        16.4
-``[51864, 384]`` (whisper)    38.9 (16)   23.0 (16 rows)
-``[2048, 512]``               0.79        0.51
-``[512, 2048]``               0.99        0.64
-============================  ==========  ===============
+every weight matrix. For that shape MKL's fp32 GEMM (torch 2.13's MKL 2024.2)
+is far slower in ``F.linear``'s layout, ``x @ W^T``, than in ``W @ x^T``
+(measured per weight shape: docs/benchmarks.md, Measurements formerly in
+docstrings).
 
 Large outputs are computed ``CHUNK`` output features at a time, each chunk
-transposed back while it is still in cache (a ``[32, 32128]`` transpose
-alone cost 3-4 ms). From about 64 rows on (encoders, long prefills) ``F.linear`` is as fast or
+transposed back while it is still in cache (a whole ``[32, 32128]`` transpose
+is a cost of its own). From about 64 rows on (encoders, long prefills) ``F.linear`` is as fast or
 faster, so those keep it; so do other devices and dtypes. The math is the
 same; only the order of the float32 sums differs (about 1e-7 relative).
 
@@ -25,10 +16,10 @@ Faster still, where the C kernel is built: the decoder service packs the
 weights a decode step multiplies (``PackedDecodeWeights.pack_decode_weights``:
 the vocabulary projection, each decoder layer's ``Linear.pack`` and its
 self-attention q/k/v as one ``pack_fused`` product), and every float32 CPU
-input (``packed_rows``) then runs ``kernels.packed_linear`` (tables there),
+input (``packed_rows``) then runs ``kernels.packed_linear`` (measured: docs/benchmarks.md),
 prefills included: its rows' results do not depend on the other rows, so a
 token recomputed in a prefill (after a preemption) or batched with others gets
-the numbers it gets decoded alone. Long prefills run ~10-30% slower than
+the numbers it gets decoded alone. Long prefills run somewhat slower than
 MKL would; they are rare in a decoder (prompts of 1-4 tokens).
 """
 
@@ -43,8 +34,21 @@ from torch import nn
 
 from kernels.packed_linear import ACTIVATIONS, PackedWeight, activate, is_available, packed_linear
 
-__all__ = ["FusedPacked", "Linear", "PackedDecodeWeights", "SMALL_ROWS", "packed_rows", "fused_products", "linear",
-           "linear_act", "linear_add", "pack_fused", "packed_product", "pack_projection", "vocab_projection"]
+__all__ = [
+    "FusedPacked",
+    "Linear",
+    "PackedDecodeWeights",
+    "SMALL_ROWS",
+    "packed_rows",
+    "fused_products",
+    "linear",
+    "linear_act",
+    "linear_add",
+    "pack_fused",
+    "packed_product",
+    "pack_projection",
+    "vocab_projection",
+]
 
 SMALL_ROWS = 64
 CHUNK = 2048  # output features per product when transposing a large output back (fits in L2)
@@ -58,7 +62,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     ``F.linear``. Raises what ``F.linear`` raises on mismatched shapes.
     """
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not 0 < rows <= SMALL_ROWS or x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32:
+    if (
+        not 0 < rows <= SMALL_ROWS
+        or x.device.type != "cpu"
+        or x.dtype != torch.float32
+        or weight.dtype != torch.float32
+    ):
         return F.linear(x, weight, bias)
     x2 = x.reshape(rows, x.shape[-1]).t()  # [in, rows]
     n = weight.shape[0]
@@ -67,7 +76,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     out = x.new_empty(rows, n)
     for i in range(0, n, CHUNK):
         w = weight[i : i + CHUNK]
-        out[:, i : i + CHUNK] = (torch.mm(w, x2) if bias is None else torch.addmm(bias[i : i + CHUNK].unsqueeze(1), w, x2)).t()
+        out[:, i : i + CHUNK] = (
+            torch.mm(w, x2) if bias is None else torch.addmm(bias[i : i + CHUNK].unsqueeze(1), w, x2)
+        ).t()
     return out.view(*x.shape[:-1], n)
 
 
@@ -91,11 +102,17 @@ class Linear(nn.Linear):
         self.packed = pack_projection(self.weight)
         return self.packed.data.nbytes if self.packed is not None else 0
 
-    def forward(self, x: torch.Tensor, activation: str | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, activation: str | None = None, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``residual + act(x W^T + b)``; ``activation``: None, ``relu`` or ``gelu`` (exact); ``residual``: None or
         a tensor of the output's shape. Both go into the packed kernel's epilogue for float32 CPU inputs once
         packed (``kernels.packed_linear``); the result is the same bit for bit either way."""
-        if self.packed is not None and packed_rows(x) and (residual is None or residual.shape == (*x.shape[:-1], self.out_features)):
+        if (
+            self.packed is not None
+            and packed_rows(x)
+            and (residual is None or residual.shape == (*x.shape[:-1], self.out_features))
+        ):
             return packed_linear(x, self.packed, self.bias, activation=activation, residual=residual)
         y = activate(linear(x, self.weight, self.bias), activation)  # a residual of another shape broadcasts here
         return y if residual is None else residual + y
@@ -157,11 +174,15 @@ def pack_fused(linears: Iterable[nn.Linear]) -> FusedPacked | None:
         return None
     bias = None
     if any(m.bias is not None for m in linears):
-        bias = torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears]).detach()
+        bias = torch.cat(
+            [m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears]
+        ).detach()
     return FusedPacked(packed, bias, tuple(m.out_features for m in linears))
 
 
-def fused_products(x: torch.Tensor, linears: Iterable[nn.Linear], fused: FusedPacked | None) -> tuple[torch.Tensor, ...]:
+def fused_products(
+    x: torch.Tensor, linears: Iterable[nn.Linear], fused: FusedPacked | None
+) -> tuple[torch.Tensor, ...]:
     """``tuple(m(x) for m in linears)``; one packed product (``[..., size]`` views of it) for decode-step inputs.
 
     ``fused`` must be ``pack_fused(linears)`` or None (then each layer runs on its own).
@@ -183,13 +204,14 @@ def pack_projection(weight: torch.Tensor) -> PackedWeight | None:
     return PackedWeight.pack(weight)
 
 
-def vocab_projection(hidden: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None = None,
-                     bias: torch.Tensor | None = None) -> torch.Tensor:
+def vocab_projection(
+    hidden: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None = None, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """``[N, d] -> [N, vocab]``: ``linear(hidden, weight, bias)``, through ``packed_linear`` when it applies.
 
     ``packed`` must be ``pack_projection(weight)`` (or None). It is used for
-    float32 CPU inputs (decode steps, where it runs ~1.3-2x faster than MKL:
-    table in ``kernels/packed_linear.py``; and prefills, for batch
+    float32 CPU inputs (decode steps, where it runs faster than MKL: measured in
+    docs/benchmarks.md, Measurements formerly in docstrings; and prefills, for batch
     invariance); other devices and dtypes keep ``linear``.
     ``bias`` (``[vocab]``, e.g. BART's ``final_logits_bias``) is added inside
     the product: no second pass over the logits.

@@ -2,10 +2,11 @@
 
 Decode steps on CPU are memory-bound: every step reads all decoder weights and
 the output projection (Whisper tiny.en: an 80 MB fp32 ``[51864, 384]`` matrix,
-~35 ms per step at batch 16 on our 2-core machines). ``Int8Linear`` stores
+read on every step). ``Int8Linear`` stores
 ``nn.Linear`` weights as int8 with one scale per output channel and quantizes
 activations per call with one scale per row (per token), reading 4x fewer
-weight bytes; the encoder's compute-bound products also run ~2x faster. The
+weight bytes; the encoder's compute-bound products also run faster (measured:
+docs/benchmarks.md, Measurements formerly in docstrings). The
 output projection's top candidates are rescored in fp32
 (``Int8OutputProjection``). ``encdec bench whisper --int8`` counts
 transcripts equal to HF's; CTranslate2's ``int8`` compute type is the
@@ -17,13 +18,13 @@ activation scale spans the whole tensor, for two reasons:
 - Batch invariance. A row's int8 product is a sum of integers over that row
   only, so a sequence's tokens do not depend on its step-mates (decoder) or
   on the clips encoded with it (encoder): int8 is batch-invariant like fp32
-  (``tests/test_quantize.py``), and the encoder service batches int8 requests
+  (``tests/models/test_quantize.py``), and the encoder service batches int8 requests
   as it does fp32 ones. With per-tensor scales, 16 clips at concurrency 16
   gave 10 to 16 transcripts equal to HF's depending on how steps were batched.
 - Accuracy. Whisper's encoder activations vary in size across positions; one
   scale for all 1500 positions rounds the small ones coarsely. With per-tensor
   scales the int8 encoder flipped one of the five bundled clips' greedy
-  transcripts; with per-row scales none flips (``tests/test_quantize.py``).
+  transcripts; with per-row scales none flips (``tests/models/test_quantize.py``).
 
 Int8 models keep torch's LayerNorm / RMS norm instead of the C row kernel
 (``kernels.cpu_norm``): quantization rounds each activation to a grid, so
@@ -51,8 +52,9 @@ class Int8Linear(nn.Module):
     (Yao et al., 2022, "token-wise quantization") and CTranslate2's int8 GEMM
     input scales. A row's output depends on that row only, bit for bit (its
     sums are exact integers), unlike torch's dynamic quantization, whose
-    activation scale spans the whole tensor. On 2 Zen 4 cores it runs
-    ``[16, 512] x [2048, 512]`` in ~0.14 ms (fbgemm per-tensor: 0.08, fp32: 0.33).
+    activation scale spans the whole tensor. Its speed next to fbgemm's
+    per-tensor product and fp32: docs/benchmarks.md, Measurements formerly in
+    docstrings.
 
     Args:
         weight: ``[out, in]`` float weight (quantized into a new tensor).
@@ -77,7 +79,9 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float()
-        scale = torch.maximum(rows.amax(dim=1, keepdim=True), rows.amin(dim=1, keepdim=True).neg_())  # [rows, 1]: max |x|
+        scale = torch.maximum(
+            rows.amax(dim=1, keepdim=True), rows.amin(dim=1, keepdim=True).neg_()
+        )  # [rows, 1]: max |x|
         scale = scale.clamp_min_(torch.finfo(torch.float32).tiny).div_(127)
         acc = torch._int_mm(rows.div(scale).round_().to(torch.int8), self.weight_int8.t())  # [rows, out] int32
         y = acc.to(torch.float32).mul_(scale).mul_(self.weight_scale)
@@ -151,9 +155,9 @@ def quantize_encoder_int8(model: nn.Module) -> None:
     """Makes ``model``'s encoder layers and cross-attention K/V projections int8 (``Int8Linear``), in place.
 
     The encoder's GEMMs are compute-bound (``M`` = 1500 positions for
-    Whisper); int8 runs them ~2x faster than fp32 (Whisper tiny.en, one clip
-    on 2 Zen 4 cores: ~190 ms against ~240 ms for the whole encoder, whose
-    attention stays fp32). Convolutions and norms stay fp32.
+    Whisper); int8 runs them faster than fp32 (the encoder's attention stays
+    fp32; measured: docs/benchmarks.md, Measurements formerly in docstrings).
+    Convolutions and norms stay fp32.
 
     Raises:
         ValueError: the model has no ``encoder_layers``.

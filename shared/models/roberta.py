@@ -57,8 +57,10 @@ class RobertaEncoderModel(BertEncoderModel):
             out |= {"pooler.dense.weight": self.pooler.weight, "pooler.dense.bias": self.pooler.bias}
         if self.num_labels:
             out |= {
-                "classifier.dense.weight": self.head_dense.weight, "classifier.dense.bias": self.head_dense.bias,
-                "classifier.out_proj.weight": self.classifier.weight, "classifier.out_proj.bias": self.classifier.bias,
+                "classifier.dense.weight": self.head_dense.weight,
+                "classifier.dense.bias": self.head_dense.bias,
+                "classifier.out_proj.weight": self.classifier.weight,
+                "classifier.out_proj.bias": self.classifier.bias,
             }
         return out
 

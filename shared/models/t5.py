@@ -33,8 +33,23 @@ from kernels.cpu_norm import reference_rms_norm, rms_norm
 from kernels.decode_layer import FusedDecodeLayer, LayerWeights
 from kernels.packed_linear import ACTIVATIONS
 from shared.attention_metadata import AttentionMetadata
-from shared.models.hf_checkpoint import TextGenerationDefaults, copy_weights, load_hf_weights, max_source_positions, read_json
-from shared.models.linear import FusedPacked, Linear, PackedDecodeWeights, fused_products, linear_act, linear_add, pack_fused, packed_product
+from shared.models.hf_checkpoint import (
+    TextGenerationDefaults,
+    copy_weights,
+    load_hf_weights,
+    max_source_positions,
+    read_json,
+)
+from shared.models.linear import (
+    FusedPacked,
+    Linear,
+    PackedDecodeWeights,
+    fused_products,
+    linear_act,
+    linear_add,
+    pack_fused,
+    packed_product,
+)
 
 __all__ = ["T5Config", "T5ForConditionalGeneration", "relative_position_bucket"]
 
@@ -59,7 +74,7 @@ class T5Config:
     max_target_positions: int = 512
 
     @classmethod
-    def from_hf(cls, c: dict, model_dir: Path) -> "T5Config":
+    def from_hf(cls, c: dict, model_dir: Path) -> T5Config:
         """From an HF ``T5Config`` dict (``feed_forward_proj`` ``relu`` or ``gated-gelu``).
 
         transformers 4 marks v1.1 by ``tie_word_embeddings: false`` (separate
@@ -72,16 +87,28 @@ class T5Config:
         act = proj.removeprefix("gated-")
         max_pos = max_source_positions(model_dir, c, 512)
         return cls(
-            vocab_size=c["vocab_size"], d_model=c["d_model"], num_heads=c["num_heads"], head_dim=c["d_kv"],
-            d_ff=c["d_ff"], encoder_layers=c["num_layers"], decoder_layers=c.get("num_decoder_layers") or c["num_layers"],
-            num_buckets=c.get("relative_attention_num_buckets", 32), max_distance=c.get("relative_attention_max_distance", 128),
-            activation="gelu_new" if act == "gelu" else act, gated=gated,
-            tie_word_embeddings=tied, scale_decoder_outputs=c.get("scale_decoder_outputs", tied), eps=c.get("layer_norm_epsilon", 1e-6),
-            max_source_positions=max_pos, max_target_positions=max_pos,
+            vocab_size=c["vocab_size"],
+            d_model=c["d_model"],
+            num_heads=c["num_heads"],
+            head_dim=c["d_kv"],
+            d_ff=c["d_ff"],
+            encoder_layers=c["num_layers"],
+            decoder_layers=c.get("num_decoder_layers") or c["num_layers"],
+            num_buckets=c.get("relative_attention_num_buckets", 32),
+            max_distance=c.get("relative_attention_max_distance", 128),
+            activation="gelu_new" if act == "gelu" else act,
+            gated=gated,
+            tie_word_embeddings=tied,
+            scale_decoder_outputs=c.get("scale_decoder_outputs", tied),
+            eps=c.get("layer_norm_epsilon", 1e-6),
+            max_source_positions=max_pos,
+            max_target_positions=max_pos,
         )
 
 
-def relative_position_bucket(relative_position: torch.Tensor, bidirectional: bool, num_buckets: int, max_distance: int) -> torch.Tensor:
+def relative_position_bucket(
+    relative_position: torch.Tensor, bidirectional: bool, num_buckets: int, max_distance: int
+) -> torch.Tensor:
     """T5's bucket of ``key_pos - query_pos`` (Mesh TensorFlow ``_relative_position_bucket``).
 
     Half the buckets are exact small distances, the rest logarithmic bins up to
@@ -98,9 +125,14 @@ def relative_position_bucket(relative_position: torch.Tensor, bidirectional: boo
         relative_position = -torch.clamp(relative_position, max=0)
     max_exact = num_buckets // 2
     is_small = relative_position < max_exact
-    large = max_exact + (
-        torch.log(relative_position.float() / max_exact) / math.log(max_distance / max_exact) * (num_buckets - max_exact)
-    ).long()
+    large = (
+        max_exact
+        + (
+            torch.log(relative_position.float() / max_exact)
+            / math.log(max_distance / max_exact)
+            * (num_buckets - max_exact)
+        ).long()
+    )
     large = torch.clamp(large, max=num_buckets - 1)
     return buckets + torch.where(is_small, relative_position, large)
 
@@ -176,7 +208,9 @@ class DecoderLayer(nn.Module):
 
     fused: FusedDecodeLayer | None = None  # set by pack_decode_weights where kernels.decode_layer serves this layer
 
-    def forward(self, x: torch.Tensor, md: AttentionMetadata, self_kv: torch.Tensor, cross_kv: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, md: AttentionMetadata, self_kv: torch.Tensor, cross_kv: torch.Tensor, bias: torch.Tensor
+    ) -> torch.Tensor:
         if self.fused is not None and (y := self.fused.run(x, md, self_kv, cross_kv, bias)) is not None:
             return y  # a CPU decode step in one C call, equal to the rest of this method bit for bit
         t = x.shape[0]
@@ -206,13 +240,34 @@ class DecoderLayer(nn.Module):
         a, c, f = self.self_attn, self.cross_attn, self.ffn
         norms = (self.self_norm, self.cross_norm, self.ffn_norm)
         o, cross_q, cross_o, fc1, fc2 = products = [packed_product(m) for m in (a.o, c.q, c.o, f.wi_0, f.wo)]
-        if (f.gated or f.act_name not in ACTIVATIONS or a.packed_qkv is None or None in products
-                or not all(n.use_kernel for n in norms) or len({n.eps for n in norms}) != 1 or not decode_layer.is_available()):
+        if (
+            f.gated
+            or f.act_name not in ACTIVATIONS
+            or a.packed_qkv is None
+            or None in products
+            or not all(n.use_kernel for n in norms)
+            or len({n.eps for n in norms}) != 1
+            or not decode_layer.is_available()
+        ):
             return None
-        return FusedDecodeLayer(LayerWeights(
-            norms=tuple((n.weight.detach(), None) for n in norms), eps=norms[0].eps, rms=True, pre_norm=True,
-            qkv=(a.packed_qkv.weight, a.packed_qkv.bias), o=o, cross_q=cross_q, cross_o=cross_o, fc1=fc1, fc2=fc2,
-            activation=f.act_name, heads=a.h, head_dim=a.dh, scale=1.0))
+        return FusedDecodeLayer(
+            LayerWeights(
+                norms=tuple((n.weight.detach(), None) for n in norms),
+                eps=norms[0].eps,
+                rms=True,
+                pre_norm=True,
+                qkv=(a.packed_qkv.weight, a.packed_qkv.bias),
+                o=o,
+                cross_q=cross_q,
+                cross_o=cross_o,
+                fc1=fc1,
+                fc2=fc2,
+                activation=f.act_name,
+                heads=a.h,
+                head_dim=a.dh,
+                scale=1.0,
+            )
+        )
 
 
 class T5ForConditionalGeneration(PackedDecodeWeights, nn.Module):
@@ -234,7 +289,7 @@ class T5ForConditionalGeneration(PackedDecodeWeights, nn.Module):
         self.lm_head = None if c.tie_word_embeddings else Linear(c.d_model, c.vocab_size, bias=False)
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32) -> "T5ForConditionalGeneration":
+    def from_pretrained(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32) -> T5ForConditionalGeneration:
         """Loads an HF T5 directory; returns the model in eval mode with weights in ``dtype``."""
         model_dir = Path(model_dir)
         hf = read_json(model_dir / "config.json")
@@ -294,7 +349,9 @@ class T5ForConditionalGeneration(PackedDecodeWeights, nn.Module):
         c = self.config
         b, s = input_ids.shape
         pos = torch.arange(s, device=input_ids.device)
-        buckets = relative_position_bucket(pos[None, :] - pos[:, None], True, c.num_buckets, c.max_distance)  # [S(q), S(k)]
+        buckets = relative_position_bucket(
+            pos[None, :] - pos[:, None], True, c.num_buckets, c.max_distance
+        )  # [S(q), S(k)]
         bias = self.encoder_bias(buckets).permute(2, 0, 1)[None].float()  # [1, H, S, S]
         if attention_mask is not None:
             bias = bias.masked_fill(attention_mask[:, None, None, :] == 0, float("-inf"))  # [B, H, S, S]
@@ -310,7 +367,9 @@ class T5ForConditionalGeneration(PackedDecodeWeights, nn.Module):
         b, s, _ = encoder_out.shape
         c = self.config
         x = encoder_out.to(self.dtype)
-        kv = torch.stack([torch.stack([l.cross_attn.k(x), l.cross_attn.v(x)]) for l in self.decoder_layers])  # [L, 2, B, S, H*Dh]
+        kv = torch.stack(
+            [torch.stack([layer.cross_attn.k(x), layer.cross_attn.v(x)]) for layer in self.decoder_layers]
+        )  # [L, 2, B, S, H*Dh]
         return kv.view(c.decoder_layers, 2, b, s, c.num_heads, c.head_dim).contiguous()
 
     def decoder_position_bias(self, max_seq_len: int) -> torch.Tensor:
@@ -321,8 +380,14 @@ class T5ForConditionalGeneration(PackedDecodeWeights, nn.Module):
         return self.decoder_bias(buckets).t()  # [H, N]
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
-                self_kv_cache: torch.Tensor, cross_kv_cache: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        self_kv_cache: torch.Tensor,
+        cross_kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
         """Decoder over a flat varlen batch: ``input_ids`` ``[T]`` -> ``[T, d_model]`` (after the final norm).
 
         Positions enter only through the relative bias (each query's position is

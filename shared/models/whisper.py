@@ -53,7 +53,7 @@ class WhisperConfig:
     max_target_positions: int = 448
 
     @classmethod
-    def from_ct2_weights(cls, w: dict[str, torch.Tensor]) -> "WhisperConfig":
+    def from_ct2_weights(cls, w: dict[str, torch.Tensor]) -> WhisperConfig:
         """Infer the shape of the model from its CTranslate2 variables."""
         vocab, d_model = w["decoder/embeddings/weight"].shape
         heads = int(w["encoder/num_heads"])
@@ -81,7 +81,7 @@ class WhisperGenerationDefaults:
     max_length: int = 448
 
     @classmethod
-    def from_model_dir(cls, model_dir: Path, config: WhisperConfig) -> "WhisperGenerationDefaults":
+    def from_model_dir(cls, model_dir: Path, config: WhisperConfig) -> WhisperGenerationDefaults:
         """Read ``config.json`` (suppress lists) and ``tokenizer.json`` (special ids).
 
         English-only checkpoints (vocab 51864) are prompted with
@@ -140,7 +140,9 @@ class DecoderLayer(nn.Module):
 
     fused: FusedDecodeLayer | None = None  # set by pack_decode_weights where kernels.decode_layer serves this layer
 
-    def forward(self, x: torch.Tensor, md: AttentionMetadata, self_kv: torch.Tensor, cross_kv: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, md: AttentionMetadata, self_kv: torch.Tensor, cross_kv: torch.Tensor
+    ) -> torch.Tensor:
         if self.fused is not None and (y := self.fused.run(x, md, self_kv, cross_kv)) is not None:
             return y  # a CPU decode step in one C call, equal to the rest of this method bit for bit
         t, d = x.shape
@@ -163,14 +165,34 @@ class DecoderLayer(nn.Module):
     def _fused_decode_layer(self) -> FusedDecodeLayer | None:
         """The C decode layer for this layer, or None (unpacked or int8 layers)."""
         qkv, o, cross_q, cross_o, fc1, fc2 = products = [
-            packed_product(m) for m in (self.self_qkv, self.self_out, self.cross_q, self.cross_out, self.fc1, self.fc2)]
+            packed_product(m) for m in (self.self_qkv, self.self_out, self.cross_q, self.cross_out, self.fc1, self.fc2)
+        ]
         norms = (self.self_attn_norm, self.cross_attn_norm, self.ffn_norm)
-        if None in products or not all(n.use_kernel for n in norms) or len({n.eps for n in norms}) != 1 or not decode_layer.is_available():
+        if (
+            None in products
+            or not all(n.use_kernel for n in norms)
+            or len({n.eps for n in norms}) != 1
+            or not decode_layer.is_available()
+        ):
             return None
-        return FusedDecodeLayer(LayerWeights(
-            norms=tuple((n.weight.detach(), n.bias.detach()) for n in norms), eps=norms[0].eps, rms=False, pre_norm=True,
-            qkv=qkv, o=o, cross_q=cross_q, cross_o=cross_o, fc1=fc1, fc2=fc2, activation="gelu", heads=self.h, head_dim=self.dh,
-            scale=self.scale))
+        return FusedDecodeLayer(
+            LayerWeights(
+                norms=tuple((n.weight.detach(), n.bias.detach()) for n in norms),
+                eps=norms[0].eps,
+                rms=False,
+                pre_norm=True,
+                qkv=qkv,
+                o=o,
+                cross_q=cross_q,
+                cross_o=cross_o,
+                fc1=fc1,
+                fc2=fc2,
+                activation="gelu",
+                heads=self.h,
+                head_dim=self.dh,
+                scale=self.scale,
+            )
+        )
 
 
 class WhisperForConditionalGeneration(PackedDecodeWeights, nn.Module):
@@ -192,7 +214,9 @@ class WhisperForConditionalGeneration(PackedDecodeWeights, nn.Module):
         self.output_projection: nn.Module | None = None  # None: vocab_projection() with embed_tokens (tied)
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32) -> "WhisperForConditionalGeneration":
+    def from_pretrained(
+        cls, model_dir: str | Path, dtype: torch.dtype = torch.float32
+    ) -> WhisperForConditionalGeneration:
         """Load a CTranslate2 Whisper directory (``model.bin``, ``config.json``, ``tokenizer.json``).
 
         Weights (float16 on disk) are cast to ``dtype``. Returns the model in eval mode.
@@ -249,7 +273,10 @@ class WhisperForConditionalGeneration(PackedDecodeWeights, nn.Module):
             copy_linear(f"{p}/ffn/linear_1", layer.fc2)
         norm("decoder/layer_norm", self.decoder_norm)
 
-        if "decoder/projection/weight" in weights and weights["decoder/projection/weight"].shape != self.embed_tokens.weight.shape:
+        if (
+            "decoder/projection/weight" in weights
+            and weights["decoder/projection/weight"].shape != self.embed_tokens.weight.shape
+        ):
             raise ValueError("decoder/projection/weight is not tied to decoder/embeddings/weight")
         with torch.no_grad():
             for name, dst in name_map.items():
@@ -273,10 +300,12 @@ class WhisperForConditionalGeneration(PackedDecodeWeights, nn.Module):
         """
         c = self.config
         if input_features.dim() != 3 or tuple(input_features.shape[1:]) != (c.num_mel_bins, 2 * c.max_source_positions):
-            raise ValueError(f"encoder expects [B, {c.num_mel_bins}, {2 * c.max_source_positions}] features, got {list(input_features.shape)}")
+            raise ValueError(
+                f"encoder expects [B, {c.num_mel_bins}, {2 * c.max_source_positions}] features, got {list(input_features.shape)}"
+            )
         x = F.gelu(self.conv1(input_features.to(self.dtype)))  # [B, d, 3000]
         # Contiguous once here: a transposed x would keep its layout through every residual add, and each
-        # layer norm and linear would copy it again (~20 ms of a ~480 ms tiny.en encode on 2 cores).
+        # layer norm and linear would copy it again (measured: docs/benchmarks.md, Measurements formerly in docstrings).
         x = F.gelu(self.conv2(x)).transpose(1, 2).contiguous()  # [B, 1500, d]
         x = x + self.encoder_positions
         for layer in self.encoder_layers:
@@ -294,15 +323,20 @@ class WhisperForConditionalGeneration(PackedDecodeWeights, nn.Module):
         c = self.config
         x = encoder_out.to(self.dtype).reshape(b * s, d)  # [B*S, d]
         out = torch.empty(c.decoder_layers, 2, b, s, c.num_heads, c.head_dim, dtype=self.dtype, device=x.device)
-        # Each K / V product lands in its final place (no stacked [L, B, S, 2d] copy permuted afterwards:
-        # 58 -> 51 ms per tiny.en clip alone, 68 -> 46 ms per clip in a batch of 8, bit-identical).
+        # Each K / V product lands in its final place (no stacked [L, B, S, 2d] copy permuted afterwards; bit-identical,
+        # and faster: docs/benchmarks.md, Measurements formerly in docstrings).
         for layer_out, layer in zip(out, self.decoder_layers):
             proj = layer.cross_kv
             if not isinstance(proj, nn.Linear):  # e.g. int8 (shared.models.quantize): one product, copied into place
                 layer_out.copy_(proj(x).view(b, s, 2, c.num_heads, c.head_dim).permute(2, 0, 1, 3, 4))
                 continue
             for i in range(2):  # weight rows: k, then v
-                torch.addmm(proj.bias[i * d : (i + 1) * d], x, proj.weight[i * d : (i + 1) * d].t(), out=layer_out[i].view(b * s, d))
+                torch.addmm(
+                    proj.bias[i * d : (i + 1) * d],
+                    x,
+                    proj.weight[i * d : (i + 1) * d].t(),
+                    out=layer_out[i].view(b * s, d),
+                )
         return out
 
     @torch.inference_mode()

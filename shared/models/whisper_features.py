@@ -61,9 +61,7 @@ def load_tokenizer(model_dir: str | Path):
     if not path.is_file():
         raise FileNotFoundError(f"no tokenizer.json in {model_dir}")
     eot = "<|endoftext|>"
-    return PreTrainedTokenizerFast(
-        tokenizer_file=str(path), eos_token=eot, bos_token=eot, unk_token=eot, pad_token=eot
-    )
+    return PreTrainedTokenizerFast(tokenizer_file=str(path), eos_token=eot, bos_token=eot, unk_token=eot, pad_token=eot)
 
 
 def special_token_ids(model_dir: str | Path) -> dict[str, int]:

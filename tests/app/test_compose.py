@@ -5,7 +5,7 @@ deployment's promises (only public ports published, health checks over the gRPC
 health service, service_healthy dependencies, the models volume, the gpu
 profile, every ENCDEC_* variable a real config field). The end-to-end test runs
 each service's command as a local process with its compose environment
-(``tests/compose_local.py``; a real redis-server stands in for the redis image)
+(``tests/helpers/compose_local.py``; a real redis-server stands in for the redis image)
 and sends a Generate and an Embed through the published ports.
 """
 

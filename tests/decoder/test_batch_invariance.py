@@ -70,7 +70,7 @@ def test_alone_batched_and_preempted_runs_are_bit_identical(text_checkpoints, ar
     rng = random.Random(3)
     sources = {f"r{i}": tokenizer(sentence(rng, 3 + 7 * i))["input_ids"] for i in range(6)}
     # Each source encoded alone, the same cross KV in every run: the decoder's invariance is what is measured here
-    # (the encoder's padded batches differ from a source alone in the last bits: tests/test_encode_batcher.py).
+    # (the encoder's padded batches differ from a source alone in the last bits: tests/encoder/test_encode_batcher.py).
     kv = {rid: encode_batch(model, [src])[0] for rid, src in sources.items()}
     params = SamplingParams(max_tokens=NEW, ignore_eos=True, logprobs=True)
     per_request = -(-(NEW + 1) // BLOCK)

@@ -1,8 +1,8 @@
 """Beam search and n > 1 parallel samples through the real ``DecoderEngine``, against HF ``generate``.
 
 The test plays the encoder service (cross KV written at the reserved blocks,
-then ``mark_encoded``) as tests/test_text_parity.py and
-tests/test_engine_whisper.py do. Every run ends with all self and cross blocks
+then ``mark_encoded``) as tests/models/test_text_parity.py and
+tests/decoder/test_engine_whisper.py do. Every run ends with all self and cross blocks
 free.
 """
 

@@ -4,7 +4,7 @@ Eight requests that together need about twice the self blocks the decoder has
 run concurrently; the scheduler recompute-preempts (drops self KV, keeps cross
 KV) and resumes them. Every request must still produce exactly the tokens it
 produces alone (greedy and seeded sampling alike), and every block must come
-back. The decoder is batch-invariant on CPU (tests/test_batch_invariance.py);
+back. The decoder is batch-invariant on CPU (tests/decoder/test_batch_invariance.py);
 the encoder runs one request per forward here, because its padded batches
 differ from a source alone in the last bits, which this chaotic tiny model
 could turn into another token.

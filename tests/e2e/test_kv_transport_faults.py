@@ -6,7 +6,7 @@ restarted; every time the request fails with UNAVAILABLE, its Redis record is
 FAILED, GetStats shows every block free again, and the next request is served
 (the encoder re-attaches to a restarted decoder by its new instance id).
 A payload cut off inside the transfer itself is covered at the transport level
-in tests/test_kv_transport_dist.py.
+in tests/shared/test_kv_transport_dist.py.
 """
 
 from __future__ import annotations

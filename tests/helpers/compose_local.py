@@ -1,4 +1,4 @@
-"""Runs compose.yaml's services as local processes (the translator behind tests/test_compose.py).
+"""Runs compose.yaml's services as local processes (the translator behind tests/app/test_compose.py).
 
 No Docker engine runs on our machines, so this takes the project
 ``compose_file.load_project`` read (as ``docker compose up`` would) and runs each

@@ -178,7 +178,7 @@ def test_backend_switch_dispatches_and_validates(monkeypatch):
 def test_whisper_engine_triton_backend_same_greedy_tokens(whisper_model_dir, whisper_features, monkeypatch):
     """One short clip through the decoder engine with each backend: same greedy tokens.
 
-    (The torch backend's tokens equal HF's: tests/test_engine_whisper.py.)
+    (The torch backend's tokens equal HF's: tests/decoder/test_engine_whisper.py.)
     """
     from decoder_svc.engine import DecoderEngine
     from shared.models.registry import load_model
