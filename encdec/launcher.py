@@ -2,6 +2,10 @@
 
 Used by ``encdec up``, ``encdec demo`` and the integration tests, so all three
 run the services exactly the same way.
+
+Over 300 lines: ``Services`` and ``encoder_service`` share the process helpers (port check,
+health wait, stop) and the restart-on-port-taken logic; splitting them would separate one start/stop
+procedure.
 """
 
 from __future__ import annotations

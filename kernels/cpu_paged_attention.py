@@ -19,6 +19,9 @@ padding check cost several times the scatter per layer of such a step).
 The C library is built by ``pip install`` (setup.py, x86-64 Linux only);
 where it is missing or the CPU lacks AVX2/FMA, ``is_available()`` is False
 and the reference runs. Inference only: no autograd.
+
+Over 300 lines: one C library per file: the ctypes declarations, the argument checks and
+the Python entry points of both its functions (the decode attention and ``write_kv``).
 """
 
 from __future__ import annotations

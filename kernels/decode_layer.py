@@ -11,6 +11,9 @@ A model layer builds a ``FusedDecodeLayer`` from its packed weights (``DecoderLa
 once the weights are packed; ``FusedDecodeLayer.run`` returns None whenever the call is not a decode step
 it serves (prefill, other devices or dtypes, the torch reference's backend switched off), and the Python
 layer runs instead.
+
+Over 300 lines: the ctypes structs must mirror ``kernels/csrc/decode_layer.c`` field for
+field, so they stay in one file with the only code that fills them (``LayerWeights``, ``FusedDecodeLayer``).
 """
 
 from __future__ import annotations

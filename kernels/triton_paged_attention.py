@@ -26,6 +26,9 @@ elements once, in place (no dense copy, unlike the torch reference), plus
 On CPU the kernels run only under ``TRITON_INTERPRET=1`` (set before this
 module is imported), slowly: the interpreter's cost grows with the number of
 program instances and tiles, so it is for tests, not serving.
+
+Over 300 lines: one Triton kernel per file, with its launcher and the two entry points
+(paged self-attention, contiguous cross-attention) that share it.
 """
 
 from __future__ import annotations

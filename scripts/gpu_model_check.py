@@ -29,6 +29,9 @@ Prints "skipped: no CUDA ..." and exits 0 where torch sees no CUDA device
 itself). Needs python3 with torch (and triton for its rows), numpy,
 transformers, tokenizers and sentencepiece; run from the repository root with
 ``PYTHONPATH=.`` (scripts/gpu_check.sh does). About a minute on one GPU.
+
+Over 300 lines: one script, run whole (scripts/gpu_check.sh) and imported by nothing; its three
+checks share the engine driver (``run_engine``, ``PoolWriter``) and the result table.
 """
 
 from __future__ import annotations

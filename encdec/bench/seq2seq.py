@@ -31,6 +31,9 @@ over the better of HF batched and CTranslate2 fp32 batched, the issue-7 target)
 and ``same as HF`` (outputs token-for-token equal to HF sequential greedy). The
 JSON rows also carry ``load``, the 1-minute load average right after that system ran
 (on a shared machine, how noisy that measurement was).
+
+Over 300 lines: one benchmark per file (the runs of our services, HF ``generate`` and
+CTranslate2 on the same checkpoints, and the rows comparing them).
 """
 
 from __future__ import annotations

@@ -29,6 +29,10 @@ Trust: a CUDA IPC handle gives access to the whole allocator segment, so
 Encode must stay on the internal network (as for ``shm``); the writer checks
 that the handle's byte size equals what the target's shape and dtype
 describe, and that one instance never changes its handle.
+
+Over 300 lines: the segment format (``CudaIpcHandle``), the pool that exports it and the
+writer that opens it are one protocol and share ``_EXPORTED`` (a writer in the exporting process uses the
+tensor itself), so they stay together.
 """
 
 from __future__ import annotations

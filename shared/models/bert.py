@@ -6,6 +6,9 @@ Packed layout: the sequences of a batch are concatenated into ``[T]`` tokens
 costs nothing there. Only attention pads, into ``[B, H, S_max, D]``, and masks
 padded keys. Reference: HF ``transformers.models.bert.modeling_bert`` (weights
 and numerics), which this module must match within float tolerance.
+
+Over 300 lines: one model per file (config, packed batch, embeddings, packed attention,
+layers, pooler and classifier heads and the weight map together).
 """
 
 from __future__ import annotations
