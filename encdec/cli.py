@@ -83,11 +83,12 @@ def _up(args: argparse.Namespace) -> int:
     return 1 if dead and not stop else 0
 
 
-def _print_results(results, start: float) -> int:
+def _print_results(paths: list[str], results, start: float) -> int:
+    """One line per file on stderr (``results[i]`` is the outcome of ``paths[i]``); 1 if any failed."""
     from encdec.client import Transcript
 
     failed = 0
-    for r in results:
+    for path, r in zip(paths, results):
         if isinstance(r, Transcript):
             print(
                 f"{r.path}: {r.completion_tokens} tokens, finish_reason={r.finish_reason}, {r.seconds:.2f} s",
@@ -95,8 +96,13 @@ def _print_results(results, start: float) -> int:
             )
         else:
             failed += 1
-            detail = f"{r.code().name}: {r.details()}" if hasattr(r, "code") else repr(r)
-            print(f"error: {detail}", file=sys.stderr)
+            if hasattr(r, "code"):
+                detail = f"{r.code().name}: {r.details()}"
+            elif isinstance(r, OSError):
+                detail = f"cannot read the file: {r.strerror or r}"
+            else:
+                detail = repr(r)
+            print(f"error: {path}: {detail}", file=sys.stderr)
     print(f"wall time {time.perf_counter() - start:.2f} s for {len(results)} file(s)", file=sys.stderr)
     return 1 if failed else 0
 
@@ -118,7 +124,7 @@ def _transcribe(args: argparse.Namespace) -> int:
         "stop",
     )
     results = asyncio.run(transcribe_files(args.address, args.files, **{k: getattr(args, k) for k in keys}))
-    return _print_results(results, start)
+    return _print_results(args.files, results, start)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -130,7 +136,7 @@ def _demo(args: argparse.Namespace) -> int:
         print(f"transcribing {', '.join(files)} through {services.decoder_address}:", file=sys.stderr, flush=True)
         start = time.perf_counter()
         results = asyncio.run(transcribe_files(services.decoder_address, files))
-        code = _print_results(results, start)
+        code = _print_results(files, results, start)
     return code
 
 

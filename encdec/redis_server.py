@@ -155,7 +155,12 @@ class LocalRedisServer:
             str(log_path),
             *self.extra_args,
         ]
-        self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # Its own session, as the services' (encdec.launcher): a terminal's Ctrl-C goes to the whole foreground
+        # process group, and Redis must outlive the decoder's drain, which records the final states in it;
+        # stop() ends it last.
+        self._proc = subprocess.Popen(
+            args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+        )
         client = redis.Redis(host=self.host, port=port, socket_connect_timeout=0.5, socket_timeout=1.0)
         deadline = time.monotonic() + self.startup_timeout_s
         try:

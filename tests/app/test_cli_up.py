@@ -106,3 +106,55 @@ def test_up_exits_nonzero_when_a_service_dies(redis_url):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_ctrl_c_lets_the_decoder_drain_into_its_local_redis(tmp_path):
+    """A terminal's Ctrl-C reaches the whole process group of ``encdec up``: the local redis-server must
+    outlive the decoder's drain (its own session, stopped last), so the request that was running is still
+    recorded; before, Redis died at once and the decoder logged 'could not record FINISHED'."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "encdec.cli",
+        "--log-level",
+        "WARNING",
+        "up",
+        "--encoder-port",
+        "0",
+        "--decoder-port",
+        "0",
+        "--decoder-args=--metrics-port 0",
+        "--encoder-args=--metrics-port 0",
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # `up` starts its own redis-server
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        cwd=Path(__file__).parents[2],
+        env=env,
+    )
+    try:
+        line = proc.stdout.readline()
+        while line and not line.startswith("ready:"):
+            line = proc.stdout.readline()
+        assert line, "encdec up did not become ready"
+        address = line.split(" at ")[1].split(",")[0]
+        with grpc.insecure_channel(address) as channel:
+            stub = decoder_pb2_grpc.DecoderServiceStub(channel)
+            sampling = decoder_pb2.SamplingParams(max_tokens=200, ignore_eos=True)
+            stream = stub.Generate(decoder_pb2.GenerateRequest(audio=CLIP.read_bytes(), sampling=sampling), timeout=120)
+            first = next(stream)
+            os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+            rest = list(stream)
+        tokens = len(first.token_ids) + sum(len(m.token_ids) for m in rest)
+        assert rest[-1].finish_reason == decoder_pb2.FINISH_REASON_LENGTH and tokens == 200  # drained, not cut
+        assert proc.wait(timeout=60) == 0
+        stderr = proc.stderr.read()
+        assert "could not record" not in stderr and "ConnectionError" not in stderr, stderr[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
