@@ -141,9 +141,14 @@ def request_record_pb(record: RequestRecord) -> decoder_pb2.RequestRecord:
 
 
 def stats_pb(stats: dict) -> decoder_pb2.DecoderStats:
-    """``DecoderEngine.stats()`` (plus the servicer's entries) -> ``DecoderStats``; keys the proto lacks are dropped."""
+    """``DecoderEngine.stats()`` (plus the servicer's entries: ``max_concurrent_requests``, the admission queue's
+    ``AdmissionQueue.stats()``) -> ``DecoderStats``; keys the proto lacks are dropped, counts become ints and the
+    waits (``*_s``, seconds) stay floats."""
     fields = decoder_pb2.DecoderStats.DESCRIPTOR.fields_by_name
-    return decoder_pb2.DecoderStats(**{k: int(v) for k, v in stats.items() if k in fields})
+    double = fields["oldest_queue_wait_s"].type  # FieldDescriptor.TYPE_DOUBLE
+    return decoder_pb2.DecoderStats(
+        **{k: float(v) if fields[k].type == double else int(v) for k, v in stats.items() if k in fields}
+    )
 
 
 def shown_request_id(request_id: str) -> str:

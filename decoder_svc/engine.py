@@ -17,6 +17,12 @@ One step, as vLLM v1's engine core:
    strings and builds the ``RequestOutput``s; beam groups then take their
    search step (``SequenceGroups.step_beams``) and an ended search outputs its beams.
 
+Fault isolation (``decoder_svc.step_failures``): an exception raised while the
+step handles one request's own rows (its sampling, forks, beam step,
+detokenization) ends that request alone: its blocks are freed within the step,
+its rows leave the rest of the step, and its last ``RequestOutput`` carries the
+``error`` it ends with. Anything else (the model forward) still fails the step.
+
 Several sequences per request (``SamplingParams.n`` / ``num_beams``):
 ``decoder_svc.sequence_group``. ``abort`` frees every sequence of the request.
 """
@@ -28,12 +34,14 @@ from typing import TYPE_CHECKING
 from decoder_svc.block_manager import BlockManager
 from decoder_svc.model_runner import ModelRunner
 from decoder_svc.output_processor import OutputProcessor
-from decoder_svc.outputs import RequestOutput, StepOutput
+from decoder_svc.outputs import ModelRunnerOutput, RequestOutput, StepOutput
 from decoder_svc.sampler import Sampler
 from decoder_svc.sampling_params import SamplingParams
 from decoder_svc.scheduler import CapacityError, Scheduler
+from decoder_svc.scheduler_output import SchedulerOutput
 from decoder_svc.sequence import Sequence, sample_seq_id
 from decoder_svc.sequence_group import SequenceGroup, SequenceGroups
+from decoder_svc.step_failures import StepFailures
 
 if TYPE_CHECKING:
     import torch
@@ -159,18 +167,52 @@ class DecoderEngine:
         return self.sequence_groups.groups
 
     def step(self) -> StepOutput:
-        """One engine iteration: schedule, run the decoder, apply the tokens, then the output stage."""
+        """One engine iteration: schedule, run the decoder, apply the tokens, then the output stage.
+
+        A request that fails on its own rows ends with an ``error`` output (module docstring).
+
+        Raises:
+            Exception: a failure not attributable to one request (the model forward, the batch tensors).
+        """
         so = self.scheduler.schedule()
         out = self.model_runner.execute_model(so)
         if so.scheduled_seqs:
             self.num_model_steps += 1
             self.num_step_sequences += len(so.scheduled_seqs)
-        forked = self.sequence_groups.fork_samples(so, out)  # before sample 0's token is appended (it may finish on it)
+        failures = StepFailures()
+        for s in so.scheduled_seqs:
+            if s.request_id in out.failed:
+                failures.add(s.group_id, "sampler", out.failed[s.request_id], s.sampling_params)
+        so, out = self._drop_failed(so, out, failures)
+        forked = self.sequence_groups.fork_samples(so, out, failures)  # before sample 0's token is appended
+        so, out = self._drop_failed(so, out, failures)
+        forked = [c for c in forked if c.group_id not in failures]
         finished = self.scheduler.update_from_output(so, out, forked)
-        outputs = self.output_processor.process(so, out, forked, finished)
-        for group in self.sequence_groups.step_beams(so, out):
-            outputs.extend(self.output_processor.beam_outputs(group))
+        outputs = self.output_processor.process(so, out, forked, finished, failures)
+        for group in self.sequence_groups.step_beams(so, out, failures):
+            with failures.guard(group.parent.group_id, "output of its beams", group.parent.sampling_params):
+                outputs.extend(self.output_processor.beam_outputs(group))
+        if failures:
+            self._drop_failed(so, out, failures)
+            outputs = [o for o in outputs if o.request_id not in failures] + failures.outputs()
         return StepOutput(to_encode=[(s.request_id, list(s.cross_block_ids)) for s in so.to_encode], outputs=outputs)
+
+    def _drop_failed(
+        self, so: SchedulerOutput, out: ModelRunnerOutput, failures: StepFailures
+    ) -> tuple[SchedulerOutput, ModelRunnerOutput]:
+        """Frees every sequence of the requests that failed so far this step; returns the step's plan and
+        results without their rows (``StepFailures.without``)."""
+        for request_id in failures.pending_aborts():
+            self._abort_failed(request_id)
+        return failures.without(so, out)
+
+    def _abort_failed(self, request_id: str) -> None:
+        """Frees every sequence of a failed request: its group's, and any the scheduler holds under its id
+        (a fork cut short by the failure may not have joined the group yet)."""
+        self.abort(request_id)
+        for sid in [sid for sid, s in self.scheduler.requests.items() if s.group_id == request_id]:
+            self.scheduler.abort(sid)
+            self.sampler.release(sid)
 
     def _release(self, seq: Sequence) -> None:
         """A sample finished: forget its generator; the request's group goes with its last sample."""

@@ -149,6 +149,7 @@ class ModelRunner:
             logprobs=sampled.logprobs,
             extra_token_ids=sampled.extra_token_ids,
             beam_logprobs=sampled.beam_logprobs,
+            failed=sampled.failed,
         )
 
     @torch.inference_mode()

@@ -19,6 +19,7 @@ from decoder_svc.outputs import ModelRunnerOutput, RequestOutput, TokenLogprobs
 from decoder_svc.scheduler import Scheduler, SchedulerOutput
 from decoder_svc.sequence import Sequence
 from decoder_svc.sequence_group import SequenceGroup
+from decoder_svc.step_failures import StepFailures
 
 
 class OutputProcessor:
@@ -41,7 +42,12 @@ class OutputProcessor:
         self.on_finish = on_finish
 
     def process(
-        self, so: SchedulerOutput, out: ModelRunnerOutput, forked: list[Sequence], finished: Iterable[Sequence]
+        self,
+        so: SchedulerOutput,
+        out: ModelRunnerOutput,
+        forked: list[Sequence],
+        finished: Iterable[Sequence],
+        failures: StepFailures,
     ) -> list[RequestOutput]:
         """One output per sequence that got a token this step: the scheduled non-beam ones, then ``forked``.
 
@@ -50,18 +56,23 @@ class OutputProcessor:
             out: the model step's results.
             forked: samples forked this step with their first token (``SequenceGroups.fork_samples``).
             finished: the sequences ``Scheduler.update_from_output`` finished.
+            failures: a request whose detokenization or stop-string check raises is recorded there
+                (``decoder_svc.step_failures``) and gets no output; the others go on.
         """
         finished_ids = {s.request_id for s in finished}
         rows = [(s, t) for s, t in zip(so.scheduled_seqs, out.sampled_token_ids) if s.sampling_params.num_beams == 1]
         rows += [(c, c.output_token_ids[-1]) for c in forked]
         outputs = []
         for seq, tok in rows:
-            status = seq.status if seq.request_id in finished_ids else None
-            self._output_text(seq)
-            final = seq.update_text(status)
-            if final is not status:  # its text completed a stop string
-                self.scheduler.finish_request(seq, final)
-            outputs.append(self._make_output(seq, tok, final is not None, out.logprobs.get(seq.request_id)))
+            if seq.group_id in failures:
+                continue
+            with failures.guard(seq.group_id, "detokenization of its output", seq.sampling_params):
+                status = seq.status if seq.request_id in finished_ids else None
+                self._output_text(seq)
+                final = seq.update_text(status)
+                if final is not status:  # its text completed a stop string
+                    self.scheduler.finish_request(seq, final)
+                outputs.append(self._make_output(seq, tok, final is not None, out.logprobs.get(seq.request_id)))
         return outputs
 
     def _output_text(self, seq: Sequence) -> OutputText:

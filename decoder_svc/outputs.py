@@ -51,12 +51,16 @@ class SamplerOutput:
             steps that sampled; a row whose scores were not finite has none).
         beam_logprobs: sequence id -> ``[V]`` float32 CPU processed log-probabilities
             of each beam row.
+        failed: sequence id -> the exception its row raised (its penalties, warpers or
+            draw); its token is a placeholder -1 and nothing else is reported for it
+            (``decoder_svc.step_failures``).
     """
 
     sampled_token_ids: list[int] = field(default_factory=list)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     extra_token_ids: dict[str, list[int]] = field(default_factory=dict)
     beam_logprobs: dict[str, torch.Tensor] = field(default_factory=dict)
+    failed: dict[str, BaseException] = field(default_factory=dict)
 
 
 @dataclass
@@ -66,7 +70,7 @@ class ModelRunnerOutput:
     Attributes:
         seq_ids: the scheduled sequences' ids, in ``SchedulerOutput.scheduled_seqs`` order.
         sampled_token_ids: one token id per scheduled sequence, in that order (-1: a beam row).
-        logprobs, extra_token_ids, beam_logprobs: the sampler's, by sequence id
+        logprobs, extra_token_ids, beam_logprobs, failed: the sampler's, by sequence id
             (see ``SamplerOutput``); sparse, since most rows have none.
     """
 
@@ -75,6 +79,7 @@ class ModelRunnerOutput:
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     extra_token_ids: dict[str, list[int]] = field(default_factory=dict)
     beam_logprobs: dict[str, torch.Tensor] = field(default_factory=dict)
+    failed: dict[str, BaseException] = field(default_factory=dict)
 
 
 @dataclass
@@ -98,6 +103,10 @@ class RequestOutput:
         index: which of the request's n samples / returned beams (0 = the best beam).
         score: beam search only: the hypothesis' HF score (sum of its token
             logprobs / generated_len ** length_penalty).
+        error: set on the last output of a request that failed inside a step
+            (``decoder_svc.step_failures``): a ``shared.errors.ServiceError`` whose
+            code is the request's status (its blocks are already freed; the
+            other fields carry nothing). The owner ends the request with it.
     """
 
     request_id: str
@@ -111,6 +120,7 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None
     index: int = 0
     score: float | None = None
+    error: BaseException | None = None
 
 
 @dataclass

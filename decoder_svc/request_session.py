@@ -57,19 +57,28 @@ import logging
 import time
 
 from decoder_svc import convert
+from decoder_svc.admission import AdmissionQueue, Ticket
 from decoder_svc.encode_client import EncodeClient
 from decoder_svc.encoder_cache import encoder_cache_key
 from decoder_svc.engine import CapacityError, DecoderEngine, RequestOutput
 from decoder_svc.engine_loop import EngineLoop
 from decoder_svc.inputs import RequestInput
 from decoder_svc.request_progress import RequestProgress, StreamCoalescer
-from decoder_svc.request_state import RequestExistsError, RequestState, RequestStateStore
+from decoder_svc.request_state import (
+    RedisUnavailableError,
+    RequestExistsError,
+    RequestState,
+    RequestStateError,
+    RequestStateStore,
+)
 from decoder_svc.sampling_params import SamplingParams
 from shared.config import DecoderServiceConfig
 from shared.errors import AlreadyExistsError, ResourceExhaustedError, UnavailableError
 from shared.metrics import DecoderMetrics
 
 log = logging.getLogger(__name__)
+
+MAX_UNRECORDED = 10_000  # final states kept for Redis while it is down (the oldest dropped beyond)
 
 
 class Sessions:
@@ -101,7 +110,10 @@ class Sessions:
         self.encoder = encoder
         self.metrics = metrics
         self.active: dict[str, RequestSession] = {}
+        self.admission = AdmissionQueue(config.max_waiting_requests, config.max_queue_time_s)
         self.open_records: set[str] = set()  # Redis records this replica created and has not yet ended
+        # Final states Redis missed (it was unreachable): written when it answers again (flush_unrecorded).
+        self.unrecorded: dict[str, tuple[RequestState, dict]] = {}
         self.cutting = False  # the shutdown grace ran out: every running request ends with UNAVAILABLE
         self.shutdown_grace_s = 0.0
         self.loop: EngineLoop | None = None
@@ -125,6 +137,32 @@ class Sessions:
         await self.encoder.close()
         if self.open_records:  # handlers the server's stop cancelled before they recorded an end
             await asyncio.to_thread(self._record_shutdown, sorted(self.open_records))
+        await self.flush_unrecorded()
+
+    def record_later(self, request_id: str, state: RequestState, fields: dict) -> None:
+        """Keeps a final state Redis could not take, for ``flush_unrecorded`` (at most ``MAX_UNRECORDED``)."""
+        self.unrecorded[request_id] = (state, fields)
+        while len(self.unrecorded) > MAX_UNRECORDED:
+            dropped = next(iter(self.unrecorded))
+            log.warning("dropping the unrecorded final state of %s (over %d kept)", dropped, MAX_UNRECORDED)
+            del self.unrecorded[dropped]
+
+    async def flush_unrecorded(self) -> None:
+        """Writes the final states Redis missed, in one round trip; kept for the next try if Redis still fails."""
+        if not self.unrecorded:
+            return
+        pending = dict(self.unrecorded)
+        updates = [(request_id, state, fields) for request_id, (state, fields) in pending.items()]
+        try:
+            await asyncio.to_thread(self.store.set_state_many, updates)
+        except RedisUnavailableError:
+            return
+        except RequestStateError as exc:  # e.g. a record that expired meanwhile: the others were written
+            log.warning("some late final states could not be recorded: %s", exc)
+        for request_id in pending:
+            if self.unrecorded.get(request_id) == pending[request_id]:
+                del self.unrecorded[request_id]
+        log.info("recorded %d final states that Redis missed while it was unreachable", len(pending))
 
     def _record_shutdown(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -152,12 +190,24 @@ class Sessions:
             if ours:
                 self.open_records.discard(request_id)  # another replica's (or an earlier) record
             raise AlreadyExistsError(f"request id {request_id!r} was already used; pick a new one") from exc
+        except Exception:  # Redis unreachable (RedisUnavailableError): no record, nothing to end
+            if ours:
+                self.open_records.discard(request_id)
+            raise
 
     def open(
-        self, request_id: str, inp: RequestInput, params: SamplingParams, priority: int, arrival: float
+        self,
+        request_id: str,
+        inp: RequestInput,
+        params: SamplingParams,
+        priority: int,
+        arrival: float,
+        deadline: float | None = None,
     ) -> RequestSession:
-        """The session of a request whose record ``create_record`` made; ``arrival``: monotonic time of its call."""
+        """The session of a request whose record ``create_record`` made; ``arrival``: monotonic time of its call;
+        ``deadline``: monotonic time its gRPC deadline passes (None: none), which bounds its Encode calls."""
         session = self.active[request_id] = RequestSession(self, request_id, inp, params, priority, arrival)
+        session.deadline = deadline
         return session
 
     def shutdown_error(self, session: RequestSession) -> UnavailableError:
@@ -223,6 +273,8 @@ class RequestSession:
         self.abort_requested = False
         self.decoding_recorded = False
         self.arrival = arrival  # Generate call received (time to first token's start)
+        self.deadline: float | None = None  # monotonic time the call's gRPC deadline passes
+        self.ticket: Ticket | None = None  # its place in the admission queue (decoder_svc.admission)
         self.last_token_at: float | None = None
 
     def abort(self) -> None:
@@ -234,6 +286,10 @@ class RequestSession:
         """The engine reserved the current window's cross blocks: have the encoder fill them."""
         # An aborting request's engine.abort is queued behind the step that reserved these blocks: no Encode into them.
         if not self.abort_requested:
+            # Displaced by a higher-priority request, or its deadline passes before it could start: not encoded.
+            if self.ticket is not None and (refusal := self.ticket.check_encode()) is not None:
+                self.stream.put_nowait(refusal)
+                return
             self.encoding = asyncio.create_task(self._encode(block_ids))
 
     async def run(self):
@@ -241,11 +297,13 @@ class RequestSession:
 
         Raises:
             ResourceExhaustedError: a window can never fit this decoder's KV pools.
-            UnavailableError: the encoder failed, or the decoder shut down first.
+            UnavailableError: the encoder failed or stayed unreachable, Redis was unreachable for one of the
+                request's state writes (``RedisUnavailableError``), or the decoder shut down first.
             Exception: whatever failed the request's engine step (recorded FAILED, blocks freed, before it is raised).
         """
         sessions, params, progress = self._sessions, self.params, self.progress
         state, fields = RequestState.FAILED, {}
+        redis_down = False  # a state write found Redis unreachable: the end is recorded once it answers
         try:
             if sessions.cutting:  # its input was parsed after the grace ran out
                 raise sessions.shutdown_error(self)
@@ -256,6 +314,8 @@ class RequestSession:
                 got = await self.stream.get()
                 if isinstance(got, BaseException):
                     raise got
+                if got.error is not None:  # it alone failed inside a step (decoder_svc.step_failures)
+                    raise got.error
                 for item in _each_unfinished_sample(got, params.n, finished_indices):
                     if not self.decoding_recorded and self.encoding is None and item.finish_reason != "abort":
                         # An encoder-cache hit decodes over another request's cross KV without an Encode of its own.
@@ -292,9 +352,10 @@ class RequestSession:
             raise
         except Exception as exc:  # noqa: BLE001 - recorded, then mapped to a status code by the server's interceptor
             fields = {"error": str(exc), **progress.usage()}
+            redis_down = isinstance(exc, RedisUnavailableError)
             raise
         finally:  # an error is recorded (FAILED) and the blocks freed before the client sees its status
-            await self._release(state, fields)
+            await self._release(state, fields, redis_down)
 
     async def _start_window(self, window: RequestInput) -> None:
         """Adds the request's first or next window to the engine as a new sequence (its cross blocks are
@@ -344,25 +405,28 @@ class RequestSession:
         return None
 
     async def _encode(self, block_ids: list[int]) -> None:
-        """Has the encoder fill ``block_ids``; marks the request runnable, or fails its stream."""
+        """Has the encoder fill ``block_ids``; marks the request runnable, or fails its stream.
+
+        Every step has its error path: a failed state write (Redis unreachable), Encode or engine call ends the
+        request with that error on its stream (``run`` then frees its blocks and records FAILED).
+        """
         sessions = self._sessions
         try:
             if not self.progress.window:  # a later window is encoded while the record stays DECODING
                 await asyncio.to_thread(sessions.store.set_state, self.request_id, RequestState.ENCODING)
-            await sessions.encoder.encode(self.request_id, self.progress.input, block_ids)
+            await sessions.encoder.encode(self.request_id, self.progress.input, block_ids, deadline=self.deadline)
+            if self.abort_requested:
+                return
+            await asyncio.to_thread(
+                sessions.store.set_state,
+                self.request_id,
+                RequestState.DECODING,
+                **(self.progress.usage() if self.progress.window else {}),
+            )
+            self.decoding_recorded = True
+            await sessions.loop.call(sessions.engine.mark_encoded, self.request_id)
         except Exception as exc:  # noqa: BLE001 - reported on the request's stream
             self.stream.put_nowait(exc)
-            return
-        if self.abort_requested:
-            return
-        await asyncio.to_thread(
-            sessions.store.set_state,
-            self.request_id,
-            RequestState.DECODING,
-            **(self.progress.usage() if self.progress.window else {}),
-        )
-        self.decoding_recorded = True
-        await sessions.loop.call(sessions.engine.mark_encoded, self.request_id)
 
     def _observe_tokens(self, num_tokens: int) -> None:
         """Time to first token on a request's first tokens, then one time-per-output-token sample per token."""
@@ -371,14 +435,18 @@ class RequestSession:
         metrics, now = self._sessions.metrics, time.monotonic()
         if self.last_token_at is None:
             metrics.ttft.observe(now - self.arrival)
+            self._sessions.admission.started(self.ticket)  # it leaves the admission queue
         else:
             for _ in range(num_tokens):
                 metrics.tpot.observe((now - self.last_token_at) / num_tokens)
         self.last_token_at = now
 
-    async def _release(self, state: RequestState, fields: dict) -> None:
-        """Frees the request's blocks (after any in-flight Encode wrote them) and records its end."""
+    async def _release(self, state: RequestState, fields: dict, redis_down: bool = False) -> None:
+        """Frees the request's blocks (after any in-flight Encode wrote them) and records its end; ``redis_down``:
+        Redis just failed this request, so its end waits for Redis's return (``Sessions.flush_unrecorded``)
+        instead of costing the client another timeout now."""
         sessions = self._sessions
+        sessions.admission.leave(self.ticket)
         sessions.metrics.requests.labels(state=state.name.lower(), finish_reason=fields.get("finish_reason", "")).inc()
         self.abort_requested = True
         if self.encoding is not None and not self.encoding.done() and not sessions.cutting:
@@ -389,10 +457,16 @@ class RequestSession:
             await asyncio.wait([self.encoding])
         await sessions.loop.call(sessions.engine.abort, self.request_id)
         sessions.active.pop(self.request_id, None)
-        try:
-            await asyncio.to_thread(sessions.store.set_state, self.request_id, state, **fields)
-        except Exception:  # noqa: BLE001 - the stream's outcome stands; log the lost record
-            log.exception("could not record %s for %s", state.name, self.request_id)
+        if redis_down:
+            sessions.record_later(self.request_id, state, fields)
+        else:
+            try:
+                await asyncio.to_thread(sessions.store.set_state, self.request_id, state, **fields)
+            except RedisUnavailableError as exc:  # the stream's outcome stands; recorded once Redis answers again
+                log.warning("could not record %s for %s yet: %s", state.name, self.request_id, exc)
+                sessions.record_later(self.request_id, state, fields)
+            except Exception:  # noqa: BLE001 - the stream's outcome stands; log the lost record
+                log.exception("could not record %s for %s", state.name, self.request_id)
         sessions.open_records.discard(self.request_id)
 
 

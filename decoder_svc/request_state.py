@@ -17,12 +17,18 @@ not pile up. Each write is one Lua script (check + write + expire, atomic, one
 round trip); ``set_state_many`` and ``get_many`` pipeline many requests into
 one round trip, so the decode loop writes once per step, never once per token.
 
+Redis faults: every call has a socket timeout (``REDIS_SOCKET_TIMEOUT_S``) and
+at most ``REDIS_RETRIES`` retry, so a stopped or frozen Redis fails a call
+within a few seconds, never hangs it; the failure is a ``RedisUnavailableError``
+(UNAVAILABLE) naming the URL. ``probe`` is the health check's short PING.
+
 Over 300 lines: the state machine, the record and the Redis store (its Lua script and
 field codec) are one schema and change together.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import time
@@ -31,8 +37,17 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.retry import Retry
 
 from shared.errors import UnavailableError
+
+# Bounds on one Redis call: a stopped Redis refuses at once, a frozen one costs at most
+# (1 + REDIS_RETRIES) * REDIS_SOCKET_TIMEOUT_S plus the backoff (redis-py's default would retry 10 times
+# after 5 s timeouts: nearly a minute).
+REDIS_SOCKET_TIMEOUT_S = 2.0
+REDIS_RETRIES = 1  # one retry: a connection dropped by a Redis restart is opened again
+PROBE_TIMEOUT_S = 1.0  # the health probe's PING
 
 
 def redact_url(url: str) -> str:
@@ -81,6 +96,10 @@ UPDATABLE_FIELDS = _INT_FIELDS + _STR_FIELDS
 
 class RequestStateError(Exception):
     """Base class of request-state store errors."""
+
+
+class RedisUnavailableError(UnavailableError):
+    """Redis did not answer (refused, reset or timed out): UNAVAILABLE, the message names its URL."""
 
 
 class RequestExistsError(RequestStateError):
@@ -148,7 +167,14 @@ class RequestStateStore:
         self.redis_url = redis_url
         self.key_prefix = key_prefix
         self.finished_ttl_s = finished_ttl_s
-        self._client = redis.Redis.from_url(redis_url, decode_responses=True)
+        self._client = redis.Redis.from_url(
+            redis_url,
+            decode_responses=True,
+            socket_timeout=REDIS_SOCKET_TIMEOUT_S,
+            socket_connect_timeout=REDIS_SOCKET_TIMEOUT_S,
+            retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), REDIS_RETRIES),
+        )
+        self._probe_client: redis.Redis | None = None
         self._create = self._client.register_script(_CREATE_LUA)
         self._set_state = self._client.register_script(_SET_STATE_LUA)
 
@@ -170,8 +196,37 @@ class RequestStateStore:
                 "or pass the right --redis-url"
             ) from exc
 
+    def probe(self) -> str | None:
+        """One PING within ``PROBE_TIMEOUT_S`` seconds, no retry (the health check's): None if Redis answered,
+        else why not (names the URL, never the password)."""
+        if self._probe_client is None:
+            self._probe_client = redis.Redis.from_url(
+                self.redis_url,
+                socket_timeout=PROBE_TIMEOUT_S,
+                socket_connect_timeout=PROBE_TIMEOUT_S,
+                retry=Retry(ExponentialWithJitterBackoff(), 0),
+            )
+        try:
+            self._probe_client.ping()
+            return None
+        except redis.RedisError as exc:
+            return f"Redis at {redact_url(self.redis_url)} is unreachable ({exc})"
+
+    @contextlib.contextmanager
+    def _reachable(self):
+        """Turns Redis's connection errors and timeouts into a ``RedisUnavailableError`` a client can act on."""
+        try:
+            yield
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise RedisUnavailableError(
+                f"Redis at {redact_url(self.redis_url)} is unreachable ({exc}): the request state cannot be "
+                "recorded or read; retry the request once Redis is back, or send it to another replica"
+            ) from exc
+
     def close(self) -> None:
         self._client.close()
+        if self._probe_client is not None:
+            self._probe_client.close()
 
     def __enter__(self) -> RequestStateStore:
         return self
@@ -185,13 +240,15 @@ class RequestStateStore:
         Raises:
             ValueError: empty request id.
             RequestExistsError: a record with this id exists.
+            RedisUnavailableError: Redis did not answer.
         """
         if not request_id:
             raise ValueError("request_id must be a non-empty string")
         now = time.time()
-        created = self._create(
-            keys=[self.key(request_id)], args=[request_id, RequestState.QUEUED.name, model, repr(now)]
-        )
+        with self._reachable():
+            created = self._create(
+                keys=[self.key(request_id)], args=[request_id, RequestState.QUEUED.name, model, repr(now)]
+            )
         if not created:
             raise RequestExistsError(f"request id {request_id!r} already exists; request ids must be unique")
         return RequestRecord(request_id, RequestState.QUEUED, model, now, now)
@@ -212,6 +269,7 @@ class RequestStateStore:
             ValueError: unknown field or bad value.
             UnknownRequestError: no record (never created, deleted or expired).
             InvalidTransitionError: ``state`` cannot follow the current state.
+            RedisUnavailableError: Redis did not answer.
         """
         return self.set_state_many([(request_id, state, fields)])[0]
 
@@ -220,6 +278,9 @@ class RequestStateStore:
 
         Each update is applied atomically on its own; all are attempted, then
         the first failure (if any) is raised. Returns the previous states.
+
+        Raises:
+            RedisUnavailableError: Redis did not answer (then none, some or all were applied).
         """
         if not updates:
             return []
@@ -231,7 +292,8 @@ class RequestStateStore:
             allowed = ",".join(s.name for s in _ALLOWED_FROM[state])
             args = [state.name, now, ttl_ms, allowed, *_encode_fields(fields)]
             self._set_state(keys=[self.key(request_id)], args=args, client=pipe)
-        results = pipe.execute()
+        with self._reachable():
+            results = pipe.execute()
         previous: list[RequestState] = []
         error: RequestStateError | None = None
         for (request_id, state, _), (code, cur) in zip(updates, results):
@@ -257,20 +319,28 @@ class RequestStateStore:
         return self.get_many([request_id])[0]
 
     def get_many(self, request_ids: Iterable[str]) -> list[RequestRecord | None]:
-        """Records of many requests in one pipelined round trip (None where absent)."""
+        """Records of many requests in one pipelined round trip (None where absent).
+
+        Raises:
+            RedisUnavailableError: Redis did not answer.
+        """
         pipe = self._client.pipeline(transaction=False)
         for request_id in request_ids:
             pipe.hgetall(self.key(request_id))
-        return [_decode_record(h) if h else None for h in pipe.execute()]
+        with self._reachable():
+            hashes = pipe.execute()
+        return [_decode_record(h) if h else None for h in hashes]
 
     def ttl_s(self, request_id: str) -> float | None:
         """Seconds until the record expires; None if it has no expiry or no record."""
-        ms = self._client.pttl(self.key(request_id))
+        with self._reachable():
+            ms = self._client.pttl(self.key(request_id))
         return ms / 1000.0 if ms >= 0 else None
 
     def delete(self, request_id: str) -> bool:
         """Deletes the record; True if one existed."""
-        return bool(self._client.delete(self.key(request_id)))
+        with self._reachable():
+            return bool(self._client.delete(self.key(request_id)))
 
 
 def _encode_fields(fields: dict[str, Any]) -> list[str]:

@@ -152,23 +152,31 @@ class Sampler:
         """Forgets a finished or aborted request's generator."""
         self._generators.pop(request_id, None)
 
-    def process_logits(self, logits: torch.Tensor, rows: list[SamplingRow], inplace: bool = False) -> torch.Tensor:
+    def process_logits(
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        inplace: bool = False,
+        failed: dict[str, BaseException] | None = None,
+    ) -> torch.Tensor:
         """``[N, V]`` float32 -> ``[N, V]`` after the logits processors (steps 1-5 of the module docstring).
 
         ``inplace``: write into ``logits`` itself (float32 only; the caller owns
         it) instead of a copy: 4 MB per batch-32 t5 step not copied.
+        ``failed``: row request id -> exception; a row whose own processors raise is
+        recorded there (its scores are then meaningless) instead of failing the batch;
+        rows already in it are skipped. None: the exception propagates.
         """
         logits = logits.float() if inplace and logits.dtype == torch.float32 else logits.float().clone()
         for i, r in enumerate(rows):
-            p = r.params
-            if p.repetition_penalty != 1.0:
-                apply_repetition_penalty(logits[i], r.token_ids, p.repetition_penalty)
-            if p.no_repeat_ngram_size:
-                banned = banned_ngram_tokens(r.token_ids, p.no_repeat_ngram_size)
-                if banned:
-                    logits[i, [t for t in banned if t < logits.shape[1]]] = NEG_INF
-            if r.num_output_tokens < p.min_tokens and r.stop_token_ids:  # HF MinNewTokensLengthLogitsProcessor
-                logits[i, list(r.stop_token_ids)] = NEG_INF
+            if failed is not None and r.request_id in failed:
+                continue
+            try:
+                self._process_row(logits[i], r)
+            except Exception as exc:  # noqa: BLE001 - this row's own failure (decoder_svc.step_failures)
+                if failed is None:
+                    raise
+                failed[r.request_id] = exc
         for i, r in enumerate(rows):
             forced = None
             if self.forced_bos_token_id is not None and r.num_tokens == 1:
@@ -187,6 +195,19 @@ class Sampler:
         return logits
 
     @staticmethod
+    def _process_row(scores: torch.Tensor, r: SamplingRow) -> None:
+        """``[V]`` in place: the row's own processors (repetition penalty, n-gram ban, min_tokens)."""
+        p = r.params
+        if p.repetition_penalty != 1.0:
+            apply_repetition_penalty(scores, r.token_ids, p.repetition_penalty)
+        if p.no_repeat_ngram_size:
+            banned = banned_ngram_tokens(r.token_ids, p.no_repeat_ngram_size)
+            if banned:
+                scores[[t for t in banned if t < scores.shape[0]]] = NEG_INF
+        if r.num_output_tokens < p.min_tokens and r.stop_token_ids:  # HF MinNewTokensLengthLogitsProcessor
+            scores[list(r.stop_token_ids)] = NEG_INF
+
+    @staticmethod
     def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         """``[..., V]`` -> warped scores: temperature, top-k, top-p, then min-p."""
         logits = apply_temperature(logits, params.temperature)
@@ -197,7 +218,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """``logits``: ``[N, V]`` (row i for ``rows[i]``) -> N token ids and what came with them.
 
-        Overwrites ``logits`` (the step's own).
+        Overwrites ``logits`` (the step's own). A row whose own processing raises
+        (its penalties, warpers, draw or logprobs) is listed in ``SamplerOutput.failed``
+        with token -1; the other rows are unaffected (``decoder_svc.step_failures``).
 
         Raises:
             ValueError: ``logits`` does not have one row per sampling row.
@@ -210,30 +233,47 @@ class Sampler:
         beam = [i for i, r in enumerate(rows) if r.beam]
         if beam:  # HF _beam_search: processors over log_softmax(logits)
             idx = torch.tensor(beam, dtype=torch.long, device=logits.device)
-            lp = self.process_logits(torch.log_softmax(logits[idx].float(), dim=-1), [rows[i] for i in beam]).cpu()
-            result.beam_logprobs = {rows[i].request_id: lp[j] for j, i in enumerate(beam)}
-        logits = self.process_logits(logits, rows, inplace=True)
+            beam_rows = [rows[i] for i in beam]
+            lp = self.process_logits(torch.log_softmax(logits[idx].float(), dim=-1), beam_rows, failed=result.failed)
+            lp = lp.cpu()
+            result.beam_logprobs = {
+                r.request_id: lp[j] for j, r in enumerate(beam_rows) if r.request_id not in result.failed
+            }
+        logits = self.process_logits(logits, rows, inplace=True, failed=result.failed)
         out = argmax_rows(logits).tolist()  # greedy rows are done in one batched op (kernels/cpu_argmax.py)
         for i, row in enumerate(rows):
-            if row.beam:
+            if row.beam or row.request_id in result.failed:
                 out[i] = -1
                 continue
-            scores = logits[i]
-            if not row.params.greedy:
-                warped = self.warp(scores, row.params)
-                probs = warped.softmax(dim=-1)  # [V]
-                gen = self.generator(row.request_id, sample_seed(row.params.seed, row.index), probs.device)
-                if bool(torch.isfinite(probs).all()):  # never let one row's overflow fail the whole batch
-                    out[i] = int(torch.multinomial(probs, 1, generator=gen).item())
-                    scores = warped
-                    if row.num_samples > 1:
-                        extra = self._draw_extra_samples(row, probs, warped, result.logprobs)
-                        result.extra_token_ids[row.request_id] = extra
-                # else: keeps the row's argmax (and reports the processed scores' logprobs)
-            if row.params.logprobs:
-                result.logprobs[row.request_id] = token_logprobs(scores, out[i], row.params.top_logprobs)
+            try:
+                out[i] = self._pick(logits[i], out[i], row, result)
+            except Exception as exc:  # noqa: BLE001 - this row's own failure (decoder_svc.step_failures)
+                result.failed[row.request_id] = exc
+                result.logprobs.pop(row.request_id, None)
+                result.extra_token_ids.pop(row.request_id, None)
+                out[i] = -1
         result.sampled_token_ids = out
         return result
+
+    def _pick(self, scores: torch.Tensor, argmax: int, row: SamplingRow, result: SamplerOutput) -> int:
+        """Row ``row``'s token from its processed ``scores`` ``[V]`` (``argmax``: greedy's pick); fills its
+        logprobs and extra samples into ``result``."""
+        token = argmax
+        if not row.params.greedy:
+            warped = self.warp(scores, row.params)
+            probs = warped.softmax(dim=-1)  # [V]
+            gen = self.generator(row.request_id, sample_seed(row.params.seed, row.index), probs.device)
+            if bool(torch.isfinite(probs).all()):  # an overflowing row keeps its argmax and never fails the batch
+                token = int(torch.multinomial(probs, 1, generator=gen).item())
+                scores = warped
+                if row.num_samples > 1:
+                    result.extra_token_ids[row.request_id] = self._draw_extra_samples(
+                        row, probs, warped, result.logprobs
+                    )
+            # else: keeps the row's argmax (and reports the processed scores' logprobs)
+        if row.params.logprobs:
+            result.logprobs[row.request_id] = token_logprobs(scores, token, row.params.top_logprobs)
+        return token
 
     def _draw_extra_samples(
         self, row: SamplingRow, probs: torch.Tensor, warped: torch.Tensor, logprobs: dict[str, TokenLogprobs]

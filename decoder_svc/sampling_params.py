@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 # Temperatures below this sample greedily: dividing logits by a smaller one
@@ -17,10 +18,47 @@ MAX_STOP_TOKEN_IDS = 64
 # sequences well inside a decoder's max_num_seqs).
 MAX_N = 16
 MAX_BEAMS = 16
+# Bounds of the floats whose effect is multiplied into the scores or exponentiated by a length (issue 20: a
+# length_penalty of 400 overflowed ``generated_len ** length_penalty`` inside the shared engine step). HF and vLLM
+# accept any positive temperature / repetition_penalty and any finite length_penalty; OpenAI caps temperature at 2;
+# common values are 0.6..2. Inside these bounds ``max_len ** length_penalty`` stays a finite Python float and the
+# float32 scores scaled by temperature / repetition_penalty stay finite for any model's max length and logits.
+MAX_TEMPERATURE = 100.0
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+MIN_LENGTH_PENALTY, MAX_LENGTH_PENALTY = -10.0, 10.0
+
+_INT_FIELDS = ("top_k", "min_tokens", "no_repeat_ngram_size", "top_logprobs", "n", "num_beams")
+_OPTIONAL_INT_FIELDS = ("seed", "max_tokens")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "length_penalty")
+_BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "logprobs", "early_stopping")
 
 
 def _finite(x: float) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _check_types(params: SamplingParams) -> None:
+    """Every field has its type (a float where an int belongs would reach ``torch.topk`` or a range compare).
+
+    Raises:
+        ValueError: naming the first field of the wrong type.
+    """
+    for name in _INT_FIELDS + _OPTIONAL_INT_FIELDS:
+        value = getattr(params, name)
+        if not (_is_int(value) or (value is None and name in _OPTIONAL_INT_FIELDS)):
+            raise ValueError(f"{name} must be an integer, got {value!r:.80}")
+    for name in _FLOAT_FIELDS:
+        value = getattr(params, name)
+        if not isinstance(value, numbers.Real) or isinstance(value, bool):
+            raise ValueError(f"{name} must be a number, got {value!r:.80}")
+    for name in _BOOL_FIELDS:
+        value = getattr(params, name)
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be true or false, got {value!r:.80}")
 
 
 @dataclass(frozen=True)
@@ -32,8 +70,8 @@ class SamplingParams:
     rows temperature, top_k, top_p, min_p (``decoder_svc.sampler``).
 
     Attributes:
-        temperature: softmax temperature; 0 (or anything below
-            ``SAMPLING_EPS``) means greedy (argmax).
+        temperature: softmax temperature, in [0, ``MAX_TEMPERATURE``]; 0 (or
+            anything below ``SAMPLING_EPS``) means greedy (argmax).
         top_k: keep the k most likely tokens; 0 keeps all.
         top_p: nucleus sampling, keep the smallest set whose probability
             reaches top_p (Holtzman et al. 2019); 1.0 keeps all.
@@ -55,7 +93,8 @@ class SamplingParams:
             already among the decoder tokens -- the decoder prompt (start token,
             forced prefix) included, as HF applies it over ``decoder_input_ids``;
             the encoder source is not counted -- is divided by it when positive,
-            multiplied when negative. 1 = off; finite and > 0.
+            multiplied when negative. 1 = off; in [``MIN_REPETITION_PENALTY``,
+            ``MAX_REPETITION_PENALTY``].
         no_repeat_ngram_size: ban any token that would repeat an n-gram of
             this size among the decoder tokens (prompt included, as HF
             ``NoRepeatNGramLogitsProcessor``); 0 = off.
@@ -86,14 +125,19 @@ class SamplingParams:
             processors -- penalties, ``no_repeat_ngram_size``, ``min_tokens``,
             forced / suppressed tokens -- apply as in HF).
         length_penalty: beam search: a finished hypothesis scores
-            ``sum(logprobs) / generated_len ** length_penalty`` (HF); finite.
+            ``sum(logprobs) / generated_len ** length_penalty`` (HF); in
+            [``MIN_LENGTH_PENALTY``, ``MAX_LENGTH_PENALTY``] (outside it the power
+            overflows for long outputs).
         early_stopping: beam search stopping (HF ``early_stopping``): True stops
             as soon as ``num_beams`` hypotheses finished; False stops when the best
             running beam, scored at its current length, cannot beat the worst
             finished one. HF's third mode "never" is not offered.
 
+    Every field is type-checked too (an int field refuses a float, a bool field
+    anything but True / False).
+
     Raises:
-        ValueError: from ``validate`` with a message naming the bad field.
+        ValueError: from ``validate`` with a message naming the bad field and its range.
     """
 
     temperature: float = 0.0
@@ -117,13 +161,21 @@ class SamplingParams:
     early_stopping: bool = False
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stop", tuple(self.stop))
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(self, name)
+            if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+                raise ValueError(f"{name} must be a list, got {value!r:.80}")
+            object.__setattr__(self, name, tuple(value))
+        bad = [t for t in self.stop_token_ids if not _is_int(t)]
+        if bad:
+            raise ValueError(f"stop_token_ids must be integers, got {bad[0]!r:.80}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         self.validate()
 
     def validate(self) -> None:
-        if not (_finite(self.temperature) and self.temperature >= 0.0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        _check_types(self)
+        if not (_finite(self.temperature) and 0.0 <= self.temperature <= MAX_TEMPERATURE):
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}] (0 = greedy), got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
@@ -138,9 +190,13 @@ class SamplingParams:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if not (0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p}")
-        if not (_finite(self.repetition_penalty) and self.repetition_penalty > 0.0):
+        if not (
+            _finite(self.repetition_penalty)
+            and MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY
+        ):
             raise ValueError(
-                f"repetition_penalty must be a finite number > 0 (1 disables it), got {self.repetition_penalty}"
+                f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] "
+                f"(1 disables it), got {self.repetition_penalty}"
             )
         if self.no_repeat_ngram_size < 0:
             raise ValueError(f"no_repeat_ngram_size must be >= 0 (0 disables it), got {self.no_repeat_ngram_size}")
@@ -163,8 +219,11 @@ class SamplingParams:
             raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
         if not 1 <= self.num_beams <= MAX_BEAMS:
             raise ValueError(f"num_beams must be in [1, {MAX_BEAMS}], got {self.num_beams}")
-        if not _finite(self.length_penalty):
-            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty}")
+        if not (_finite(self.length_penalty) and MIN_LENGTH_PENALTY <= self.length_penalty <= MAX_LENGTH_PENALTY):
+            raise ValueError(
+                f"length_penalty must be in [{MIN_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}] "
+                f"(1 = HF's default), got {self.length_penalty}"
+            )
         if self.num_beams > 1:
             if self.n > self.num_beams:
                 raise ValueError(

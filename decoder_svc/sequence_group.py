@@ -37,6 +37,7 @@ from decoder_svc.beam_search import BeamSearch
 from decoder_svc.outputs import ModelRunnerOutput
 from decoder_svc.scheduler import CapacityError, Scheduler, SchedulerOutput
 from decoder_svc.sequence import Sequence, sample_seq_id
+from decoder_svc.step_failures import StepFailures
 
 
 @dataclass
@@ -108,28 +109,30 @@ class SequenceGroups:
             )
             group.beam_seqs[()] = seq
 
-    def fork_samples(self, so: SchedulerOutput, out: ModelRunnerOutput) -> list[Sequence]:
+    def fork_samples(self, so: SchedulerOutput, out: ModelRunnerOutput, failures: StepFailures) -> list[Sequence]:
         """Samples 1..n-1 of every n > 1 request whose prompt step just ran, each with its first token appended.
 
         Runs before ``Scheduler.update_from_output`` appends sample 0's token (it may finish on it).
         A row whose scores were not finite drew no extra samples: they all take sample 0's token.
+        ``failures``: a request whose forks raise is recorded there (``decoder_svc.step_failures``);
+        the children it forked before are returned (the engine frees the whole request).
         """
         children = []
         for s, t in zip(so.scheduled_seqs, out.sampled_token_ids):
             p = s.sampling_params
             if p.num_beams == 1 and s.group_id in self.groups and s.index == 0 and s.num_output_tokens == 0:
-                children.extend(self._fork_samples(s, out.extra_token_ids.get(s.request_id, [t] * (p.n - 1))))
+                with failures.guard(s.group_id, "fork of its samples", p):
+                    self._fork_samples(s, out.extra_token_ids.get(s.request_id, [t] * (p.n - 1)), children)
         return children
 
-    def _fork_samples(self, parent: Sequence, first_tokens: list[int]) -> list[Sequence]:
+    def _fork_samples(self, parent: Sequence, first_tokens: list[int], children: list[Sequence]) -> None:
+        """Forks samples 1.. of ``parent`` with ``first_tokens``, appending each to ``children``."""
         parent.num_computed_tokens = parent.num_tokens  # the prompt's K/V were written this step
-        children = []
         for i, tok in enumerate(first_tokens, start=1):
             child = self._new_sequence(parent, i, [tok])
             child.index = i
             self._fork(parent, child)
             children.append(child)
-        return children
 
     def _new_sequence(self, parent: Sequence, index: int, output_token_ids: list[int]) -> Sequence:
         """A sibling of ``parent`` (same request, queue place and params) with id ``sample_seq_id(request, index)``."""
@@ -152,14 +155,21 @@ class SequenceGroups:
         self.copy_blocks(self.scheduler.fork(parent.request_id, child))
         self.groups[parent.group_id].seqs[child.request_id] = child
 
-    def step_beams(self, so: SchedulerOutput, out: ModelRunnerOutput) -> list[SequenceGroup]:
+    def step_beams(self, so: SchedulerOutput, out: ModelRunnerOutput, failures: StepFailures) -> list[SequenceGroup]:
         """One beam search step of every beam group that ran this step; returns the groups whose search ended
-        (their sequences freed, the group forgotten; ``group.beam.results()`` holds the answer)."""
+        (their sequences freed, the group forgotten; ``group.beam.results()`` holds the answer).
+
+        ``failures``: a group whose step raises (e.g. its length penalty overflows) is recorded there
+        (``decoder_svc.step_failures``) and skipped, and so is one already in it.
+        """
         done = []
         for request_id in dict.fromkeys(s.group_id for s in so.scheduled_seqs if s.sampling_params.num_beams > 1):
-            group = self.groups[request_id]
-            if self._beam_step(group, out.beam_logprobs):
-                done.append(group)
+            group = self.groups.get(request_id)
+            if group is None or request_id in failures:
+                continue
+            with failures.guard(request_id, "beam search step", group.parent.sampling_params):
+                if self._beam_step(group, out.beam_logprobs):
+                    done.append(group)
         return done
 
     def _beam_step(self, group: SequenceGroup, beam_logprobs: dict[str, torch.Tensor]) -> bool:

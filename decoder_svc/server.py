@@ -64,6 +64,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         self.metrics = DecoderMetrics()
         self.metrics.watch_engine(engine.stats, engine.scheduler)
         self.sessions = Sessions(config, engine, store, EncodeClient(config, pool, self.metrics), self.metrics)
+        self.metrics.watch_admission(self.sessions.admission)
         bm = engine.block_manager
         self.max_concurrent_requests = max_concurrent_requests(  # as decoder_svc.kv_budget sized the pools
             bm.num_self_blocks,
@@ -107,6 +108,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
     async def Generate(self, request, context):
         arrival = time.monotonic()
         request_id = request.request_id or uuid.uuid4().hex
+        ticket = None  # its place in the admission queue (decoder_svc.admission)
         self.parsing += 1  # the drain waits for it as for a running request
         try:
             if self.draining:
@@ -117,6 +119,8 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
                 raise InvalidRequestError(
                     f"request_id is {len(request_id)} characters; the limit is {convert.MAX_REQUEST_ID_LEN}"
                 )
+            # At once, before any parsing: RESOURCE_EXHAUSTED (queue full) or DEADLINE_EXCEEDED (it cannot start in time).
+            ticket = self.sessions.admission.admit(request.priority, context.time_remaining())
             # Decoding and resampling audio takes a while: keep it off the event loop that serves every stream.
             inp = await asyncio.to_thread(
                 parse_input, request, self.model, self.engine.tokenizer, self.config.max_audio_s
@@ -127,9 +131,16 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
                     "(decoded window by window); send n=1 and num_beams=1, or a shorter clip"
                 )
             await self.sessions.create_record(request_id)  # Redis: QUEUED
+        except BaseException:
+            self.sessions.admission.leave(ticket)
+            raise
         finally:
             self.parsing -= 1
-        session = self.sessions.open(request_id, inp, params, request.priority, arrival)
+        remaining_s = context.time_remaining()  # None without a client deadline
+        deadline = None if remaining_s is None else time.monotonic() + remaining_s
+        session = self.sessions.open(request_id, inp, params, request.priority, arrival, deadline)
+        session.ticket = ticket
+        ticket.bind(session.stream.put_nowait)  # displaced by a higher-priority request: it ends with that error
         # aclosing: a call closed while paused at our yield ends the session (its record, its blocks) at once.
         async with contextlib.aclosing(session.run()) as messages:
             async for message in messages:
@@ -151,4 +162,5 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
     async def GetStats(self, request, context):
         stats = await self.sessions.loop.call(self.engine.stats)
         stats["max_concurrent_requests"] = self.max_concurrent_requests
+        stats.update(self.sessions.admission.stats())
         return convert.stats_pb(stats)

@@ -11,6 +11,7 @@ import logging
 
 from decoder_svc.engine import DecoderEngine
 from decoder_svc.kv_budget import block_bytes, resolve_budget, size_kv_cache
+from decoder_svc.readiness import DecoderReadiness
 from decoder_svc.request_state import RequestStateStore
 from decoder_svc.server import DecoderServicer
 from shared.compute_thread import single_threaded_main
@@ -124,6 +125,7 @@ def run(config: DecoderServiceConfig) -> None:
     async def main() -> None:
         servicer = DecoderServicer(config, model, engine, pool, store, threads)
         servicer.start()
+        sessions = servicer.sessions
         start_metrics_server(config.metrics_port, config.host, servicer.metrics.registry)
 
         async def on_stop() -> None:
@@ -136,6 +138,8 @@ def run(config: DecoderServiceConfig) -> None:
             f"{config.host}:{config.port}",
             on_stop,
             drain=lambda: servicer.drain(config.shutdown_grace_s),
+            # health NOT_SERVING while Redis or the encoder does not answer
+            readiness=DecoderReadiness(store, sessions.encoder, sessions.flush_unrecorded),
         )
 
     try:

@@ -54,6 +54,7 @@ def _services(args: argparse.Namespace, log_level: str = "INFO"):
         decoder_port=args.decoder_port,
         extra_encoder_args=shlex.split(args.encoder_args),
         extra_decoder_args=shlex.split(args.decoder_args),
+        internal_token=True,  # Encode accepts only this decoder (shared.internal_auth)
     )
 
 

@@ -14,10 +14,12 @@ import contextlib
 import io
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -26,6 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from encdec.redis_server import free_port, free_ports
 from shared.errors import BIND_ERROR_EXIT, ServicesError
+from shared.internal_auth import generate_token_file
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +125,9 @@ class Services:
         extra_decoder_args / extra_encoder_args: more CLI flags.
         log_dir: where each service's stdout/stderr goes; None inherits ours.
         log_level: the services' log level.
+        internal_token: generate an internal token (``shared.internal_auth``) in a private temporary
+            directory and start both services with ``--internal-token-file`` (``internal_token_file``, removed
+            at ``stop``); ``encdec up`` and ``demo`` do.
     """
 
     model: str | None = None
@@ -133,6 +139,8 @@ class Services:
     log_dir: str | None = None
     startup_timeout_s: float = 180.0
     log_level: str = "INFO"
+    internal_token: bool = False
+    internal_token_file: str | None = None
     procs: list[subprocess.Popen] = field(default_factory=list)
     _redis: object = None
     _named: dict[str, tuple[subprocess.Popen, list[str], str]] = field(default_factory=dict)
@@ -234,10 +242,22 @@ class Services:
             raise
         return self
 
+    def _token_args(self) -> list[str]:
+        """``--internal-token-file`` for both services, the file generated once (``internal_token``)."""
+        given = any(a.startswith("--internal-token-file") for a in self.extra_encoder_args + self.extra_decoder_args)
+        if not self.internal_token or given:  # a file of the caller's own: they pass it to both
+            return []
+        if self.internal_token_file is None:
+            self.internal_token_file = generate_token_file(
+                os.path.join(tempfile.mkdtemp(prefix="encdec-token-"), "internal-token")  # mode 0700
+            )
+        return ["--internal-token-file", self.internal_token_file]
+
     def _start_services(self) -> None:
         model = ["--model", self.model] if self.model else []
+        token = self._token_args()
         encoder = self._spawn(
-            "encoder", ["serve-encoder", "--port", str(self.encoder_port), *model, *self.extra_encoder_args]
+            "encoder", ["serve-encoder", "--port", str(self.encoder_port), *model, *token, *self.extra_encoder_args]
         )
         decoder = self._spawn(
             "decoder",
@@ -250,6 +270,7 @@ class Services:
                 "--redis-url",
                 self.redis_url,
                 *model,
+                *token,
                 *self.extra_decoder_args,
             ],
         )
@@ -271,6 +292,9 @@ class Services:
             with contextlib.suppress(Exception):
                 self._redis.stop()
             self._redis = None
+        if self.internal_token and self.internal_token_file is not None:  # generated here: gone with the services
+            shutil.rmtree(os.path.dirname(self.internal_token_file), ignore_errors=True)
+            self.internal_token_file = None
 
     def __enter__(self) -> Services:
         return self.start()

@@ -224,6 +224,18 @@ def _add_online_arguments(p: argparse.ArgumentParser) -> None:
         help="whisper (bundled clips, or --clips) or a text model shape: t5-small, bart-base, t5-tiny, bart-tiny",
     )
     p.add_argument("--rate", type=float, default=1.0, help="mean arrival rate, requests/s (Poisson)")
+    p.add_argument(
+        "--rates",
+        default=None,
+        help="rate sweep instead of --rate: comma-separated requests/s (e.g. 0.5,1,2,4), one run each against the "
+        "same services; adds refusals and goodput per rate",
+    )
+    p.add_argument(
+        "--ttft-slo-ms",
+        type=float,
+        default=2000.0,
+        help="rate sweep: the TTFT target (ms) a request must meet to count in goodput",
+    )
     p.add_argument("--duration", type=float, default=30.0, help="seconds during which requests arrive")
     p.add_argument("--seed", type=int, default=0, help="seed of the arrival times")
     p.add_argument("--clips", default=str(DATA_DIR), help="whisper: folder of .wav/.flac clips")

@@ -1,7 +1,9 @@
 """The encoder service's RPCs: gRPC ``EncoderService`` over an ``EncodeBatcher``.
 
-``EncoderServicer.Encode`` checks and converts the request into an ``EncodeItem``,
-submits it to the batcher and converts the result back. Errors raised here become
+``EncoderServicer.Encode`` checks the caller's internal token and the signature
+of its KV target (``shared.internal_auth``), checks and converts the request
+into an ``EncodeItem``, reaches a torch_dist target's decoder off the batcher
+thread, submits the item to the batcher and converts the result back. Errors raised here become
 status codes in ``shared.grpc_server.ErrorStatusInterceptor``. Loading the model
 and serving: ``encoder_svc.startup``.
 """
@@ -10,13 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 import time
+from concurrent.futures import Future
 
 import numpy as np
 
 from encoder_svc.batcher import WRITE_MARGIN_S, EncodeBatcher, EncodeItem
 from shared.config import EncoderServiceConfig
 from shared.errors import InvalidRequestError, NotFoundError
+from shared.internal_auth import InternalAuth
 from shared.kv_transport import KVTargetSpec, WriterSet
 from shared.metrics import EncoderMetrics
 from shared.models.registry import model_names
@@ -26,8 +31,11 @@ from shared.proto import encoder_pb2, encoder_pb2_grpc
 class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
     """Thin servicer: validate and convert, submit to the batcher, convert back."""
 
-    def __init__(self, config: EncoderServiceConfig, model, batcher: EncodeBatcher) -> None:
+    def __init__(
+        self, config: EncoderServiceConfig, model, batcher: EncodeBatcher, auth: InternalAuth | None = None
+    ) -> None:
         self.config = config
+        self.auth = auth or InternalAuth(None)
         self.model = model
         self.batcher = batcher
         self.metrics = EncoderMetrics()
@@ -83,9 +91,37 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         pcm = np.frombuffer(request.pcm, dtype="<f4").astype(np.float32)
         return EncodeItem(request.request_id, pcm, spec, list(request.block_ids), transfer_id=request.transfer_id)
 
+    async def _connect(self, spec: KVTargetSpec) -> None:
+        """Reaches a target's decoder (torch_dist) on a thread of its own, off the batcher and the event loop: a
+        target that accepts and stays silent fails its own request after ``kv_dist_handshake_timeout_s``."""
+        if self.writers.connected(spec):
+            return
+        done: Future = Future()
+
+        def connect() -> None:
+            try:
+                self.writers.connect(spec)
+                done.set_result(None)
+            except BaseException as exc:  # noqa: BLE001 - raised again in the awaiting handler
+                done.set_exception(exc)
+
+        threading.Thread(target=connect, name="kv-connect", daemon=True).start()
+        await asyncio.wrap_future(done)
+
     async def Encode(self, request, context):
         try:
+            # Before any work: the token, then the signature of what the caller claims a decoder reserved.
+            self.auth.check_metadata(context.invocation_metadata())
+            self.auth.verify_target(
+                request.target_mac,
+                request.request_id,
+                request.transfer_id,
+                request.block_ids,
+                request.target,
+                request.model,
+            )
             item = self._item(request)
+            await self._connect(item.spec)
             remaining = context.time_remaining()  # seconds to the caller's deadline; None without one
             if remaining is not None:
                 item.write_deadline = time.monotonic() + remaining - WRITE_MARGIN_S

@@ -20,6 +20,7 @@ from shared.compute_thread import single_threaded_main
 from shared.config import EncoderServiceConfig
 from shared.device import resolve_device, torch_dtype
 from shared.grpc_server import serve
+from shared.internal_auth import InternalAuth
 from shared.kv_transport import WriterSet
 from shared.metrics import start_metrics_server
 from shared.models.quantize import apply_quantization
@@ -46,7 +47,8 @@ def run(config: EncoderServiceConfig) -> None:
     encoder-decoder model, ``EmbedService`` for an encoder-only one.
 
     Raises:
-        ValueError: ``device`` names a missing GPU, or ``quantize`` is set for an encoder-only model.
+        ValueError: ``device`` names a missing GPU, ``quantize`` is set for an encoder-only model, or
+            ``internal_token_file`` holds no usable token (``shared.internal_auth``).
         BindError: the port is taken (``shared.grpc_server.serve``).
     """
     threads = single_threaded_main(config.num_threads)  # loading stays on one thread; the batcher thread gets these
@@ -60,6 +62,7 @@ def run(config: EncoderServiceConfig) -> None:
         from encoder_svc.embed.startup import run as run_embed
 
         return run_embed(config, threads)
+    auth = InternalAuth.from_file(config.internal_token_file, "encoder", create=True)  # before the model: fail fast
     model = load_model(config.model, torch_dtype(config.dtype))
     apply_quantization(model, config.quantize, "encoder")  # CPU only (the config refuses int8 on CUDA)
     model.to(device)
@@ -75,7 +78,10 @@ def run(config: EncoderServiceConfig) -> None:
         [t.strip() for t in config.kv_transport.split(",") if t.strip()],
         {
             "torch_dist": dict(
-                backend=config.kv_dist_backend, device=config.kv_device, timeout_s=config.kv_transfer_timeout_s
+                backend=config.kv_dist_backend,
+                device=config.kv_device,
+                timeout_s=config.kv_transfer_timeout_s,
+                handshake_timeout_s=config.kv_dist_handshake_timeout_s,
             )
         },
     )
@@ -90,7 +96,7 @@ def run(config: EncoderServiceConfig) -> None:
         max_batch_tokens=config.max_batch_tokens,
         max_batch_wait_ms=config.max_batch_wait_ms,
     )
-    servicer = EncoderServicer(config, model, batcher)
+    servicer = EncoderServicer(config, model, batcher, auth)
     start_metrics_server(config.metrics_port, config.host, servicer.metrics.registry)
 
     async def on_stop() -> None:

@@ -43,6 +43,18 @@ class UnavailableError(ServiceError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class UnauthenticatedError(ServiceError):
+    """An internal call (Encode) without the deployment's internal token (``shared.internal_auth``)."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDeniedError(ServiceError):
+    """An authenticated call asks for something its caller did not reserve (a forged KV target)."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 # Exit status of a service whose port cannot be bound (EADDRINUSE's errno on Linux):
 # encdec.launcher picks other free ports and starts it again.
 BIND_ERROR_EXIT = 98

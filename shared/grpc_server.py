@@ -3,18 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import inspect
 import logging
 import signal
 from collections.abc import Awaitable, Callable
 
 import grpc
+from google.protobuf import descriptor_pool
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from shared.errors import BindError, status_for
+from shared.errors import BindError, InvalidRequestError, status_for
 
 log = logging.getLogger(__name__)
+
+# A readiness probe: None when the service can serve, else why not (logged, health NOT_SERVING).
+Readiness = Callable[[], Awaitable[str | None]]
 
 # Cross-attention KV never travels in gRPC, but audio does: allow a few minutes of float32 PCM.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -48,34 +55,38 @@ class ErrorStatusInterceptor(grpc.aio.ServerInterceptor):
     anything else); the call then ends with the code and message
     ``shared.errors.status_for`` gives, an INTERNAL one logged with its
     traceback. A status the handler set itself (``context.abort``) and a
-    cancellation pass through unchanged. Unary-unary and unary-stream handlers
-    (async generators) are wrapped; others, such as health's ``Watch``
-    (``context.write``), are left as they are.
+    cancellation pass through unchanged. A request body that is not a valid
+    protobuf gets INVALID_ARGUMENT naming the message. Unary-unary and unary-stream handlers
+    (async generators) are wrapped; of others, such as health's ``Watch``
+    (``context.write``), only the request body is checked.
     """
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
+        deserializer = _lenient(handler.request_deserializer, handler_call_details.method)
         if handler.unary_unary is not None:
             inner = handler.unary_unary
 
             async def unary_unary(request, context):
                 try:
+                    if isinstance(request, BadRequestBody):
+                        raise InvalidRequestError(request.message)
                     return await inner(request, context)
                 except BaseException as exc:
                     if _passes_through(exc):
                         raise
                     await abort_with(context, exc)
 
-            return grpc.unary_unary_rpc_method_handler(
-                unary_unary, handler.request_deserializer, handler.response_serializer
-            )
+            return grpc.unary_unary_rpc_method_handler(unary_unary, deserializer, handler.response_serializer)
         if handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
             inner_stream = handler.unary_stream
 
             async def unary_stream(request, context):
                 try:
+                    if isinstance(request, BadRequestBody):
+                        raise InvalidRequestError(request.message)
                     async for message in inner_stream(request, context):
                         yield message
                 except BaseException as exc:
@@ -83,10 +94,53 @@ class ErrorStatusInterceptor(grpc.aio.ServerInterceptor):
                         raise
                     await abort_with(context, exc)
 
-            return grpc.unary_stream_rpc_method_handler(
-                unary_stream, handler.request_deserializer, handler.response_serializer
-            )
+            return grpc.unary_stream_rpc_method_handler(unary_stream, deserializer, handler.response_serializer)
+        if handler.unary_stream is not None:  # writes with context.write (health's Watch): only the body is checked
+            inner_writer = handler.unary_stream
+
+            async def unary_stream_writer(request, context):
+                if isinstance(request, BadRequestBody):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+                return await inner_writer(request, context)
+
+            return grpc.unary_stream_rpc_method_handler(unary_stream_writer, deserializer, handler.response_serializer)
         return handler
+
+
+class BadRequestBody:
+    """What ``_lenient``'s deserializer returns for bytes that do not parse; the wrapped handler refuses it."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+@functools.lru_cache(maxsize=256)
+def _request_message_name(method: str) -> str:
+    """``/pkg.Service/Method`` -> the full name of the message it takes (``"request"`` if the method is unknown)."""
+    service, _, name = method.strip("/").rpartition("/")
+    try:
+        return descriptor_pool.Default().FindServiceByName(service).FindMethodByName(name).input_type.full_name
+    except (KeyError, AttributeError):
+        return "request"
+
+
+def _lenient(deserializer, method: str):
+    """``deserializer`` returning a ``BadRequestBody`` instead of raising: a body that is not a valid protobuf then
+    ends with INVALID_ARGUMENT (grpc's own handling of a raising deserializer answers UNKNOWN, "Unexpected
+    DecodeError")."""
+    if deserializer is None:
+        return None
+    message_name = _request_message_name(method)
+
+    def deserialize(body: bytes):
+        try:
+            return deserializer(body)
+        except DecodeError as exc:
+            return BadRequestBody(
+                f"the request is not a valid {message_name} protobuf ({exc}); send {method}'s message"
+            )
+
+    return deserialize
 
 
 async def serve(
@@ -95,17 +149,26 @@ async def serve(
     address: str,
     on_stop: Callable[[], Awaitable[None]] | None = None,
     drain: Callable[[], Awaitable[None]] | None = None,
+    readiness: Readiness | None = None,
+    readiness_interval_s: float = 1.0,
 ) -> None:
     """Runs a grpc.aio server with the standard health service until SIGINT/SIGTERM.
 
     Args:
         add_servicers: registers the service's servicers on the server.
-        service_names: full names reported SERVING by health checks (plus "").
+        service_names: full names reported by health checks (plus "").
         address: ``host:port`` to bind.
         on_stop: awaited after the server stops accepting calls.
         drain: awaited on SIGTERM / SIGINT after health turns NOT_SERVING and
             before the server stops: it ends the calls still running, each
             with a status of its own (else the stop cancels them after 2 s).
+        readiness: None: health says SERVING from the start. Else an async probe run
+            once after the server started and then every ``readiness_interval_s``
+            seconds: it returns None when the service can serve (health SERVING) or
+            a reason it cannot (NOT_SERVING, the reason logged once per change); a
+            probe that raises counts as not ready. Health is NOT_SERVING until the
+            first probe answers, and for good once the shutdown begins.
+        readiness_interval_s: seconds between two readiness probes.
 
     Raises:
         BindError: the address cannot be bound.
@@ -114,6 +177,9 @@ async def serve(
     add_servicers(server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    names = ["", *service_names]
+    if readiness is not None:  # not SERVING before the first probe says so
+        await _set_health(health, names, health_pb2.HealthCheckResponse.NOT_SERVING)
     try:
         bound = server.add_insecure_port(address)
     except RuntimeError:  # grpc raises on a failed bind; older versions return 0
@@ -121,8 +187,11 @@ async def serve(
     if bound == 0:
         raise BindError(f"cannot listen on {address}: the port is taken by another process or the host is not local")
     await server.start()
-    for name in ["", *service_names]:
-        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    watcher = None
+    if readiness is None:
+        await _set_health(health, names, health_pb2.HealthCheckResponse.SERVING)
+    else:
+        watcher = asyncio.create_task(_watch_readiness(health, names, readiness, readiness_interval_s))
     log.info(
         "serving %s on %s:%d", ", ".join(service_names), address.rpartition(":")[0], bound
     )  # port 0: the one picked
@@ -132,9 +201,38 @@ async def serve(
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("shutting down")
+    if watcher is not None:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
     await health.enter_graceful_shutdown()
     if drain is not None:
         await drain()
     await server.stop(grace=2.0)
     if on_stop is not None:
         await on_stop()
+
+
+async def _set_health(health: HealthServicer, names: list[str], status) -> None:
+    for name in names:
+        await health.set(name, status)
+
+
+async def _watch_readiness(health: HealthServicer, names: list[str], readiness: Readiness, interval_s: float) -> None:
+    """Sets every name's health from ``readiness`` every ``interval_s`` seconds, logging each change."""
+    serving: bool | None = None
+    while True:
+        try:
+            reason = await readiness()
+        except Exception as exc:  # noqa: BLE001 - a broken probe is a reason not to serve, not a crash
+            reason = f"readiness probe failed: {type(exc).__name__}: {exc}"
+        ready = reason is None
+        if ready != serving:
+            status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+            await _set_health(health, names, status)
+            if ready:
+                log.info("ready: health SERVING")
+            else:
+                log.warning("not ready (health NOT_SERVING): %s", reason)
+            serving = ready
+        await asyncio.sleep(interval_s)

@@ -90,6 +90,41 @@ class _EngineCollector(Collector):
         )
 
 
+class _AdmissionCollector(Collector):
+    """Reads the decoder's admission queue (``decoder_svc.admission.AdmissionQueue``) at scrape time."""
+
+    def __init__(self, admission) -> None:
+        self._admission = admission
+
+    def collect(self) -> Iterable[Metric]:
+        a = self._admission
+        s = a.stats()
+        yield GaugeMetricFamily(
+            "encdec_decoder_queue_requests",
+            "Generate requests admitted without a first token yet (waiting for cross blocks, their Encode or a seat)",
+            s["num_queued_requests"],
+        )
+        yield GaugeMetricFamily(
+            "encdec_decoder_queue_oldest_wait_seconds",
+            "How long the longest-waiting queued request has waited",
+            s["oldest_queue_wait_s"],
+        )
+        yield GaugeMetricFamily(
+            "encdec_decoder_queue_estimated_wait_seconds",
+            "Estimated wait of a new priority-0 request (queued ahead x measured time between two starting)",
+            s["estimated_queue_wait_s"],
+        )
+        refused = CounterMetricFamily(
+            "encdec_decoder_admission_refusals",
+            "Generate requests refused at admission (queue_full, queue_time: RESOURCE_EXHAUSTED; deadline: "
+            "DEADLINE_EXCEEDED) or displaced from the queue by a higher-priority one (displaced)",
+            labels=["reason"],
+        )
+        for reason, n in dict(a.num_refused).items():
+            refused.add_metric([reason], n)
+        yield refused
+
+
 class DecoderMetrics:
     """Metrics of the decoder service.
 
@@ -153,6 +188,12 @@ class DecoderMetrics:
         """
         self.registry.register(_EngineCollector(stats, scheduler))
 
+    def watch_admission(self, admission) -> None:
+        """Exposes the admission queue (``decoder_svc.admission.AdmissionQueue``: ``stats()``, ``num_refused``),
+        read at scrape time: queued requests, the oldest one's wait, a new request's estimated wait (seconds),
+        refusals by reason."""
+        self.registry.register(_AdmissionCollector(admission))
+
     def observe_transfer(self, nbytes: int, ms: float) -> None:
         """Records one cross-KV transfer (``EncodeResponse.transfer_bytes`` / ``transfer_ms``)."""
         self.kv_transfer_bytes.inc(max(int(nbytes), 0))
@@ -205,6 +246,102 @@ class EncoderMetrics:
         self.kv_transfer.observe(max(float(transfer_ms), 0.0) / 1000)
 
 
+EMBED_TOKENS_BUCKETS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 65536)
+
+
+class _EmbedQueueCollector(Collector):
+    """Reads the embed batcher's queue (``EmbedBatcher.stats``) at scrape time."""
+
+    def __init__(self, stats: Callable[[], dict]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterable[Metric]:
+        s = self._stats()
+        yield GaugeMetricFamily(
+            "encdec_embed_queue_requests",
+            "Embed / Rerank / Classify requests in the batcher, waiting or part run",
+            s["num_requests"],
+        )
+        yield GaugeMetricFamily(
+            "encdec_embed_queue_sequences", "Sequences of those requests not yet run", s["num_sequences"]
+        )
+        yield GaugeMetricFamily(
+            "encdec_embed_queue_oldest_wait_seconds",
+            "How long the oldest request in the batcher has been there",
+            s["oldest_wait_s"],
+        )
+
+
+class EmbedMetrics:
+    """Metrics of the Embed service (an encoder service serving an encoder-only model).
+
+    Attributes:
+        requests: finished calls by ``rpc`` (Embed / Rerank / Classify / Tokenize)
+            and ``code`` (the gRPC status name, ``OK`` on success).
+        request_seconds: a call's time in the service (seconds), by ``rpc``.
+        batch_size / batch_tokens: sequences and tokens of each encoder forward.
+        forward_seconds: wall time of each forward (seconds).
+        sequences: sequences run through the encoder.
+        dropped / dropped_sequences: requests, and their sequences, dropped from
+            the batcher unrun, by ``reason`` (``expired``: deadline passed;
+            ``cancelled``: the client went away).
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else new_registry()
+        r = self.registry
+        self.requests = Counter(
+            "encdec_embed_requests", "Finished calls by RPC and status", ["rpc", "code"], registry=r
+        )
+        self.request_seconds = Histogram(
+            "encdec_embed_request_seconds", "A call's time in the service", ["rpc"], buckets=ENCODE_BUCKETS, registry=r
+        )
+        self.batch_size = Histogram(
+            "encdec_embed_batch_size", "Sequences in one encoder forward", buckets=BATCH_SIZE_BUCKETS, registry=r
+        )
+        self.batch_tokens = Histogram(
+            "encdec_embed_batch_tokens", "Tokens in one encoder forward", buckets=EMBED_TOKENS_BUCKETS, registry=r
+        )
+        self.forward_seconds = Histogram(
+            "encdec_embed_forward_seconds", "Wall time of one encoder forward", buckets=ENCODE_BUCKETS, registry=r
+        )
+        self.sequences = Counter("encdec_embed_sequences", "Sequences run through the encoder", registry=r)
+        self.dropped = Counter(
+            "encdec_embed_dropped_requests", "Requests dropped from the batcher unrun", ["reason"], registry=r
+        )
+        self.dropped_sequences = Counter(
+            "encdec_embed_dropped_sequences", "Sequences dropped from the batcher unrun", ["reason"], registry=r
+        )
+        for reason in ("expired", "cancelled"):  # exported as 0 before the first drop
+            self.dropped.labels(reason=reason)
+            self.dropped_sequences.labels(reason=reason)
+
+    def watch_batcher(self, stats: Callable[[], dict]) -> None:
+        """Exposes the batcher's queue, read at scrape time.
+
+        Args:
+            stats: ``EmbedBatcher.stats`` (keys ``num_requests``, ``num_sequences``, ``oldest_wait_s``).
+        """
+        self.registry.register(_EmbedQueueCollector(stats))
+
+    def observe_request(self, rpc: str, code: str, seconds: float) -> None:
+        """Records one finished call (``code``: a ``grpc.StatusCode`` name)."""
+        self.requests.labels(rpc=rpc, code=code).inc()
+        self.request_seconds.labels(rpc=rpc).observe(max(seconds, 0.0))
+
+    def observe_forward(self, num_sequences: int, num_tokens: int, seconds: float) -> None:
+        """Records one encoder forward."""
+        self.batch_size.observe(num_sequences)
+        self.batch_tokens.observe(num_tokens)
+        self.forward_seconds.observe(max(seconds, 0.0))
+        self.sequences.inc(num_sequences)
+
+    def observe_dropped(self, reason: str, num_sequences: int) -> None:
+        """Records one request dropped unrun (``expired`` / ``cancelled``) with its sequences not yet run."""
+        self.dropped.labels(reason=reason).inc()
+        self.dropped_sequences.labels(reason=reason).inc(num_sequences)
+
+
 def start_metrics_server(port: int, host: str, registry: CollectorRegistry) -> bool:
     """Serves ``registry`` as Prometheus text on ``http://host:port/metrics`` (a daemon thread).
 
@@ -226,4 +363,4 @@ def start_metrics_server(port: int, host: str, registry: CollectorRegistry) -> b
     return True
 
 
-__all__ = ["DecoderMetrics", "EncoderMetrics", "new_registry", "start_metrics_server"]
+__all__ = ["DecoderMetrics", "EmbedMetrics", "EncoderMetrics", "new_registry", "start_metrics_server"]

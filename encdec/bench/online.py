@@ -12,6 +12,14 @@ queueing and encoding) and TPOT (time per output token after the first:
 ``(end - first) / (tokens - 1)``). Reported: p50 / p99 of both, mean
 end-to-end latency, completed requests/s and output tokens/s over the span
 from the first arrival to the last completion.
+
+**Rate sweep** (``--rates 0.5,1,2,4``): one run per rate, one after another
+against the same services (each starts when the previous one's requests
+ended), past what the machine sustains. Each row adds the requests the
+decoder refused at admission (RESOURCE_EXHAUSTED / DEADLINE_EXCEEDED,
+``decoder_svc.admission``) and the goodput: completed requests whose TTFT met
+``--ttft-slo-ms``, per second of the run's span (vLLM's and DistServe's
+goodput), beside the share of all requests that met it.
 """
 
 from __future__ import annotations
@@ -40,6 +48,8 @@ COLUMNS = [
     "req/s",
     "tokens/s",
 ]
+SWEEP_COLUMNS = [*COLUMNS, "refused", "TTFT SLO ms", "met SLO %", "goodput req/s"]
+REFUSAL_CODES = ("RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED")  # the decoder's admission answers
 
 
 def arrival_times(rate: float, duration: float, seed: int) -> list[float]:
@@ -155,12 +165,93 @@ def summarize(workload: str, rate: float, duration: float, results: list[dict]) 
     }
 
 
-def run(args, progress: bool = True) -> dict:
-    """Runs the online bench; returns the JSON payload (``rows`` with one row, ``requests`` per request).
+def parse_rates(text: str) -> list[float]:
+    """``"0.5,1,2"`` -> ``[0.5, 1.0, 2.0]``.
 
     Raises:
-        ValueError: bad rate / duration / workload.
+        ValueError: an entry is not a number > 0, or the list is empty.
     """
+    try:
+        rates = [float(r) for r in text.split(",") if r.strip()]
+    except ValueError:
+        raise ValueError(f"--rates must be comma-separated numbers (requests/s), got {text!r}") from None
+    if not rates or any(not 0 < r < float("inf") for r in rates):
+        raise ValueError(f"--rates must list rates > 0 (requests/s), got {text!r}")
+    return rates
+
+
+def summarize_sweep(workload: str, rate: float, duration: float, results: list[dict], ttft_slo_s: float) -> dict:
+    """One rate-sweep row: ``summarize``'s columns plus refusals and goodput (TTFT within ``ttft_slo_s``)."""
+    row = summarize(workload, rate, duration, results)
+    refused = sum(1 for r in results if r["error"] and r["error"].split(":", 1)[0] in REFUSAL_CODES)
+    met = [r for r in results if r["error"] is None and r["ttft_s"] is not None and r["ttft_s"] <= ttft_slo_s]
+    ok = [r for r in results if r["error"] is None]
+    span = max((r["end"] for r in ok), default=0.0) - min((r["arrival_s"] for r in results), default=0.0)
+    row.update(
+        {
+            "refused": refused,
+            "TTFT SLO ms": ttft_slo_s * 1000,
+            "met SLO %": 100.0 * len(met) / len(results) if results else None,
+            "goodput req/s": len(met) / span if span > 0 else None,
+        }
+    )
+    return row
+
+
+def _sweep(args, model, make_request, progress: bool) -> tuple[list[dict], list[dict]]:
+    """Runs every rate of ``--rates`` against one set of services: (rows, per-request results with their rate)."""
+    rates = parse_rates(args.rates)
+    if args.ttft_slo_ms <= 0:
+        raise ValueError(f"--ttft-slo-ms must be > 0, got {args.ttft_slo_ms}")
+
+    def drive_all(address: str) -> tuple[list[dict], list[dict]]:
+        rows, requests = [], []
+        for rate in rates:
+            offsets = arrival_times(rate, args.duration, args.seed)
+            if progress:
+                print(f"[online sweep] {len(offsets)} arrivals at {rate} req/s", file=sys.stderr, flush=True)
+            results, _ = asyncio.run(_drive(address, make_request, offsets, progress))
+            rows.append(summarize_sweep(args.workload, rate, args.duration, results, args.ttft_slo_ms / 1000))
+            requests += [{**r, "rate": rate} for r in results]
+        return rows, requests
+
+    if args.address:
+        return drive_all(args.address)
+    from encdec.launcher import Services
+
+    flags = ["--num-threads", str(args.threads)]
+    with Services(
+        model=model,
+        log_level="WARNING",
+        extra_encoder_args=flags,
+        extra_decoder_args=[*flags, "--max-num-seqs", str(args.max_num_seqs), "--encoder-cache", "0"],
+    ) as svc:
+        return drive_all(svc.decoder_address)
+
+
+def run(args, progress: bool = True) -> dict:
+    """Runs the online bench; returns the JSON payload (``rows`` with one row, or one per rate of ``--rates``;
+    ``requests`` per request).
+
+    Raises:
+        ValueError: bad rate(s) / duration / workload / TTFT target.
+    """
+    if getattr(args, "rates", None):
+        model, make_request = _workload(args)
+        rows, requests = _sweep(args, model, make_request, progress)
+        return {
+            "bench": "online",
+            "workload": args.workload,
+            "rates": [row["rate req/s"] for row in rows],
+            "duration": args.duration,
+            "seed": args.seed,
+            "threads": args.threads,
+            "ttft_slo_ms": args.ttft_slo_ms,
+            "cpu_count": os.cpu_count(),
+            "columns": SWEEP_COLUMNS,
+            "rows": rows,
+            "requests": requests,
+        }
     offsets = arrival_times(args.rate, args.duration, args.seed)
     model, make_request = _workload(args)
     if progress:
@@ -199,7 +290,9 @@ def run(args, progress: bool = True) -> dict:
 
 def main(args) -> int:
     payload = run(args)
-    print(markdown_table(payload["rows"], COLUMNS))
+    print(markdown_table(payload["rows"], payload["columns"]))
     if args.json:
         write_json(args.json, payload)
+    if getattr(args, "rates", None):  # past capacity refusals are expected; other failures are not
+        return 0 if all(row["failed"] == row["refused"] for row in payload["rows"]) else 1
     return 0 if payload["rows"][0]["failed"] == 0 else 1

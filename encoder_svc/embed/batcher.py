@@ -12,9 +12,19 @@ run, and a request that arrives while a big one is in progress joins it
 between two forwards instead of waiting for its end.
 
 Which forward runs: the one holding the shortest remaining sequence of the
-least recently served job (jobs never served yet first, in arrival order), so
+least recently served job (jobs never served yet first: the one with the fewest
+tokens pending, unless an earlier one has been passed over ``MAX_SKIPS`` times), so
 jobs take turns forward by forward (round robin) and a new small job runs in the
 very next forward. Every job with a sequence in that forward counts as served.
+
+Sequences of very different lengths do not share a forward (``plan_forwards``
+starts a new one when a sequence is more than ``LENGTH_BUCKET_RATIO`` times the
+shortest of the forward, beyond ``SHORT_SEQUENCE_TOKENS``): the forward a new short
+job gets is a short one, not a full budget of other jobs' long sequences, so a short
+request waits at most for the forward under way and its own short one.
+
+A job whose gRPC deadline passes before its turn is dropped unrun (its future fails
+with ``DeadlineExceededError``), as is a cancelled one: neither costs a forward.
 
 A job's future resolves once all its sequences are done; a failed forward fails
 only the jobs with a sequence in it. Futures stay pending (never "running")
@@ -33,12 +43,28 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+import grpc
 import torch
 
 from encoder_svc.embed.engine import EmbedEngine, Encoded
 from shared.compute_thread import use_threads
+from shared.errors import ServiceError
 
 log = logging.getLogger(__name__)
+
+LENGTH_BUCKET_RATIO = 2
+"""A forward holds no sequence more than this many times longer than its shortest one (beyond
+``SHORT_SEQUENCE_TOKENS``)."""
+SHORT_SEQUENCE_TOKENS = 64
+"""Sequences up to this many tokens share a forward whatever their lengths (each costs little)."""
+MAX_SKIPS = 4
+"""Times a job never served yet may be passed over by later, shorter ones before it goes first."""
+
+
+class DeadlineExceededError(ServiceError):
+    """The call's deadline passed before its sequences could run: they were dropped unrun."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
 @dataclass
@@ -54,6 +80,10 @@ class EmbedJob:
         pending: indices of the sequences not yet run.
         served: ordering key of the last turn the job had a sequence in a forward
             (-1: none yet), then its arrival number.
+        deadline: ``time.monotonic()`` after which the job's result is of no use
+            (its gRPC deadline), or None.
+        submitted: ``time.monotonic()`` of its submission.
+        skips: times a later, shorter job went before it while it was never served.
     """
 
     seqs: list[Encoded]
@@ -62,6 +92,9 @@ class EmbedJob:
     outputs: list[torch.Tensor | None] = field(default_factory=list)
     pending: list[int] = field(default_factory=list)
     served: tuple[int, int] = (-1, 0)
+    deadline: float | None = None
+    submitted: float = field(default_factory=time.monotonic)
+    skips: int = 0
 
     def done(self) -> bool:
         return self.future.done()
@@ -69,7 +102,9 @@ class EmbedJob:
 
 def plan_forwards(lengths: list[int], max_batch_tokens: int) -> list[list[int]]:
     """Groups sequence indices into forwards: sorted by length, each forward's
-    ``count x longest`` at most ``max_batch_tokens`` (a longer single sequence runs alone).
+    ``count x longest`` at most ``max_batch_tokens`` (a longer single sequence runs alone),
+    and no sequence longer than ``SHORT_SEQUENCE_TOKENS`` beside one ``LENGTH_BUCKET_RATIO``
+    times shorter.
 
     Returns:
         Lists of indices into ``lengths``, shortest sequences first.
@@ -79,13 +114,24 @@ def plan_forwards(lengths: list[int], max_batch_tokens: int) -> list[list[int]]:
     current: list[int] = []
     for i in order:
         # Sorted ascending, so lengths[i] is the longest of current + [i].
-        if current and (len(current) + 1) * lengths[i] > max_batch_tokens:
+        bucket_end = max(LENGTH_BUCKET_RATIO * lengths[current[0]], SHORT_SEQUENCE_TOKENS) if current else 0
+        if current and ((len(current) + 1) * lengths[i] > max_batch_tokens or lengths[i] > bucket_end):
             groups.append(current)
             current = []
         current.append(i)
     if current:
         groups.append(current)
     return groups
+
+
+def _turn_order(job: EmbedJob) -> tuple[int, int, int, int]:
+    """Which job's sequence the next forward holds (the smallest key): the least recently served;
+    among jobs never served, the one with the fewest pending tokens (a short request does not wait
+    behind a long one that arrived just before it), unless one was passed over ``MAX_SKIPS`` times."""
+    turn, arrival = job.served
+    if turn >= 0 or job.skips >= MAX_SKIPS:
+        return turn, 0, 0, arrival
+    return turn, 1, sum(len(job.seqs[i].ids) for i in job.pending), arrival
 
 
 def _resolve(future: Future, result=None, exc: BaseException | None = None) -> None:
@@ -105,23 +151,38 @@ class EmbedBatcher:
         max_batch_tokens: padded-token budget of one forward.
         num_threads: torch intra-op threads of the batcher thread
             (``shared.compute_thread``); None keeps the process setting.
+        metrics: ``shared.metrics.EmbedMetrics`` to record forwards and dropped
+            jobs in, or None.
+
+    Attributes:
+        num_dropped: jobs dropped unrun by reason (``expired``, ``cancelled``).
     """
 
-    def __init__(self, engine: EmbedEngine, max_batch_tokens: int, num_threads: int | None = None) -> None:
+    def __init__(
+        self, engine: EmbedEngine, max_batch_tokens: int, num_threads: int | None = None, metrics=None
+    ) -> None:
         self.engine = engine
         self.max_batch_tokens = max_batch_tokens
+        self.metrics = metrics
+        self.num_dropped = {"expired": 0, "cancelled": 0}
         self._queue: queue.Queue[EmbedJob | None] = queue.Queue()
+        self._jobs: list[EmbedJob] = []  # the worker's active jobs; read without a lock by ``stats``
         self._arrivals = itertools.count()
         self._thread = threading.Thread(target=self._loop, args=(num_threads,), name="embed-batcher", daemon=True)
         self._thread.start()
 
-    def submit(self, seqs: list[Encoded], pooling: str) -> Future:
+    def submit(self, seqs: list[Encoded], pooling: str, deadline: float | None = None) -> Future:
         """Queues one request's sequences; the future gives one tensor per sequence.
 
         Cancel the future (``future.cancel()``) when the caller no longer wants the
         result: the sequences not yet run are dropped before the next forward.
+
+        Args:
+            deadline: ``time.monotonic()`` past which the result is of no use; the
+                sequences not run by then are dropped and the future fails with
+                ``DeadlineExceededError``.
         """
-        job = EmbedJob(seqs, pooling, outputs=[None] * len(seqs), pending=list(range(len(seqs))))
+        job = EmbedJob(seqs, pooling, outputs=[None] * len(seqs), pending=list(range(len(seqs))), deadline=deadline)
         if not seqs:
             job.future.set_result([])
         else:
@@ -146,14 +207,58 @@ class EmbedBatcher:
             job.served = (-1, next(self._arrivals))
             jobs.append(job)
 
+    def stats(self) -> dict:
+        """Queue state now: ``num_requests`` (jobs submitted, not finished), ``num_sequences``
+        (their sequences not yet run), ``oldest_wait_s`` (seconds since the oldest one's submission)."""
+        jobs = list(self._jobs)
+        now = time.monotonic()
+        with self._queue.mutex:
+            queued = list(self._queue.queue)
+        jobs += [j for j in queued if j is not None]
+        return {
+            "num_requests": len(jobs),
+            "num_sequences": sum(len(j.pending) for j in jobs),
+            "oldest_wait_s": max((now - j.submitted for j in jobs), default=0.0),
+        }
+
+    def _drop(self, job: EmbedJob, reason: str) -> None:
+        self.num_dropped[reason] += 1
+        if self.metrics is not None:
+            self.metrics.observe_dropped(reason, len(job.pending))
+        log.debug("dropped a %s job of %d sequences not yet run", reason, len(job.pending))
+
+    def _prune(self, jobs: list[EmbedJob]) -> list[EmbedJob]:
+        """The jobs still to run: expired ones fail unrun, cancelled, failed and finished ones leave."""
+        now = time.monotonic()
+        kept = []
+        for job in jobs:
+            if job.future.cancelled():
+                if job.pending:
+                    self._drop(job, "cancelled")
+                continue
+            if job.done():
+                continue
+            if job.deadline is not None and now >= job.deadline:
+                self._drop(job, "expired")
+                _resolve(
+                    job.future,
+                    exc=DeadlineExceededError(
+                        f"the call's deadline passed after {now - job.submitted:.3f} s in the embed queue, before its "
+                        f"{len(job.pending)} sequences could run; they were dropped unrun: retry with a longer deadline"
+                    ),
+                )
+                continue
+            kept.append(job)
+        return kept
+
     def _loop(self, num_threads: int | None) -> None:
         use_threads(num_threads)
-        jobs: list[EmbedJob] = []
+        jobs: list[EmbedJob] = self._jobs
         running = True
         for turn in itertools.count():
             if running:
                 running = self._take_new(jobs, block=not jobs)
-            jobs = [j for j in jobs if not j.done()]  # cancelled (client gone), failed or finished
+            jobs = self._jobs = self._prune(jobs)
             if not jobs:
                 if not running:
                     return
@@ -164,7 +269,10 @@ class EmbedBatcher:
         """Runs the one forward holding the shortest pending sequence of the least recently served job."""
         units = [(job, i) for job in jobs for i in job.pending]
         lengths = [len(job.seqs[i].ids) for job, i in units]
-        first = min(jobs, key=lambda j: j.served)
+        first = min(jobs, key=_turn_order)
+        for job in jobs:  # an unserved job that a later, shorter one went before: it goes first after MAX_SKIPS
+            if job.served[0] < 0 and job is not first and job.served[1] < first.served[1]:
+                job.skips += 1
         group = next(g for g in plan_forwards(lengths, self.max_batch_tokens) if any(units[k][0] is first for k in g))
         live = [units[k] for k in group]
         start = time.perf_counter()
@@ -187,9 +295,12 @@ class EmbedBatcher:
             job.pending = [i for i in job.pending if i not in ran]
             if not job.pending and not job.done():
                 _resolve(job.future, job.outputs)
+        seconds = time.perf_counter() - start
+        if self.metrics is not None:
+            self.metrics.observe_forward(len(live), sum(lengths[k] for k in group), seconds)
         log.debug(
             "forward of %d sequences (longest %d) in %.1f ms",
             len(live),
             max(lengths[k] for k in group),
-            (time.perf_counter() - start) * 1000.0,
+            seconds * 1000.0,
         )

@@ -10,41 +10,29 @@ Input contracts (each one documented in README.md, "Embed"):
   WordPiece maps unknown symbols to ``[UNK]``);
 - a sequence longer than ``max_input_length`` (special tokens included) fails
   the request with INVALID_ARGUMENT naming its index, length and the limit,
-  unless ``truncate`` is set, which cuts every item (pairs longest-first).
+  unless ``truncate`` is set, which cuts every item (pairs longest-first);
+- a text longer than ``max_input_chars`` (``max_input_length`` x
+  ``tokenizing.MAX_CHARS_PER_TOKEN``) is refused the same way before any
+  tokenizer work, or cut to that many characters first with ``truncate``
+  (``encoder_svc.embed.tokenizing``).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from encoder_svc.embed.tokenizing import BoundedTokenizer, Encoded
 from shared.device import model_device
-from shared.errors import InvalidRequestError
 from shared.models.bert import BertEncoderModel, PackedBatch
 from shared.models.embedding_config import EmbeddingSpec, read_embedding_spec
 
+__all__ = ["EmbedEngine", "Encoded", "finish_embedding", "label_scores", "load_embed_engine"]
+
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Encoded:
-    """One tokenized input.
-
-    Attributes:
-        ids: token ids, special tokens included.
-        type_ids: token type ids (segment A 0, segment B 1), or None when the
-            tokenizer has none (RoBERTa).
-        offsets: ``(start, end)`` character offsets per token (Tokenize only).
-    """
-
-    ids: list[int]
-    type_ids: list[int] | None
-    offsets: list[tuple[int, int]] | None = None
 
 
 class EmbedEngine:
@@ -74,9 +62,8 @@ class EmbedEngine:
         cfg = model.config
         self.labels = [cfg.id2label.get(i, f"LABEL_{i}") for i in range(self.num_labels)]
         self.multi_label = cfg.problem_type == "multi_label_classification" or self.num_labels == 1
-        # An HF fast tokenizer sets truncation on its shared Rust backend for every call, so concurrent
-        # calls with different ``truncate`` would see each other's setting: serialise them.
-        self._tokenizer_lock = threading.Lock()
+        self._tokenizer = BoundedTokenizer(tokenizer, self.max_input_length, model.config.type_vocab_size > 1 or None)
+        self.max_input_chars = self._tokenizer.max_input_chars
 
     @classmethod
     def load(
@@ -108,48 +95,20 @@ class EmbedEngine:
         add_special_tokens: bool = True,
         check_length: bool = True,
         offsets: bool = False,
+        max_total_tokens: int | None = None,
+        names: tuple[str, str] = ("input {i}", "the text_pair of input {i}"),
     ) -> list[Encoded]:
-        """Tokenizes texts (and optional second segments), keeping input order.
+        """Tokenizes texts (and optional second segments), keeping input order, within the bounds of
+        ``encoder_svc.embed.tokenizing`` (characters per text, chunked calls, linear pair truncation).
 
         Raises:
-            InvalidRequestError: ``check_length`` and an item is longer than
-                ``max_input_length`` while ``truncate`` is off.
+            InvalidRequestError: an item is longer than ``max_input_chars`` characters, or
+                (``check_length``) than ``max_input_length`` tokens, while ``truncate`` is off.
+            ResourceExhaustedError: more than ``max_total_tokens`` tokens in all.
         """
-        pairs = pairs or [None] * len(texts)
-        out: list[Encoded | None] = [None] * len(texts)
-        singles = [i for i, p in enumerate(pairs) if p is None]
-        doubles = [i for i, p in enumerate(pairs) if p is not None]
-        for idx, with_pair in ((singles, False), (doubles, True)):
-            if not idx:
-                continue
-            with self._tokenizer_lock:
-                enc = self.tokenizer(
-                    [texts[i] for i in idx],
-                    [pairs[i] for i in idx] if with_pair else None,
-                    truncation="longest_first" if truncate else False,
-                    max_length=self.max_input_length if truncate else None,
-                    add_special_tokens=add_special_tokens,
-                    return_offsets_mapping=offsets and self.tokenizer.is_fast,
-                    return_attention_mask=False,
-                    return_token_type_ids=self.model.config.type_vocab_size > 1 or None,
-                    verbose=False,
-                )
-            types = enc.get("token_type_ids")
-            offs = enc.get("offset_mapping")
-            for j, i in enumerate(idx):
-                out[i] = Encoded(
-                    list(enc["input_ids"][j]),
-                    list(types[j]) if types is not None else None,
-                    [tuple(o) for o in offs[j]] if offs is not None else None,
-                )
-        if check_length and not truncate:
-            for i, e in enumerate(out):
-                if len(e.ids) > self.max_input_length:
-                    raise InvalidRequestError(
-                        f"input {i} has {len(e.ids)} tokens, more than this model's limit of {self.max_input_length}; "
-                        "shorten it or set truncate=true"
-                    )
-        return out  # type: ignore[return-value]
+        return self._tokenizer.tokenize(
+            texts, pairs, truncate, add_special_tokens, check_length, offsets, max_total_tokens, names
+        )
 
     # ---- forward -------------------------------------------------------------------------------
 

@@ -4,19 +4,25 @@ Thin: validate and convert the request, tokenize off the event loop, submit to
 the ``EmbedBatcher``, convert back. Errors raised here become status codes in
 ``shared.grpc_server.ErrorStatusInterceptor``. A call cancelled while it waits on
 the batcher (client gone, deadline passed) cancels its batcher job, so the model
-stops spending forwards on it. Loading and serving: ``encoder_svc.embed.startup``.
+stops spending forwards on it; the batcher also knows the call's deadline and
+drops the job unrun once it passes. A call whose deadline has passed before its
+tokenization gets DEADLINE_EXCEEDED without any work. Every text goes through the
+character bound of ``encoder_svc.embed.tokenizing`` before its tokenizer; a
+Tokenize response holds at most ``max_inputs x max_input_length`` tokens.
+Loading and serving: ``encoder_svc.embed.startup``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import time
 
 import grpc
 
-from encoder_svc.embed.batcher import EmbedBatcher
+from encoder_svc.embed.batcher import DeadlineExceededError, EmbedBatcher
 from encoder_svc.embed.engine import EmbedEngine, finish_embedding, label_scores
-from shared.errors import InvalidRequestError, NotFoundError, ResourceExhaustedError, ServiceError
+from shared.errors import InvalidRequestError, NotFoundError, ResourceExhaustedError, ServiceError, status_for
 from shared.proto import embed_pb2, embed_pb2_grpc
 
 _POOLING = {embed_pb2.POOLING_CLS: "cls", embed_pb2.POOLING_MEAN: "mean", embed_pb2.POOLING_LAST: "last"}
@@ -28,6 +34,43 @@ class UnsupportedByModelError(ServiceError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+def _observed(method):
+    """Records the call's RPC name, final status code and time in ``self.metrics`` (when set)."""
+    rpc = method.__name__
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context):
+        start = time.perf_counter()
+        code = "OK"
+        try:
+            return await method(self, request, context)
+        except asyncio.CancelledError:
+            code = "CANCELLED"
+            raise
+        except Exception as exc:
+            code = status_for(exc)[0].name
+            raise
+        finally:
+            if self.metrics is not None:
+                self.metrics.observe_request(rpc, code, time.perf_counter() - start)
+
+    return wrapper
+
+
+def _deadline(context) -> float | None:
+    """The call's deadline as ``time.monotonic()``, or None (no deadline, or no gRPC context).
+
+    Raises:
+        DeadlineExceededError: it has passed already.
+    """
+    remaining = context.time_remaining() if context is not None else None
+    if remaining is None:
+        return None
+    if remaining <= 0:
+        raise DeadlineExceededError("the call's deadline passed before its work could start; nothing was computed")
+    return time.monotonic() + remaining
+
+
 class EmbedServicer(embed_pb2_grpc.EmbedServiceServicer):
     """Serves one encoder-only model.
 
@@ -37,16 +80,24 @@ class EmbedServicer(embed_pb2_grpc.EmbedServiceServicer):
         model_name: the name responses carry (the ``--model`` given).
         served_names: names a request's ``model`` field may use.
         max_inputs: most inputs (or documents) per request.
+        metrics: ``shared.metrics.EmbedMetrics`` recording each call, or None.
     """
 
     def __init__(
-        self, engine: EmbedEngine, batcher: EmbedBatcher, model_name: str, served_names: frozenset[str], max_inputs: int
+        self,
+        engine: EmbedEngine,
+        batcher: EmbedBatcher,
+        model_name: str,
+        served_names: frozenset[str],
+        max_inputs: int,
+        metrics=None,
     ) -> None:
         self.engine = engine
         self.batcher = batcher
         self.model_name = model_name
         self.served_names = served_names
         self.max_inputs = max_inputs
+        self.metrics = metrics
 
     def _check(self, model: str, count: int, what: str = "inputs", allow_empty: bool = False) -> None:
         if model and model not in self.served_names:
@@ -69,20 +120,28 @@ class EmbedServicer(embed_pb2_grpc.EmbedServiceServicer):
                 f"Rerank needs a single-score cross-encoder; model {self.model_name!r} has {self.engine.num_labels} labels: use Classify"
             )
 
-    async def _tokenize(self, *args, **kwargs):
+    async def _tokenize(self, context, *args, **kwargs):
+        _deadline(context)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(None, functools.partial(self.engine.tokenize, *args, **kwargs))
 
-    async def _batch(self, seqs, pooling: str):
-        """Runs ``seqs`` through the batcher; if this call is cancelled meanwhile, cancels the job
-        so that its forwards not yet run are dropped."""
-        future = self.batcher.submit(seqs, pooling)
+    async def _batch(self, seqs, pooling: str, context=None):
+        """Runs ``seqs`` through the batcher with the call's deadline; if this call is cancelled
+        or ends meanwhile, cancels the job so that its forwards not yet run are dropped.
+
+        Raises:
+            DeadlineExceededError: the deadline passed before (or while) its sequences waited.
+        """
+        future = self.batcher.submit(seqs, pooling, _deadline(context))
+        if context is not None:
+            context.add_done_callback(lambda _: future.cancel())  # the client went away or the deadline passed
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:
             future.cancel()
             raise
 
+    @_observed
     async def Embed(self, request, context):
         self._check(request.model, len(request.inputs))
         if request.dimensions > self.engine.hidden_size:
@@ -96,8 +155,8 @@ class EmbedServicer(embed_pb2_grpc.EmbedServiceServicer):
             )
         pooling = _POOLING.get(request.pooling, self.engine.spec.pooling)
         normalize = request.normalize if request.HasField("normalize") else self.engine.spec.normalize
-        seqs = await self._tokenize(list(request.inputs), truncate=request.truncate)
-        outs = await self._batch(seqs, pooling)
+        seqs = await self._tokenize(context, list(request.inputs), truncate=request.truncate)
+        outs = await self._batch(seqs, pooling, context)
         embeddings = [
             embed_pb2.Embedding(
                 values=finish_embedding(v, normalize, request.dimensions).tolist(), num_tokens=len(s.ids)
@@ -106,12 +165,15 @@ class EmbedServicer(embed_pb2_grpc.EmbedServiceServicer):
         ]
         return embed_pb2.EmbedResponse(model=self.model_name, embeddings=embeddings, usage=_usage(seqs))
 
+    @_observed
     async def Rerank(self, request, context):
         self._check(request.model, len(request.documents), "documents")
         self._head(rerank=True)
         docs = list(request.documents)
-        seqs = await self._tokenize([request.query] * len(docs), docs, truncate=request.truncate)
-        outs = await self._batch(seqs, "logits")
+        seqs = await self._tokenize(
+            context, [request.query] * len(docs), docs, truncate=request.truncate, names=("the query", "document {i}")
+        )
+        outs = await self._batch(seqs, "logits", context)
         scores = [float(label_scores(o, True, request.raw_scores)[0]) for o in outs]
         order = sorted(range(len(docs)), key=lambda i: -scores[i])
         if request.top_n:
@@ -119,13 +181,14 @@ class EmbedServicer(embed_pb2_grpc.EmbedServiceServicer):
         results = [embed_pb2.RerankResult(index=i, score=scores[i]) for i in order]
         return embed_pb2.RerankResponse(model=self.model_name, results=results, usage=_usage(seqs))
 
+    @_observed
     async def Classify(self, request, context):
         self._check(request.model, len(request.inputs))
         self._head(rerank=False)
         texts = [i.text for i in request.inputs]
         pairs = [i.text_pair if i.HasField("text_pair") else None for i in request.inputs]
-        seqs = await self._tokenize(texts, pairs, truncate=request.truncate)
-        outs = await self._batch(seqs, "logits")
+        seqs = await self._tokenize(context, texts, pairs, truncate=request.truncate)
+        outs = await self._batch(seqs, "logits", context)
         labels = self.engine.labels
         results = []
         for o in outs:
@@ -138,13 +201,21 @@ class EmbedServicer(embed_pb2_grpc.EmbedServiceServicer):
             )
         return embed_pb2.ClassifyResponse(model=self.model_name, results=results, usage=_usage(seqs))
 
+    @_observed
     async def Tokenize(self, request, context):
         self._check(request.model, len(request.inputs), allow_empty=True)
         texts = [i.text for i in request.inputs]
         pairs = [i.text_pair if i.HasField("text_pair") else None for i in request.inputs]
         special = request.add_special_tokens if request.HasField("add_special_tokens") else True
         seqs = await self._tokenize(
-            texts, pairs, truncate=request.truncate, add_special_tokens=special, check_length=False, offsets=True
+            context,
+            texts,
+            pairs,
+            truncate=request.truncate,
+            add_special_tokens=special,
+            check_length=False,
+            offsets=True,
+            max_total_tokens=self.max_inputs * self.engine.max_input_length,
         )
         tok = self.engine.tokenizer
         out = []

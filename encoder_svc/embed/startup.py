@@ -16,6 +16,7 @@ from encoder_svc.embed.server import EmbedServicer
 from shared.config import EncoderServiceConfig
 from shared.device import resolve_device, torch_dtype
 from shared.grpc_server import serve
+from shared.metrics import EmbedMetrics, start_metrics_server
 from shared.models.registry import model_names
 from shared.proto import embed_pb2_grpc
 
@@ -23,23 +24,30 @@ log = logging.getLogger(__name__)
 
 
 def run(config: EncoderServiceConfig, num_threads: int | None = None) -> None:
-    """Loads an encoder-only model and serves ``EmbedService`` until SIGINT/SIGTERM.
+    """Loads an encoder-only model and serves ``EmbedService`` until SIGINT/SIGTERM, and its
+    Prometheus ``/metrics`` on ``config.metrics_port`` (``shared.metrics.EmbedMetrics``; 0 = off).
 
     ``num_threads``: torch intra-op threads of the batcher thread (``shared.compute_thread``).
     """
     engine = load_embed_engine(config.model, torch_dtype(config.dtype), resolve_device(config.device))
     log.info(
-        "encoder-only model %s on %s (%s): pooling %s, normalize %s, max input %d tokens, %d labels",
+        "encoder-only model %s on %s (%s): pooling %s, normalize %s, max input %d tokens (%d characters), %d labels",
         config.model,
         engine.device,
         config.dtype,
         engine.spec.pooling,
         engine.spec.normalize,
         engine.max_input_length,
+        engine.max_input_chars,
         engine.num_labels,
     )
-    batcher = EmbedBatcher(engine, max(config.max_batch_tokens, engine.max_input_length), num_threads)
-    servicer = EmbedServicer(engine, batcher, config.model, model_names(config.model), config.max_inputs_per_request)
+    metrics = EmbedMetrics()
+    batcher = EmbedBatcher(engine, max(config.max_batch_tokens, engine.max_input_length), num_threads, metrics)
+    metrics.watch_batcher(batcher.stats)
+    servicer = EmbedServicer(
+        engine, batcher, config.model, model_names(config.model), config.max_inputs_per_request, metrics
+    )
+    start_metrics_server(config.metrics_port, config.host, metrics.registry)
 
     async def on_stop() -> None:
         batcher.stop()

@@ -44,6 +44,15 @@ class ServiceConfig:
             (``shared.device``). A missing GPU fails at startup.
         dtype: weight dtype: ``float32`` (default), or ``float16`` / ``bfloat16``
             on a CUDA ``device`` only (docs/devices.md).
+        internal_token_file: path of the secret decoder and encoder of one
+            deployment share (``shared.internal_auth``): the decoder sends it
+            with every Encode and signs the KV target it reserved; the encoder
+            refuses Encode without it (UNAUTHENTICATED) and a target whose
+            signature does not match (PERMISSION_DENIED). The encoder writes
+            a new token there if the file does not exist (compose: on the
+            volume the decoder mounts too); the decoder requires it. Read at
+            start-up: a file that cannot be read or written fails the start.
+            Empty: no check (a warning at start-up). ``encdec up`` generates one.
     """
 
     model: str = DEFAULT_MODEL
@@ -58,6 +67,7 @@ class ServiceConfig:
     metrics_port: int
     device: str = "cpu"
     dtype: str = "float32"
+    internal_token_file: str = ""
 
     def __post_init__(self) -> None:
         check_port(self.port)

@@ -43,7 +43,9 @@ class DecoderServiceConfig(ServiceConfig):
             encoder writes / sends: ``float32`` (default), ``float16`` or
             ``bfloat16`` (half the bytes; accuracy in docs/kv_transport.md).
         encode_timeout_s: an Encode call slower than this fails the request
-            with UNAVAILABLE and frees its blocks (seconds).
+            with UNAVAILABLE and frees its blocks (seconds); the time waiting for
+            an unreachable encoder counts (``decoder_svc.encode_client``), and
+            the request's gRPC deadline, if earlier, ends the call.
         max_decode_hold_ms: while requests wait for their cross KV, model steps
             are held for at most this long before one runs (milliseconds), so
             a burst starts decoding together and the encoder gets the cores it
@@ -93,6 +95,21 @@ class DecoderServiceConfig(ServiceConfig):
             UNAVAILABLE ("shutting down ... send it again") and are recorded
             FAILED. Keep it below the orchestrator's kill timeout (compose's
             ``stop_grace_period``, 10 s by default; Kubernetes' 30 s).
+        max_waiting_requests: most Generate requests queued (admitted, no first
+            token yet) with a priority at least as good as a new one's; beyond it
+            a new request gets RESOURCE_EXHAUSTED at once, before its input is
+            parsed (``decoder_svc.admission``). The bound of a cold start's burst,
+            before the queue's service rate is measured. 32: Whisper tiny.en
+            requests complete at about one a second on 2 CPU cores past capacity
+            (docs/benchmarks.md, online rate sweep), so a burst of 32 waits about
+            ``max_queue_time_s``; and it admits the largest burst the benchmarks
+            send (seq2seq: 32 at once).
+        max_queue_time_s: a new request whose estimated wait (queued requests
+            ahead of it x the measured time between two of them starting) is
+            longer than this gets RESOURCE_EXHAUSTED at once (seconds); one whose
+            gRPC deadline is shorter than its estimated wait gets DEADLINE_EXCEEDED.
+            30 s: the wait a client of an interactive service still accepts; the
+            estimate follows the machine's measured rate, so the bound holds on any.
     """
 
     port: int = 50051
@@ -116,6 +133,8 @@ class DecoderServiceConfig(ServiceConfig):
     encoder_cache: int = 1
     attention_backend: str = "torch"
     shutdown_grace_s: float = 8.0
+    max_waiting_requests: int = 32
+    max_queue_time_s: float = 30.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -143,6 +162,10 @@ class DecoderServiceConfig(ServiceConfig):
             raise ValueError(
                 f"kv_transfer_dtype must be one of: {', '.join(KV_DTYPES)}; got {self.kv_transfer_dtype!r}"
             )
+        if self.max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
+        if not 0 < self.max_queue_time_s < float("inf"):  # also refuses NaN
+            raise ValueError(f"max_queue_time_s must be > 0 and finite (seconds), got {self.max_queue_time_s}")
         if self.encode_timeout_s <= 0 or self.max_audio_s <= 0:
             raise ValueError("encode_timeout_s and max_audio_s must be > 0")
         if not self.max_decode_hold_ms >= 0:  # also refuses NaN

@@ -50,6 +50,11 @@ class EncoderServiceConfig(ServiceConfig):
         kv_transfer_timeout_s: torch_dist: bound on pairing with a decoder and
             on every send/receive of a transfer (seconds); a hung decoder holds
             the encoder's batcher at most this long.
+        kv_dist_handshake_timeout_s: torch_dist: bound on reaching a
+            decoder's rendezvous store and reading its identity (seconds). A
+            target that accepts the TCP connection and says nothing fails its
+            Encode with UNAVAILABLE after this long; connecting runs off the
+            batcher thread, so other requests' encodes never wait for it.
         device: where the model runs: ``cpu``, ``cuda`` or ``cuda:N``
             (``shared.device``); features and source ids are moved there and
             cross KV is handed to the writer from there (copied to the CPU for
@@ -64,6 +69,7 @@ class EncoderServiceConfig(ServiceConfig):
     max_batch_tokens: int = 0
     max_inputs_per_request: int = 2048
     kv_transport: str = "shm,torch_dist"
+    kv_dist_handshake_timeout_s: float = 5.0
     metrics_port: int = 9401
 
     def __post_init__(self) -> None:
@@ -90,6 +96,8 @@ class EncoderServiceConfig(ServiceConfig):
             raise ValueError(
                 f"max_batch_tokens must be >= 1, or 0 for the device's default; got {self.max_batch_tokens}"
             )
+        if not self.kv_dist_handshake_timeout_s > 0:  # also refuses NaN
+            raise ValueError(f"kv_dist_handshake_timeout_s must be > 0, got {self.kv_dist_handshake_timeout_s}")
         if self.max_inputs_per_request < 1:
             raise ValueError(f"max_inputs_per_request must be >= 1, got {self.max_inputs_per_request}")
         self._check_quantize()

@@ -89,6 +89,14 @@ class WriterSet(CrossKVWriter):
                 self._writers[transport] = create_writer(transport, **self.options.get(transport, {}))
             return self._writers[transport]
 
+    def connected(self, spec: KVTargetSpec) -> bool:
+        self.check(spec)
+        return self.writer(spec.transport).connected(spec)
+
+    def connect(self, spec: KVTargetSpec) -> None:
+        self.check(spec)
+        self.writer(spec.transport).connect(spec)
+
     def write(
         self, spec: KVTargetSpec, block_ids: list[int], cross_kv: torch.Tensor, transfer_id: int = 0
     ) -> TransferStats:

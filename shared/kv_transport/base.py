@@ -99,6 +99,18 @@ class CrossKVPool(ABC):
 class CrossKVWriter(ABC):
     """Encoder side: writes one request's cross KV into the decoder's blocks."""
 
+    def connected(self, spec: KVTargetSpec) -> bool:
+        """Whether a write to ``spec`` can start without first reaching the decoder (in-place transports: always)."""
+        return True
+
+    def connect(self, spec: KVTargetSpec) -> None:  # noqa: B027 - optional hook: in-place transports need none
+        """Reaches the decoder behind ``spec`` so that later writes find it connected; called off the batcher
+        thread, so a target that does not answer delays only its own request.
+
+        Raises:
+            UnavailableError: the decoder cannot be reached, or did not answer in time.
+        """
+
     @abstractmethod
     def write(
         self, spec: KVTargetSpec, block_ids: list[int], cross_kv: torch.Tensor, transfer_id: int = 0

@@ -143,6 +143,25 @@ def test_each_decoder_and_its_encoder_agree_on_the_kv_transport(project, monkeyp
         assert grace and parse_duration(grace) >= decoder.shutdown_grace_s + 4, (name, grace, decoder.shutdown_grace_s)
 
 
+def test_encoders_and_decoders_share_the_internal_token_and_nothing_else_sees_it(project):
+    """Encode takes only the deployment's token (shared/internal_auth.py): each encoder writes it to the
+    internal-token volume on its first start, its decoder (started once the encoder is healthy) reads it there;
+    the public embed services do not mount it."""
+    assert "internal-token" in project.volumes
+    for name, svc in encdec_services(project).items():
+        path = svc["environment"].get("ENCDEC_INTERNAL_TOKEN_FILE")
+        if name.startswith("embed"):
+            assert path is None and not any(str(m).startswith("internal-token:") for m in svc["volumes"]), name
+            continue
+        mount = next(m for m in svc["volumes"] if str(m).startswith("internal-token:"))
+        assert path == mount.partition(":")[2] + "/internal-token", name
+    for name in ("decoder", "decoder-gpu"):
+        encoder = name.replace("decoder", "encoder")
+        assert project.services[name]["depends_on"][encoder]["condition"] == "service_healthy"
+    dockerfile = (ROOT / "Dockerfile").read_text()  # a new named volume takes the image's owner of its mount point
+    assert re.search(r"mkdir [^\n]*/secrets[^\n]*chown encdec:encdec [^\n]*/secrets", dockerfile)
+
+
 def test_models_volume_and_gpu_profile(project):
     assert "models" in project.volumes
     for name, svc in encdec_services(project).items():
@@ -183,6 +202,12 @@ def test_remap_rewrites_hosts_and_ports_consistently():
     assert remap("0.0.0.0", "decoder", endpoints) == "127.0.0.1"
     assert remap("localhost:50051", "decoder", endpoints) == "127.0.0.1:41001"
     assert remap("example.com:443", "decoder", endpoints) == "example.com:443"
+    mounts = {"/secrets": "/tmp/vol/internal-token"}
+    assert (
+        remap("/secrets/internal-token", "decoder", endpoints, mounts=mounts)
+        == "/tmp/vol/internal-token/internal-token"
+    )
+    assert remap("/secretsx", "decoder", endpoints, mounts=mounts) == "/secretsx"
     with pytest.raises(UnsupportedCompose):
         remap("encoder:9999", "decoder", endpoints)
     with pytest.raises(UnsupportedCompose):
@@ -230,6 +255,20 @@ def test_generate_through_the_published_decoder_port(deployment, hf_whisper, whi
             f"http://{host}:{port}/metrics", timeout=10
         ) as resp:  # ENCDEC_METRICS_PORT honoured
             assert metric in resp.read().decode(), name
+
+
+def test_encode_without_the_internal_token_is_refused(deployment):
+    """The encoder of the deployment refuses an Encode that lacks the token the decoder uses (the Generate
+    above went through with it); the token file lives on the shared volume, mode 0600."""
+    from shared.proto import encoder_pb2, encoder_pb2_grpc
+
+    token_file = Path(deployment.env("encoder")["ENCDEC_INTERNAL_TOKEN_FILE"])
+    assert token_file == Path(deployment.env("decoder")["ENCDEC_INTERNAL_TOKEN_FILE"])
+    assert token_file.stat().st_mode & 0o777 == 0o600
+    with grpc.insecure_channel(deployment.service_address("encoder")) as ch:
+        with pytest.raises(grpc.RpcError) as info:
+            encoder_pb2_grpc.EncoderServiceStub(ch).Encode(encoder_pb2.EncodeRequest(request_id="x"), timeout=30)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, info.value.details()
 
 
 def test_embed_through_the_published_embed_port(deployment):

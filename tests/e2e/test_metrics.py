@@ -6,6 +6,7 @@ import logging
 import socket
 import threading
 import urllib.request
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -117,6 +118,7 @@ def test_identical_concurrent_inputs_are_encoded_once(services):
     audio = (DATA / "sample.wav").read_bytes()
     before_d, before_e = scrape(ports["decoder"]), scrape(ports["encoder"])
     barrier = threading.Barrier(2)
+    id_a, id_b = f"cache-a-{uuid.uuid4().hex[:8]}", f"cache-b-{uuid.uuid4().hex[:8]}"  # fresh on a reused Redis
 
     states = {}
 
@@ -133,10 +135,10 @@ def test_identical_concurrent_inputs_are_encoded_once(services):
     with grpc.insecure_channel(svc.decoder_address) as channel:
         stub = decoder_pb2_grpc.DecoderServiceStub(channel)
         with ThreadPoolExecutor(2) as pool:
-            first, second = pool.map(run, [(stub, "cache-a"), (stub, "cache-b")])
+            first, second = pool.map(run, [(stub, id_a), (stub, id_b)])
         stats = stub.GetStats(decoder_pb2.GetStatsRequest())
         final = {r: stub.GetRequest(decoder_pb2.GetRequestRequest(request_id=r)).state for r in states}
-    assert states == {"cache-a": decoder_pb2.REQUEST_STATE_DECODING, "cache-b": decoder_pb2.REQUEST_STATE_DECODING}
+    assert states == {id_a: decoder_pb2.REQUEST_STATE_DECODING, id_b: decoder_pb2.REQUEST_STATE_DECODING}
     assert set(final.values()) == {decoder_pb2.REQUEST_STATE_FINISHED}
     tokens = [[t for m in r for t in m.token_ids] for r in (first, second)]
     assert tokens[0] == tokens[1] and len(tokens[0]) > 5

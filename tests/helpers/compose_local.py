@@ -10,7 +10,10 @@ service of the active profiles as a process on this machine:
 * the ``redis`` image is replaced by a real local redis-server (the
   ``redis_url`` fixture);
 * service hostnames become 127.0.0.1 and every exposed container port gets a
-  free local port: see ``remap``, the one place values are rewritten;
+  free local port, and a path under a service's ``NAMED_VOLUME:/path`` mount
+  becomes the same path under that volume's local directory (one per named
+  volume, shared by every service that mounts it): see ``remap``, the one place
+  values are rewritten;
 * ``depends_on`` is honoured in order; ``service_healthy`` waits until the
   service's own ``healthcheck`` command, run locally with the service's
   environment, exits 0.
@@ -60,7 +63,13 @@ IMAGE_ENV = {"PYTHONUNBUFFERED": "1"}  # the Dockerfile's ENV (besides PATH)
 _HOST_PORT = re.compile(r"(?P<host>[A-Za-z0-9_.-]+):(?P<port>\d+)\b")
 
 
-def remap(value: str, service: str, endpoints: dict[tuple[str, int], tuple[str, int]], key: str = "") -> str:
+def remap(
+    value: str,
+    service: str,
+    endpoints: dict[tuple[str, int], tuple[str, int]],
+    key: str = "",
+    mounts: dict[str, str] | None = None,
+) -> str:
     """Rewrites one environment value or command argument from the compose network to this machine.
 
     Args:
@@ -69,8 +78,10 @@ def remap(value: str, service: str, endpoints: dict[tuple[str, int], tuple[str, 
         endpoints: ``(service, container port) -> (host, port)`` on this machine; every exposed
             port of every service has one (free local ports; redis: the local redis-server).
         key: the environment variable's name, if it is one.
+        mounts: this service's mounts, container path -> local directory of the named volume.
 
     Rules, applied to the whole value:
+        * a container path at or under a mount's path: the same path under the volume's local directory.
         * ``HOST:PORT`` anywhere in it (alone, or inside ``redis://redis:6379/0``): a service
           name as HOST means that service's endpoint; 127.0.0.1 / localhost / 0.0.0.0 means this
           service's own. Other hosts are left alone.
@@ -81,6 +92,9 @@ def remap(value: str, service: str, endpoints: dict[tuple[str, int], tuple[str, 
         UnsupportedCompose: a ``HOST:PORT`` or ``*_PORT`` names a port its service does not expose
             (in Docker that connection would fail too).
     """
+    for target, local in (mounts or {}).items():
+        if value == target or value.startswith(target.rstrip("/") + "/"):
+            return local + value[len(target.rstrip("/")) :]
     if key.endswith("_PORT"):
         require(
             value.isdigit() and (service, int(value)) in endpoints, f"{service}: {key}={value} is not an exposed port"
@@ -125,6 +139,7 @@ class LocalDeployment:
     log_dir: Path
     poll_s: float = 1.0
     endpoints: dict[tuple[str, int], tuple[str, int]] = field(default_factory=dict)
+    volume_dirs: dict[str, Path] = field(default_factory=dict)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     healthy: set[str] = field(default_factory=set)
 
@@ -136,6 +151,9 @@ class LocalDeployment:
             require("deploy" not in svc, f"{name} reserves devices; this machine has none")
         built = [(name, port) for name, svc in active.items() if "build" in svc for port in exposed_ports(svc)]
         local_ports = iter(free_ports(len(built)))  # distinct: separate picks could repeat a port
+        for volume in self.project.volumes:  # a named volume: one local directory, empty at the first `up`
+            self.volume_dirs[volume] = self.log_dir / "volumes" / volume
+            self.volume_dirs[volume].mkdir(parents=True, exist_ok=True)
         for name, svc in active.items():
             for port in exposed_ports(svc):
                 self.endpoints[(name, port)] = (
@@ -146,7 +164,13 @@ class LocalDeployment:
         """The process environment of ``name``: its compose environment, remapped."""
         base = {k: os.environ[k] for k in PASSED_HOST_ENV if k in os.environ} | IMAGE_ENV
         svc_env = self.project.services[name].get("environment", {})
-        return base | {k: remap(str(v), name, self.endpoints, k) for k, v in svc_env.items()}
+        mounts = self.mounts(name)
+        return base | {k: remap(str(v), name, self.endpoints, k, mounts) for k, v in svc_env.items()}
+
+    def mounts(self, name: str) -> dict[str, str]:
+        """``name``'s ``NAMED_VOLUME:/path`` mounts: container path -> the volume's local directory."""
+        pairs = (str(m).partition(":")[::2] for m in self.project.services[name].get("volumes", []))
+        return {target: str(self.volume_dirs[volume]) for volume, target in pairs}
 
     def published(self, host_port: int) -> str:
         """``host:port`` on this machine of whatever compose publishes on ``host_port``."""

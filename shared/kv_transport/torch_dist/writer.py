@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
+import os
 import socket
+import stat
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -48,43 +52,85 @@ class TorchDistCrossKVWriter(CrossKVWriter):
         backend: ``gloo`` or ``nccl``; must match the decoder's.
         device: where payloads are staged for sending (``cpu`` for Gloo,
             ``cuda`` for NCCL); ``cross_kv`` is moved there.
-        timeout_s: bound on connecting, pairing and every send/recv (seconds):
+        timeout_s: bound on pairing and every send/recv (seconds):
             a hung decoder holds the encoder at most this long per write.
+        handshake_timeout_s: bound on reaching the rendezvous store and reading
+            the decoder's identity (seconds): a peer that accepts the TCP
+            connection and says nothing fails the connect after this long.
+
+    Connecting (``connect``) takes only the lock of its own target address: one
+    address that does not answer never holds up writes to, or connects with,
+    other decoders; concurrent connects to the same address share one attempt.
 
     Raises:
         ValueError: unknown backend, nccl without CUDA.
     """
 
-    def __init__(self, *, backend: str = "gloo", device: str = "cpu", timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, *, backend: str = "gloo", device: str = "cpu", timeout_s: float = 30.0, handshake_timeout_s: float = 5.0
+    ) -> None:
         self.device = check_backend(backend, device)
         self.backend = backend
         self.timeout_s = timeout_s
+        self.handshake_timeout_s = handshake_timeout_s
         self._links: dict[str, _Link] = {}
-        self._lock = threading.Lock()
+        self._connecting: dict[str, Future] = {}  # segment -> the connect in progress (its result: the link)
+        self._lock = threading.Lock()  # guards the two dicts only; never held while connecting
 
-    def _link(self, spec: KVTargetSpec) -> _Link:
+    def connected(self, spec: KVTargetSpec) -> bool:
         with self._lock:
             link = self._links.get(spec.segment)
-            if link is not None and link.instance_id == spec.instance_id:
-                return link
-            if link is not None:  # the decoder behind this address restarted: stale mapping
-                log.info("decoder at %s is a new instance (%s); pairing again", spec.segment, spec.instance_id)
-                self._links.pop(spec.segment, None)
-            link = self._connect(spec)
-            self._links[spec.segment] = link
+        return link is not None and link.instance_id == spec.instance_id
+
+    def connect(self, spec: KVTargetSpec) -> None:
+        self._link(spec)
+
+    def _link(self, spec: KVTargetSpec) -> _Link:
+        for _ in range(2):  # a shared attempt may have reached another instance than ours: then one of our own
+            with self._lock:
+                link = self._links.get(spec.segment)
+                if link is not None and link.instance_id == spec.instance_id:
+                    return link
+                attempt = self._connecting.get(spec.segment)
+                mine = attempt is None
+                if mine:
+                    attempt = self._connecting[spec.segment] = Future()
+            if not mine:
+                link = attempt.result()  # raises that attempt's UnavailableError
+                if link.instance_id == spec.instance_id:
+                    return link
+                continue
+            try:
+                link = self._connect(spec)
+            except BaseException as exc:
+                with self._lock:
+                    self._connecting.pop(spec.segment, None)
+                attempt.set_exception(exc)
+                raise
+            with self._lock:
+                old = self._links.get(spec.segment)
+                if old is not None and old.instance_id != link.instance_id:  # the decoder there restarted
+                    log.info("decoder at %s is a new instance (%s); paired again", spec.segment, link.instance_id)
+                self._links[spec.segment] = link
+                self._connecting.pop(spec.segment, None)
+            attempt.set_result(link)
             return link
+        raise UnavailableError(f"decoder at {spec.segment} changed instance while connecting; retry")
 
     def _connect(self, spec: KVTargetSpec) -> _Link:
         host, port = parse_address(spec.segment)
         timeout = datetime.timedelta(seconds=self.timeout_s)
+        handshake = datetime.timedelta(seconds=min(self.handshake_timeout_s, self.timeout_s))
         try:  # fail fast when nobody listens (TCPStore itself retries until its timeout)
-            with socket.create_connection((host, port), timeout=min(self.timeout_s, 5.0)) as probe:
+            with socket.create_connection((host, port), timeout=handshake.total_seconds()) as probe:
                 local_host = probe.getsockname()[0]  # the interface that reaches the decoder: Gloo binds here
-            store = dist.TCPStore(host, port, None, False, timeout)
-            instance_id = store.get("encdec/instance_id").decode()
-            backend = store.get("encdec/backend").decode()
-        except (OSError, RuntimeError) as exc:
-            raise UnavailableError(f"cannot reach the decoder's cross-KV rendezvous at {spec.segment}: {exc}") from exc
+                peer = probe.getpeername()[:2]
+            store, instance_id, backend = _open_store(host, port, peer, handshake)
+        except (OSError, RuntimeError, TimeoutError) as exc:
+            raise UnavailableError(
+                f"cannot reach the decoder's cross-KV rendezvous at {spec.segment} within "
+                f"kv_dist_handshake_timeout_s={handshake.total_seconds():g} s: {str(exc).splitlines()[0][:200]}"
+            ) from exc
         if instance_id != spec.instance_id:
             raise UnavailableError(
                 f"decoder at {spec.segment} is instance {instance_id}, the target names {spec.instance_id} (stale target: the decoder restarted)"
@@ -93,6 +139,7 @@ class TorchDistCrossKVWriter(CrossKVWriter):
             raise UnavailableError(
                 f"decoder at {spec.segment} uses kv_dist_backend {backend!r}, this encoder {self.backend!r}"
             )
+        store.set_timeout(timeout)  # a real decoder answered: pairing gets the full bound
         n = store.add("encdec/num_pairs", 1)
         try:
             group = new_pair_group(self.backend, dist.PrefixStore(f"encdec/pair/{n}/", store), 1, local_host, timeout)
@@ -160,3 +207,56 @@ class TorchDistCrossKVWriter(CrossKVWriter):
     def close(self) -> None:
         with self._lock:
             self._links.clear()
+
+
+def _open_store(host: str, port: int, peer: tuple, timeout: datetime.timedelta) -> tuple[dist.TCPStore, str, str]:
+    """A ``TCPStore`` client of the decoder's store and the decoder's ``(instance_id, backend)``, within ``timeout``.
+
+    The client's constructor waits for the server's answer to its handshake with no bound of its own (a peer
+    that accepts and stays silent holds it forever), so it runs on a thread of its own; past ``timeout`` the
+    connection it opened to ``peer`` (the resolved ``(ip, port)``) is shut down, which ends that thread.
+
+    Raises:
+        TimeoutError: no answer within ``timeout``.
+        RuntimeError: the store refused or dropped the connection, or lacks the keys.
+    """
+    result: Future = Future()
+
+    def open_() -> None:
+        try:
+            store = dist.TCPStore(host, port, None, False, timeout)
+            result.set_result((store, store.get("encdec/instance_id").decode(), store.get("encdec/backend").decode()))
+        except BaseException as exc:  # noqa: BLE001 - raised again by the waiting caller
+            result.set_exception(exc)
+
+    before = _sockets_to(peer)
+    threading.Thread(target=open_, name="kv-dist-handshake", daemon=True).start()
+    try:
+        return result.result(timeout=timeout.total_seconds())
+    except TimeoutError:
+        for fd in _sockets_to(peer) - before:
+            with contextlib.suppress(OSError), socket.socket(fileno=os.dup(fd)) as sock:
+                sock.shutdown(socket.SHUT_RDWR)  # the shared socket: the thread's blocked recv returns
+        raise TimeoutError(f"no answer from the rendezvous store at {host}:{port}") from None
+
+
+def _sockets_to(peer: tuple) -> set[int]:
+    """File descriptors of this process's TCP sockets connected to ``peer`` (Linux ``/proc``; elsewhere none)."""
+    found: set[int] = set()
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/proc/self/fd"):
+            fd = int(name)
+            with contextlib.suppress(OSError, ValueError):
+                if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                    continue
+                with socket.socket(fileno=os.dup(fd)) as sock:
+                    if sock.type == socket.SOCK_STREAM and _ip_port(sock.getpeername()) == _ip_port(peer):
+                        found.add(fd)
+    return found
+
+
+def _ip_port(address) -> tuple[str, int] | None:
+    """``(ip, port)`` of a socket address, an IPv4-mapped IPv6 address as IPv4 (TCPStore dials over IPv6)."""
+    if not isinstance(address, tuple) or len(address) < 2:
+        return None
+    return str(address[0]).removeprefix("::ffff:"), int(address[1])

@@ -1,0 +1,51 @@
+"""The decoder's readiness: what its gRPC health reports (``shared.grpc_server.serve``'s ``readiness`` probe).
+
+A decoder can serve Generate only while both of its peers answer: Redis (every
+request's state is recorded there) and an encoder (every request's cross KV
+comes from it). ``DecoderReadiness`` probes both at once, each within about a
+second (``RequestStateStore.probe``: one PING; ``EncodeClient.probe``: the
+encoder's standard health for ``encdec.v1.EncoderService``); health is
+NOT_SERVING, with the reason logged, while either fails, and SERVING again once
+both answer. A load balancer or orchestrator watching health then sends no new
+requests to a decoder that could only fail or stall them.
+
+When Redis answers again, the final states this replica could not record while
+it was down (``Sessions.flush_unrecorded``) are written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from decoder_svc.encode_client import EncodeClient
+from decoder_svc.request_state import RequestStateStore
+
+log = logging.getLogger(__name__)
+
+
+class DecoderReadiness:
+    """The decoder's readiness probe: Redis reachable and an encoder SERVING.
+
+    Args:
+        store: the Redis request-state store (its ``probe``).
+        encoder: the Encode client (its ``probe``, over the channel Encode uses, so probing also keeps that
+            channel connecting while the encoder is away).
+        on_redis_up: awaited after a probe in which Redis answered (the late final states are written then).
+    """
+
+    def __init__(self, store: RequestStateStore, encoder: EncodeClient, on_redis_up=None) -> None:
+        self.store = store
+        self.encoder = encoder
+        self.on_redis_up = on_redis_up
+
+    async def __call__(self) -> str | None:
+        """None when both peers answer, else the reasons (``"; "``-joined), each naming its peer's address."""
+        redis_reason, encoder_reason = await asyncio.gather(asyncio.to_thread(self.store.probe), self.encoder.probe())
+        if redis_reason is None and self.on_redis_up is not None:
+            try:
+                await self.on_redis_up()
+            except Exception:  # noqa: BLE001 - retried at the next probe
+                log.warning("could not write the final states recorded late", exc_info=True)
+        reasons = [r for r in (redis_reason, encoder_reason) if r is not None]
+        return "; ".join(reasons) if reasons else None

@@ -1,0 +1,183 @@
+"""The internal token decoder and encoder of one deployment share, and the KV-target signature made with it.
+
+Encode is an internal RPC: whoever may call it can have the encoder write into a decoder's cross-KV pool or
+dial a torch_dist address. With ``--internal-token-file PATH`` on both services (``encdec up`` and compose
+generate the file) the decoder sends the token as gRPC metadata (``authorization: Bearer <token>``) and signs
+what it reserved: HMAC-SHA256 (RFC 2104, ``hmac``) of the request id, transfer id, block ids and KV target under
+a key derived from the token. The encoder compares the token in constant time (``hmac.compare_digest``) before any
+work (UNAUTHENTICATED otherwise) and verifies the signature before it writes or dials anything
+(PERMISSION_DENIED): a segment name seen in ``/dev/shm``, or a ``host:port`` the caller picked, is then no
+capability. The token itself is never logged.
+
+Without a token file both services behave as before and log one warning at start-up.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import os
+import secrets
+from collections.abc import Iterable, Sequence
+
+from shared.errors import PermissionDeniedError, UnauthenticatedError
+
+log = logging.getLogger(__name__)
+
+METADATA_KEY = "authorization"
+SCHEME = "Bearer "
+MIN_TOKEN_CHARS = 16
+_TARGET_KEY_LABEL = b"encdec-serve kv-target v1"  # the signing key is HMAC(token, label): one secret, two uses
+_SAME_FILE_HINT = "start the decoder and the encoder with the same --internal-token-file"
+
+
+def generate_token_file(path: str) -> str:
+    """Writes a new random token (256 bits, URL-safe text) to ``path`` with mode 0600 and returns ``path``.
+
+    Raises:
+        OSError: the file cannot be written.
+    """
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_urlsafe(32) + "\n")
+    os.chmod(path, 0o600)  # O_CREAT's mode applies only to a new file
+    return path
+
+
+def ensure_token_file(path: str) -> bytes:
+    """The token in ``path``, after writing a new one there if no file exists (an encoder's first start in a
+    deployment whose decoders read the same file, e.g. compose's shared volume). Two processes racing to create it
+    end with one token: it is written to a temporary name and linked into place only if ``path`` is still free.
+
+    Raises:
+        ValueError: the file cannot be created (no such directory, not writable), or see ``read_token_file``.
+    """
+    if not os.path.exists(path):
+        try:
+            scratch = generate_token_file(f"{path}.{secrets.token_hex(4)}.tmp")
+        except OSError as exc:
+            raise ValueError(f"internal_token_file {path!r} cannot be created: {exc.strerror or exc}") from exc
+        try:
+            os.link(scratch, path)
+            log.info("generated a new internal token in %s", path)
+        except FileExistsError:  # another process made it first: theirs stands
+            pass
+        finally:
+            os.unlink(scratch)
+    return read_token_file(path)
+
+
+def read_token_file(path: str) -> bytes:
+    """The token in ``path`` (its text, surrounding whitespace stripped).
+
+    Raises:
+        ValueError: the file cannot be read, or holds fewer than ``MIN_TOKEN_CHARS`` characters.
+    """
+    try:
+        with open(path, "rb") as f:
+            token = f.read(4096).strip()
+    except OSError as exc:
+        raise ValueError(f"internal_token_file {path!r} cannot be read: {exc.strerror or exc}") from exc
+    if len(token) < MIN_TOKEN_CHARS:
+        raise ValueError(
+            f"internal_token_file {path!r} holds {len(token)} characters; a token needs at least {MIN_TOKEN_CHARS} "
+            "(`encdec up` generates one)"
+        )
+    return token
+
+
+class InternalAuth:
+    """One service's side of the internal token: metadata and signatures (decoder), checks (encoder).
+
+    Args:
+        token: the shared secret, or None (no token configured: every check passes, nothing is signed).
+    """
+
+    def __init__(self, token: bytes | None) -> None:
+        self._token = token
+        self._key = hmac.new(token, _TARGET_KEY_LABEL, hashlib.sha256).digest() if token else None
+
+    @classmethod
+    def from_file(cls, path: str, role: str, create: bool = False) -> InternalAuth:
+        """Reads ``path`` (empty: no token, logged once as a warning naming ``role``); ``create``: write a new
+        token there first if the file does not exist (``ensure_token_file``; the encoder does).
+
+        Raises:
+            ValueError: see ``read_token_file`` and ``ensure_token_file``.
+        """
+        if not path:
+            log.warning(
+                "%s: no --internal-token-file: Encode accepts any caller that reaches it (any local user can name "
+                "a decoder's KV pool); give decoder and encoder the same token file (`encdec up` generates one)",
+                role,
+            )
+            return cls(None)
+        return cls(ensure_token_file(path) if create else read_token_file(path))
+
+    @property
+    def enabled(self) -> bool:
+        return self._token is not None
+
+    def __repr__(self) -> str:  # never the token itself
+        return f"InternalAuth(enabled={self.enabled})"
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...] | None:
+        """gRPC call metadata carrying the token (None without one)."""
+        return ((METADATA_KEY, SCHEME + self._token.decode()),) if self._token else None
+
+    def check_metadata(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> None:
+        """Checks a call's metadata for the token, in constant time.
+
+        Raises:
+            UnauthenticatedError: a token is configured and the call carries none, or another one.
+        """
+        if self._token is None:
+            return
+        sent = [v for k, v in (metadata or ()) if k == METADATA_KEY]
+        if not sent:
+            raise UnauthenticatedError(f"Encode needs the deployment's internal token: {_SAME_FILE_HINT}")
+        value = sent[0].encode() if isinstance(sent[0], str) else bytes(sent[0])
+        if not hmac.compare_digest(value, SCHEME.encode() + self._token):
+            raise UnauthenticatedError(f"Encode's internal token does not match this encoder's: {_SAME_FILE_HINT}")
+
+    def sign_target(
+        self, request_id: str, transfer_id: int, block_ids: Sequence[int], target, model: str = ""
+    ) -> bytes:
+        """HMAC-SHA256 (32 bytes) of what a decoder reserved: ids, blocks and ``target`` (a proto ``KVTarget`` or
+        ``shared.kv_transport.KVTargetSpec``); ``b""`` without a token."""
+        if self._key is None:
+            return b""
+        message = json.dumps(
+            [
+                request_id,
+                int(transfer_id),
+                [int(b) for b in block_ids],
+                target.transport,
+                target.segment,
+                [int(s) for s in target.shape],
+                target.dtype,
+                target.instance_id,
+                model,
+            ],
+            separators=(",", ":"),
+        ).encode()
+        return hmac.new(self._key, message, hashlib.sha256).digest()
+
+    def verify_target(
+        self, mac: bytes, request_id: str, transfer_id: int, block_ids: Sequence[int], target, model: str = ""
+    ) -> None:
+        """Checks ``mac`` against ``sign_target`` of the same fields, in constant time.
+
+        Raises:
+            PermissionDeniedError: a token is configured and ``mac`` is missing or does not match.
+        """
+        if self._key is None:
+            return
+        if not hmac.compare_digest(bytes(mac), self.sign_target(request_id, transfer_id, block_ids, target, model)):
+            raise PermissionDeniedError(
+                "KV target refused: its signature does not match the request id, transfer id, block ids and target "
+                "a decoder of this deployment reserved (a segment name or address is no capability)"
+            )

@@ -1,0 +1,116 @@
+"""``decoder_svc.admission.AdmissionQueue``: limits, priority, the estimated wait and deadlines, on a fake clock."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from decoder_svc.admission import DEADLINE_MARGIN_S, AdmissionQueue, DeadlineExceededError
+from shared.errors import ResourceExhaustedError
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_queue_full_refuses_at_once_and_names_the_count():
+    q = AdmissionQueue(3, 30.0, Clock())
+    tickets = [q.admit(0, None) for _ in range(3)]
+    with pytest.raises(ResourceExhaustedError) as info:
+        q.admit(0, None)
+    assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "3 requests are waiting" in str(info.value) and "another replica" in str(info.value)
+    assert "max_waiting_requests=3" in str(info.value)
+    q.started(tickets[0])  # one left the queue: room for one more
+    q.admit(0, None)
+    assert q.stats()["num_queued_requests"] == 3
+    assert q.num_refused["queue_full"] == 1
+
+
+def test_higher_priority_enters_and_displaces_the_worst_waiting_one():
+    q = AdmissionQueue(2, 30.0, Clock())
+    failed: dict[int, BaseException] = {}
+    a, b = q.admit(0, None), q.admit(0, None)
+    a.bind(lambda exc: failed.setdefault(0, exc))
+    b.bind(lambda exc: failed.setdefault(1, exc))
+    assert a.check_encode() is None  # a is being encoded: never displaced
+    with pytest.raises(ResourceExhaustedError):  # same or lower priority: refused
+        q.admit(0, None)
+    with pytest.raises(ResourceExhaustedError):
+        q.admit(5, None)
+    high = q.admit(-1, None)  # only a and b are queued, none ahead of it
+    assert list(failed) == [1] and "displaced" in str(failed[1])  # b (not encoding) made room
+    assert isinstance(b.check_encode(), ResourceExhaustedError)  # and it is never encoded
+    assert q.stats()["num_queued_requests"] == 2 and q.num_refused["displaced"] == 1
+    # A ticket displaced before its session bound a callback gets the refusal at bind.
+    c = q.admit(-2, None)
+    assert q.stats()["num_queued_requests"] == 2  # high (not encoding, worse than c) made room; a is encoding
+    got = []
+    high.bind(got.append)
+    assert got and isinstance(got[0], ResourceExhaustedError)
+    q.leave(c)
+    q.leave(a)
+    assert q.stats()["num_queued_requests"] == 0
+
+
+def test_estimated_wait_from_departures_and_the_open_gap():
+    clock = Clock()
+    q = AdmissionQueue(100, 5.0, clock)
+    assert q.stats()["estimated_queue_wait_s"] == 0.0  # nothing measured: only the count bounds a cold start
+    tickets = [q.admit(0, None) for _ in range(4)]
+    for t in tickets:  # one start every 0.5 s while the queue was busy
+        clock.now += 0.5
+        q.started(t)
+    assert q.stats() == {
+        "num_queued_requests": 0,
+        "oldest_queue_wait_s": 0.0,
+        "estimated_queue_wait_s": pytest.approx(0.5),
+        "max_waiting_requests": 100,
+    }
+    waiting = [q.admit(0, None) for _ in range(3)]
+    clock.now += 2.5  # no departure for 2.5 s: the open gap counts as a sample
+    stats = q.stats()
+    assert stats["oldest_queue_wait_s"] == pytest.approx(2.5)
+    assert stats["estimated_queue_wait_s"] == pytest.approx(4 * (4 * 0.5 + 2.5) / 5)
+    clock.now += 10.0  # stalled: the estimate passes max_queue_time_s and new requests are refused
+    with pytest.raises(ResourceExhaustedError) as info:
+        q.admit(0, None)
+    assert "estimated" in str(info.value) and "max_queue_time_s=5" in str(info.value)
+    assert q.num_refused["queue_time"] == 1
+    for t in waiting:
+        q.leave(t)  # ended without a token: not a service-rate sample
+    assert q.stats()["estimated_queue_wait_s"] == pytest.approx(0.5)
+
+
+def test_deadline_shorter_than_the_wait_is_refused_and_late_encodes_are_dropped():
+    clock = Clock()
+    q = AdmissionQueue(100, 60.0, clock)
+    for t in [q.admit(0, None) for _ in range(3)]:
+        clock.now += 1.0
+        q.started(t)
+    q.admit(0, None)
+    q.admit(0, None)  # two queued, 1 s a start: a new one waits ~3 s
+    with pytest.raises(DeadlineExceededError) as info:
+        q.admit(0, 1.0)
+    assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and "estimated wait" in str(info.value)
+    with pytest.raises(DeadlineExceededError):
+        q.admit(0, -0.5)  # already passed
+    assert q.num_refused["deadline"] == 2
+    ticket = q.admit(0, 10.0)
+    assert ticket.time_left() is not None
+    assert ticket.check_encode() is None and ticket.encoding
+    late = q.admit(-1, 4.0)  # a higher priority waits less
+    clock.now += 4.0 - DEADLINE_MARGIN_S / 2
+    err = late.check_encode()
+    assert isinstance(err, DeadlineExceededError) and "not encoded" in str(err)
+
+
+def test_limits_are_checked():
+    with pytest.raises(ValueError, match="max_waiting_requests"):
+        AdmissionQueue(0, 1.0)
+    with pytest.raises(ValueError, match="max_queue_time_s"):
+        AdmissionQueue(1, float("nan"))

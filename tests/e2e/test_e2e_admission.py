@@ -1,0 +1,237 @@
+"""Admission control over real processes (issue 20, failure 5): a bounded queue, priority, deadlines.
+
+Redis + encoder + decoder (a tiny T5, ``--max-waiting-requests 4``, a cross pool of 4 blocks: two 12-token
+sources encode at once). The encoder is frozen (SIGSTOP) so that the queue's contents are known exactly:
+
+- a flood beyond the limit: every refusal (RESOURCE_EXHAUSTED naming how many wait and another replica) comes
+  back while the encoder is still frozen, so at once; a higher-priority request still enters and displaces the
+  latest queued request whose Encode had not started; once the encoder runs again the admitted requests equal
+  HF ``generate`` and their single-request transcripts, every block is free, every record terminal;
+- a 1 s deadline behind a queue that has not moved for seconds: DEADLINE_EXCEEDED from the decoder itself, no
+  record, and the encoder never gets its Encode (``encdec_encoder_requests_total`` counts only the others).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+import urllib.request
+import uuid
+
+import grpc
+import pytest
+import torch
+from helpers.text_checkpoints import sentence
+from prometheus_client.parser import text_string_to_metric_families
+from test_e2e_whisper import assert_all_blocks_free
+
+from encdec.launcher import Services
+from encdec.redis_server import free_ports
+from shared.models.registry import load_tokenizer
+from shared.proto import decoder_pb2, decoder_pb2_grpc
+
+MAX_NEW = 8
+MAX_WAITING = 4
+SOURCE_LEN = 12  # 2 cross blocks of 8: the 4-block cross pool encodes two requests at once
+
+
+@pytest.fixture(scope="module")
+def served(text_checkpoints, redis_url, tmp_path_factory):
+    path = text_checkpoints["t5"]
+    decoder_metrics, encoder_metrics = free_ports(2)
+    with Services(
+        model=str(path),
+        redis_url=redis_url,
+        log_dir=str(tmp_path_factory.mktemp("admission-logs")),
+        log_level="WARNING",
+        extra_decoder_args=[
+            *("--block-size", "8", "--max-num-seqs", "4", "--num-cross-blocks", "4", "--encoder-cache", "0"),
+            *("--max-waiting-requests", str(MAX_WAITING), "--metrics-port", str(decoder_metrics)),
+        ],
+        extra_encoder_args=["--metrics-port", str(encoder_metrics)],
+    ) as svc:
+        with grpc.insecure_channel(svc.decoder_address) as channel:
+            yield svc, path, decoder_pb2_grpc.DecoderServiceStub(channel), decoder_metrics, encoder_metrics
+
+
+@pytest.fixture(scope="module")
+def sources(served):
+    _, path, _, _, _ = served
+    tok = load_tokenizer(path)
+    rng = random.Random(20)
+    out = [tok(sentence(rng, 30))["input_ids"][:SOURCE_LEN] for _ in range(8)]
+    assert all(len(s) == SOURCE_LEN for s in out) and len({tuple(s) for s in out}) == len(out)
+    return out
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def encoder_calls(port: int) -> float:
+    return sum(v for (name, _), v in scrape(port).items() if name == "encdec_encoder_requests_total")
+
+
+def request(src: list[int], request_id: str = "", priority: int = 0) -> decoder_pb2.GenerateRequest:
+    return decoder_pb2.GenerateRequest(
+        request_id=request_id,
+        input_ids=decoder_pb2.TokenIds(ids=src),
+        priority=priority,
+        sampling=decoder_pb2.SamplingParams(max_tokens=MAX_NEW),
+    )
+
+
+class Call(threading.Thread):
+    """One Generate in a thread: ``tokens`` when it finished, else ``error``."""
+
+    def __init__(self, stub, req: decoder_pb2.GenerateRequest, timeout_s: float = 120.0) -> None:
+        super().__init__(daemon=True)
+        self.stub, self.req, self.timeout_s = stub, req, timeout_s
+        self.tokens: list[int] | None = None
+        self.error: grpc.RpcError | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.tokens = [t for m in self.stub.Generate(self.req, timeout=self.timeout_s) for t in m.token_ids]
+        except grpc.RpcError as exc:
+            self.error = exc
+
+
+def wait_for(predicate, what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def queued(stub) -> int:
+    return stub.GetStats(decoder_pb2.GetStatsRequest()).num_queued_requests
+
+
+def state(stub, request_id: str) -> int | None:
+    try:
+        return stub.GetRequest(decoder_pb2.GetRequestRequest(request_id=request_id), timeout=5).state
+    except grpc.RpcError as exc:
+        assert exc.code() == grpc.StatusCode.NOT_FOUND, exc
+        return None
+
+
+def alone(stub, src: list[int]) -> list[int]:
+    return [t for m in stub.Generate(request(src), timeout=120) for t in m.token_ids]
+
+
+def test_flood_is_refused_at_once_priority_enters_and_the_admitted_equal_hf(served, sources):
+    svc, path, stub, decoder_metrics, _ = served
+    from transformers import AutoModelForSeq2SeqLM
+
+    hf = AutoModelForSeq2SeqLM.from_pretrained(path).eval()
+    with torch.inference_mode():
+        expected = [
+            hf.generate(torch.tensor([s]), max_new_tokens=MAX_NEW, do_sample=False)[0].tolist()[1:] for s in sources
+        ]
+    single = [alone(stub, s) for s in sources[:5]]
+    assert single == expected[:5]
+    baseline = assert_all_blocks_free(stub)
+    assert baseline.max_waiting_requests == MAX_WAITING
+
+    tag = uuid.uuid4().hex[:6]
+    ids = [f"adm-{tag}-{i}" for i in range(MAX_WAITING)]
+    encoder = svc.process("encoder")
+    os.kill(encoder.pid, signal.SIGSTOP)
+    try:
+        admitted = []
+        for i, rid in enumerate(ids):  # one at a time: admission (and scheduling) order is ids' order
+            admitted.append(Call(stub, request(sources[i], rid)))
+            wait_for(lambda n=i + 1: queued(stub) == n, f"request {i} queued")
+        # The first two hold the cross pool and are encoding (the frozen encoder has them); two wait for blocks.
+        wait_for(lambda: [state(stub, rid) for rid in ids[:2]] == [decoder_pb2.REQUEST_STATE_ENCODING] * 2, "encoding")
+        stats = stub.GetStats(decoder_pb2.GetStatsRequest())
+        assert stats.num_queued_requests == MAX_WAITING and stats.oldest_queue_wait_s > 0, stats
+
+        flood_ids = [f"adm-{tag}-flood-{i}" for i in range(8)]
+        flood = [Call(stub, request(sources[5], rid, priority=(1 if i == 7 else 0))) for i, rid in enumerate(flood_ids)]
+        for call in flood:
+            call.join(30)
+        # Every refusal came back while the encoder is still frozen: none waited for it.
+        for call in flood:
+            assert not call.is_alive() and call.error is not None, "a request beyond the limit was not refused"
+            assert call.error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, call.error
+            details = call.error.details()
+            assert f"{MAX_WAITING} requests are waiting" in details and "another replica" in details, details
+        assert all(state(stub, rid) is None for rid in flood_ids)  # refused before any record
+        assert queued(stub) == MAX_WAITING
+
+        # Priority: a more urgent request still enters; the latest queued one not yet encoding makes room.
+        high = Call(stub, request(sources[4], f"adm-{tag}-high", priority=-1))
+        admitted[3].join(30)
+        assert not admitted[3].is_alive() and admitted[3].error is not None
+        assert admitted[3].error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, admitted[3].error
+        assert "displaced" in admitted[3].error.details(), admitted[3].error.details()
+        assert all(call.is_alive() for call in admitted[:3]) and high.is_alive()
+    finally:
+        os.kill(encoder.pid, signal.SIGCONT)
+    for call in [*admitted, high]:
+        call.join(120)
+        assert not call.is_alive()
+    for i in range(3):
+        assert admitted[i].error is None and admitted[i].tokens == single[i] == expected[i], i
+    assert high.error is None and high.tokens == single[4]
+
+    after = assert_all_blocks_free(stub)  # no leak: every block back
+    assert after.num_free_cross_blocks == baseline.num_free_cross_blocks
+    assert after.num_free_self_blocks == baseline.num_free_self_blocks
+    assert after.num_queued_requests == 0
+    assert [state(stub, rid) for rid in ids[:3]] == [decoder_pb2.REQUEST_STATE_FINISHED] * 3
+    assert state(stub, f"adm-{tag}-high") == decoder_pb2.REQUEST_STATE_FINISHED
+    record = stub.GetRequest(decoder_pb2.GetRequestRequest(request_id=ids[3]))
+    assert record.state == decoder_pb2.REQUEST_STATE_FAILED and "displaced" in record.error
+    got = scrape(decoder_metrics)
+    assert got[("encdec_decoder_admission_refusals_total", (("reason", "queue_full"),))] >= 8
+    assert got[("encdec_decoder_admission_refusals_total", (("reason", "displaced"),))] >= 1
+    assert got[("encdec_decoder_queue_requests", ())] == 0
+
+
+def test_short_deadline_behind_a_stalled_queue_is_refused_and_never_encoded(served, sources):
+    svc, _, stub, _, encoder_metrics = served
+    for _ in range(2):  # a service rate to estimate from (departures of a busy queue)
+        calls = [Call(stub, request(s)) for s in sources[:3]]
+        for call in calls:
+            call.join(120)
+            assert call.error is None
+    assert_all_blocks_free(stub)
+    before = encoder_calls(encoder_metrics)
+    tag = uuid.uuid4().hex[:6]
+    encoder = svc.process("encoder")
+    os.kill(encoder.pid, signal.SIGSTOP)
+    try:
+        waiting = Call(stub, request(sources[6], f"dl-{tag}-waiting"))
+        wait_for(lambda: queued(stub) == 1, "queued")
+        # Cross blocks are free for one more, so without admission control the next request would go straight to
+        # the frozen encoder. The queue has not moved: its estimated wait grows past the deadline below.
+        wait_for(lambda: stub.GetStats(decoder_pb2.GetStatsRequest()).estimated_queue_wait_s > 1.5, "estimate", 120)
+        late_id = f"dl-{tag}-late"
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(request(sources[7], late_id), timeout=1.0))
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "estimated wait" in info.value.details(), info.value.details()  # the decoder's answer, not the timer
+        assert waiting.is_alive()
+    finally:
+        os.kill(encoder.pid, signal.SIGCONT)
+    waiting.join(120)
+    assert waiting.error is None and waiting.tokens == alone(stub, sources[6])
+    assert state(stub, late_id) is None  # never queued
+    assert_all_blocks_free(stub)
+    # Two Encodes since `before`: the waiting request's and the single run above; none for the late one.
+    wait_for(lambda: encoder_calls(encoder_metrics) >= before + 2, "encoder metrics")
+    time.sleep(0.5)
+    assert encoder_calls(encoder_metrics) == before + 2
