@@ -18,14 +18,13 @@ import random
 import signal
 import threading
 import time
-import urllib.request
 import uuid
 
 import grpc
 import pytest
 import torch
+from helpers.metrics import scrape
 from helpers.text_checkpoints import sentence
-from prometheus_client.parser import text_string_to_metric_families
 from test_e2e_whisper import assert_all_blocks_free
 
 from encdec.launcher import Services
@@ -65,16 +64,6 @@ def sources(served):
     out = [tok(sentence(rng, 30))["input_ids"][:SOURCE_LEN] for _ in range(8)]
     assert all(len(s) == SOURCE_LEN for s in out) and len({tuple(s) for s in out}) == len(out)
     return out
-
-
-def scrape(port: int) -> dict[tuple[str, tuple], float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
 
 
 def encoder_calls(port: int) -> float:

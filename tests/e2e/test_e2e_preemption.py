@@ -17,8 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+from helpers.metrics import scrape
 from helpers.text_checkpoints import build_bart, sentence
-from test_metrics import scrape
 
 from encdec.launcher import Services
 from encdec.redis_server import free_port

@@ -14,9 +14,9 @@ from helpers.embed_service import (
     embed_process,
     proc_status_kb,
     reset_peak_rss,
-    scrape,
     wait_for,
 )
+from helpers.metrics import scrape
 
 from encdec.redis_server import free_port
 from encoder_svc.embed.engine import finish_embedding, load_embed_engine

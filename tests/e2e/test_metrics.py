@@ -5,13 +5,12 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-import urllib.request
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from helpers.metrics import scrape
 
 from encdec import DATA_DIR
 from encdec.launcher import Services
@@ -20,17 +19,6 @@ from shared.metrics import EncoderMetrics, start_metrics_server
 from shared.proto import decoder_pb2, decoder_pb2_grpc
 
 DATA = DATA_DIR
-
-
-def scrape(port: int) -> dict[tuple[str, tuple], float]:
-    """``{(sample name, sorted labels): value}`` of ``http://127.0.0.1:port/metrics``."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
 
 
 def test_endpoint_serves_registry_and_survives_a_taken_port(caplog):

@@ -10,9 +10,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
-
-from prometheus_client.parser import text_string_to_metric_families
 
 from encdec.launcher import stop_processes, wait_healthy
 from encdec.redis_server import free_port
@@ -81,17 +78,6 @@ class MemoryWatchdog:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
-
-
-def scrape(port: int) -> dict[tuple[str, tuple], float]:
-    """``{(sample name, sorted labels): value}`` of ``http://127.0.0.1:port/metrics``."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
 
 
 def wait_for(predicate, timeout_s: float, interval_s: float = 0.02) -> bool:
