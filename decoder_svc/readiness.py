@@ -38,10 +38,12 @@ class DecoderReadiness:
         self.store = store
         self.encoder = encoder
         self.on_redis_up = on_redis_up
+        self.redis_reason: str | None = None  # why Redis failed the last probe; None while it answers
 
     async def __call__(self) -> str | None:
         """None when both peers answer, else the reasons (``"; "``-joined), each naming its peer's address."""
         redis_reason, encoder_reason = await asyncio.gather(asyncio.to_thread(self.store.probe), self.encoder.probe())
+        self.redis_reason = redis_reason
         if redis_reason is None and self.on_redis_up is not None:
             try:
                 await self.on_redis_up()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import struct
 from dataclasses import dataclass
 
 # Temperatures below this sample greedily: dividing logits by a smaller one
@@ -26,6 +27,15 @@ MAX_BEAMS = 16
 MAX_TEMPERATURE = 100.0
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 MIN_LENGTH_PENALTY, MAX_LENGTH_PENALTY = -10.0, 10.0
+
+
+def _float32_floor(x: float) -> float:
+    """``x`` or its float32 rounding, whichever is lower: the proto's ``float`` fields arrive rounded to float32
+    (0.01 as 0.009999999776...), and a documented inclusive bound must admit its own value sent that way."""
+    return min(x, struct.unpack("f", struct.pack("f", x))[0])
+
+
+_REPETITION_PENALTY_FLOOR = _float32_floor(MIN_REPETITION_PENALTY)
 
 _INT_FIELDS = ("top_k", "min_tokens", "no_repeat_ngram_size", "top_logprobs", "n", "num_beams")
 _OPTIONAL_INT_FIELDS = ("seed", "max_tokens")
@@ -192,7 +202,7 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p}")
         if not (
             _finite(self.repetition_penalty)
-            and MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY
+            and _REPETITION_PENALTY_FLOOR <= self.repetition_penalty <= MAX_REPETITION_PENALTY
         ):
             raise ValueError(
                 f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] "

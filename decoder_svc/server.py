@@ -23,7 +23,7 @@ from decoder_svc.engine import DecoderEngine
 from decoder_svc.inputs import parse_input
 from decoder_svc.kv_budget import max_concurrent_requests
 from decoder_svc.request_session import Sessions
-from decoder_svc.request_state import RequestStateStore
+from decoder_svc.request_state import RedisUnavailableError, RequestStateStore
 from shared.config import DecoderServiceConfig
 from shared.errors import InvalidRequestError, NotFoundError, UnavailableError
 from shared.metrics import DecoderMetrics
@@ -60,6 +60,9 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         self.engine = engine
         self.served_names = model_names(config.model)
         self.draining = False  # SIGTERM: new Generate calls are refused, running ones get shutdown_grace_s
+        self.readiness = (
+            None  # the health probe (decoder_svc.readiness), set by start-up: Redis known down fails at once
+        )
         self.parsing = 0  # Generate calls past the draining check, not yet in `sessions.active` (parsing their input)
         self.metrics = DecoderMetrics()
         self.metrics.watch_engine(engine.stats, engine.scheduler)
@@ -113,6 +116,11 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         try:
             if self.draining:
                 raise UnavailableError("this decoder is shutting down; send the request to another replica")
+            if self.readiness is not None and self.readiness.redis_reason is not None:  # fail now, not at a timeout
+                raise RedisUnavailableError(
+                    f"{self.readiness.redis_reason}: the request state cannot be recorded; retry the request once "
+                    "Redis is back, or send it to another replica"
+                )
             self._check_model(request.model)
             params = convert.sampling_params_from_pb(request.sampling, self.model.config.vocab_size)
             if len(request_id) > convert.MAX_REQUEST_ID_LEN:

@@ -126,6 +126,7 @@ def run(config: DecoderServiceConfig) -> None:
         servicer = DecoderServicer(config, model, engine, pool, store, threads)
         servicer.start()
         sessions = servicer.sessions
+        servicer.readiness = DecoderReadiness(store, sessions.encoder, sessions.flush_unrecorded)
         start_metrics_server(config.metrics_port, config.host, servicer.metrics.registry)
 
         async def on_stop() -> None:
@@ -139,7 +140,7 @@ def run(config: DecoderServiceConfig) -> None:
             on_stop,
             drain=lambda: servicer.drain(config.shutdown_grace_s),
             # health NOT_SERVING while Redis or the encoder does not answer
-            readiness=DecoderReadiness(store, sessions.encoder, sessions.flush_unrecorded),
+            readiness=servicer.readiness,
         )
 
     try:

@@ -232,9 +232,10 @@ class EmbedBatcher:
         now = time.monotonic()
         kept = []
         for job in jobs:
-            if job.future.cancelled():
+            if job.future.cancelled():  # the call ended: its client went away, or its deadline passed first
                 if job.pending:
-                    self._drop(job, "cancelled")
+                    expired = job.deadline is not None and now >= job.deadline
+                    self._drop(job, "expired" if expired else "cancelled")
                 continue
             if job.done():
                 continue

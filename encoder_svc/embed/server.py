@@ -45,7 +45,9 @@ def _observed(method):
         try:
             return await method(self, request, context)
         except asyncio.CancelledError:
-            code = "CANCELLED"
+            # gRPC cancels the handler when the client's deadline passes as well as when the client goes away.
+            remaining = context.time_remaining()
+            code = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
             raise
         except Exception as exc:
             code = status_for(exc)[0].name

@@ -274,3 +274,26 @@ def test_fuzzed_sampling_params_never_harm_the_step(bart, fuzz_engine, kwargs):
     assert not errors, {rid: str(e) for rid, (e, _) in errors.items()}
     assert got["greedy"][0] == expected
     assert len(got["fuzz"]) == params.n
+
+
+def test_documented_bounds_are_accepted_through_the_proto():
+    """The proto's float fields arrive rounded to float32: each documented inclusive bound must still pass."""
+    from decoder_svc.convert import sampling_params_from_pb
+    from decoder_svc.sampling_params import (
+        MAX_LENGTH_PENALTY,
+        MAX_REPETITION_PENALTY,
+        MAX_TEMPERATURE,
+        MIN_LENGTH_PENALTY,
+        MIN_REPETITION_PENALTY,
+    )
+    from shared.proto import decoder_pb2
+
+    for fields in (
+        {"repetition_penalty": MIN_REPETITION_PENALTY},
+        {"repetition_penalty": MAX_REPETITION_PENALTY},
+        {"temperature": MAX_TEMPERATURE},
+        {"num_beams": 2, "length_penalty": MIN_LENGTH_PENALTY},
+        {"num_beams": 2, "length_penalty": MAX_LENGTH_PENALTY},
+    ):
+        params = sampling_params_from_pb(decoder_pb2.SamplingParams(**fields), 51864)
+        assert all(abs(getattr(params, k) - v) < 1e-6 for k, v in fields.items()), fields

@@ -143,6 +143,12 @@ def test_a_queued_call_past_its_deadline_or_cancelled_is_never_computed(metrics_
     assert len(big.result().embeddings) == len(BIG_FORWARD)
     assert wait_for(lambda: sum(_dropped(port)) == dropped_before + 1, 30)  # expired or cancelled, dropped unrun
     after = scrape(port)
+    reason = "expired" if how == "deadline" else "cancelled"  # a passed deadline is not counted as a cancel
+    key = ("encdec_embed_dropped_requests_total", (("reason", reason),))
+    assert after[key] - before.get(key, 0.0) == 1
+    if how == "deadline":
+        code = ("encdec_embed_requests_total", (("code", "DEADLINE_EXCEEDED"), ("rpc", "Embed")))
+        assert wait_for(lambda: scrape(port).get(code, 0.0) - before.get(code, 0.0) == 1, 30)
     ran = after[("encdec_embed_sequences_total", ())] - before[("encdec_embed_sequences_total", ())]
     assert ran == len(BIG_FORWARD)  # only the big request's sequences ran
     assert after[("encdec_embed_queue_requests", ())] == 0
