@@ -38,18 +38,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import grpc
-
-from shared.errors import ResourceExhaustedError, ServiceError
+from shared.errors import DeadlineExceededError, ResourceExhaustedError, ServiceError
 
 GAP_SAMPLES = 32  # departures the service-rate estimate averages over
 DEADLINE_MARGIN_S = 0.05  # a request handed to the encoder with less time left than this is not encoded
-
-
-class DeadlineExceededError(ServiceError):
-    """The request's gRPC deadline passed, or will pass before it can start."""
-
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
 @dataclass(eq=False)

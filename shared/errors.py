@@ -37,6 +37,12 @@ class ResourceExhaustedError(ServiceError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class DeadlineExceededError(ServiceError):
+    """The call's gRPC deadline passed, or will pass before its work can start: the work was not done."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
 class UnavailableError(ServiceError):
     """A peer service (encoder, Redis) failed or timed out; retrying may work."""
 

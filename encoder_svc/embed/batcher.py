@@ -43,12 +43,11 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-import grpc
 import torch
 
 from encoder_svc.embed.engine import EmbedEngine, Encoded
 from shared.compute_thread import use_threads
-from shared.errors import ServiceError
+from shared.errors import DeadlineExceededError
 
 log = logging.getLogger(__name__)
 
@@ -59,12 +58,6 @@ SHORT_SEQUENCE_TOKENS = 64
 """Sequences up to this many tokens share a forward whatever their lengths (each costs little)."""
 MAX_SKIPS = 4
 """Times a job never served yet may be passed over by later, shorter ones before it goes first."""
-
-
-class DeadlineExceededError(ServiceError):
-    """The call's deadline passed before its sequences could run: they were dropped unrun."""
-
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
 @dataclass
