@@ -16,7 +16,8 @@ from shared.proto import decoder_pb2, decoder_pb2_grpc
 CLIP = DATA_DIR / "meeting.wav"
 
 
-def test_up_passes_extra_flags_to_the_services(redis_url, tmp_path):
+def _up(*args: str, **popen) -> subprocess.Popen:
+    """``encdec up`` on auto-picked ports with ``args`` added, in its own process group, stdout piped."""
     cmd = [
         sys.executable,
         "-m",
@@ -24,25 +25,35 @@ def test_up_passes_extra_flags_to_the_services(redis_url, tmp_path):
         "--log-level",
         "WARNING",
         "up",
-        "--redis-url",
-        redis_url,
         "--encoder-port",
         "0",
         "--decoder-port",
         "0",
+        *args,
+    ]
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, text=True, start_new_session=True, cwd=Path(__file__).parents[2], **popen
+    )
+
+
+def _ready_address(proc: subprocess.Popen) -> str | None:
+    """The decoder address of ``encdec up``'s "ready: decoder (public API) at HOST:PORT, ..." line, or None."""
+    for line in proc.stdout:
+        if line.startswith("ready:"):
+            return line.split(" at ")[1].split(",")[0]
+    return None
+
+
+def test_up_passes_extra_flags_to_the_services(redis_url, tmp_path):
+    proc = _up(
+        "--redis-url",
+        redis_url,
         "--decoder-args",
         "--stream-interval 4 --max-num-seqs 2",
         "--encoder-args=--max-batch-wait-ms 50",
-    ]
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, text=True, start_new_session=True, cwd=Path(__file__).parents[2]
     )
     try:
-        address = None
-        for line in proc.stdout:  # "ready: decoder (public API) at HOST:PORT, ..."
-            if line.startswith("ready:"):
-                address = line.split(" at ")[1].split(",")[0]
-                break
+        address = _ready_address(proc)
         assert address, "encdec up did not become ready"
         with grpc.insecure_channel(address) as channel:
             stub = decoder_pb2_grpc.DecoderServiceStub(channel)
@@ -70,35 +81,15 @@ def _pid_of(*argv_parts: str) -> int:
 
 
 def test_up_exits_nonzero_when_a_service_dies(redis_url):
-    cmd = [
-        sys.executable,
-        "-m",
-        "encdec.cli",
-        "--log-level",
-        "WARNING",
-        "up",
+    proc = _up(
         "--redis-url",
         redis_url,
-        "--encoder-port",
-        "0",
-        "--decoder-port",
-        "0",
         "--decoder-args=--metrics-port 0",
         "--encoder-args=--metrics-port 0",
-    ]
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        cwd=Path(__file__).parents[2],
     )
     try:
-        line = proc.stdout.readline()
-        while line and not line.startswith("ready:"):
-            line = proc.stdout.readline()
-        port = line.split(" at ")[1].split(",")[0].rsplit(":", 1)[1]
+        port = _ready_address(proc).rsplit(":", 1)[1]
         os.kill(_pid_of("serve-decoder", "--port", port), signal.SIGKILL)  # a crash
         assert proc.wait(timeout=60) == 1
         assert "encdec: error: decoder (exit code -9) stopped" in proc.stderr.read()
@@ -112,36 +103,11 @@ def test_ctrl_c_lets_the_decoder_drain_into_its_local_redis(tmp_path):
     """A terminal's Ctrl-C reaches the whole process group of ``encdec up``: the local redis-server must
     outlive the decoder's drain (its own session, stopped last), so the request that was running is still
     recorded; before, Redis died at once and the decoder logged 'could not record FINISHED'."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "encdec.cli",
-        "--log-level",
-        "WARNING",
-        "up",
-        "--encoder-port",
-        "0",
-        "--decoder-port",
-        "0",
-        "--decoder-args=--metrics-port 0",
-        "--encoder-args=--metrics-port 0",
-    ]
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # `up` starts its own redis-server
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        cwd=Path(__file__).parents[2],
-        env=env,
-    )
+    proc = _up("--decoder-args=--metrics-port 0", "--encoder-args=--metrics-port 0", stderr=subprocess.PIPE, env=env)
     try:
-        line = proc.stdout.readline()
-        while line and not line.startswith("ready:"):
-            line = proc.stdout.readline()
-        assert line, "encdec up did not become ready"
-        address = line.split(" at ")[1].split(",")[0]
+        address = _ready_address(proc)
+        assert address, "encdec up did not become ready"
         with grpc.insecure_channel(address) as channel:
             stub = decoder_pb2_grpc.DecoderServiceStub(channel)
             sampling = decoder_pb2.SamplingParams(max_tokens=200, ignore_eos=True)
