@@ -109,6 +109,7 @@ class Sessions:
         self.store = store
         self.encoder = encoder
         self.metrics = metrics
+        self.token_texts = convert.TokenTexts(engine.tokenizer)  # logprobs' token texts, cached by id
         self.active: dict[str, RequestSession] = {}
         self.admission = AdmissionQueue(config.max_waiting_requests, config.max_queue_time_s)
         self.open_records: set[str] = set()  # Redis records this replica created and has not yet ended
@@ -329,7 +330,9 @@ class RequestSession:
                     if final:
                         finished_indices.add(item.index)
                     request_done = final and len(finished_indices) >= params.n
-                    message = convert.generate_response(self.request_id, item, text, reason if final else None)
+                    message = convert.generate_response(
+                        self.request_id, item, text, reason if final else None, sessions.token_texts
+                    )
                     if request_done:
                         convert.add_usage(message, progress.usage(), progress.encoder_tokens, self.applied)
                         state = RequestState.ABORTED if reason == "abort" else RequestState.FINISHED

@@ -171,4 +171,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         stats = await self.sessions.loop.call(self.engine.stats)
         stats["max_concurrent_requests"] = self.max_concurrent_requests
         stats.update(self.sessions.admission.stats())
+        stats["model"], stats["served_model_names"] = self.config.model, sorted(self.served_names)
+        # As parse_input tells the input's kind: text models (T5, BART family) declare input_modality, Whisper not.
+        stats["input_kind"] = getattr(self.model, "input_modality", "audio")
         return convert.stats_pb(stats)

@@ -43,6 +43,14 @@ def _serve_decoder(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_http(args: argparse.Namespace) -> int:
+    from gateway_svc.config import GatewayConfig
+    from gateway_svc.startup import run
+
+    run(config_from(GatewayConfig, args), log_level=args.log_level)
+    return 0
+
+
 def _services(args: argparse.Namespace, log_level: str = "INFO"):
     from encdec.launcher import Services
 
@@ -54,21 +62,34 @@ def _services(args: argparse.Namespace, log_level: str = "INFO"):
         decoder_port=args.decoder_port,
         extra_encoder_args=shlex.split(args.encoder_args),
         extra_decoder_args=shlex.split(args.decoder_args),
+        embed_model=args.embed_model,
+        embed_port=args.embed_port,
+        http_port=None if getattr(args, "no_http", True) else args.http_port,
+        extra_http_args=shlex.split(getattr(args, "http_args", "")),
         internal_token=True,  # Encode accepts only this decoder (shared.internal_auth)
     )
 
 
 def _up(args: argparse.Namespace) -> int:
     services = _services(args, log_level=args.log_level)
-    print("starting redis, encoder and decoder ...", flush=True)
+    print(
+        "starting redis, encoder, decoder" + (", embed" if args.embed_model else "") + " and the HTTP gateway ..."
+        if not args.no_http
+        else "starting redis, encoder and decoder ...",
+        flush=True,
+    )
     stop: list[int] = []
     # Both handled explicitly: a shell starts background jobs with SIGINT ignored.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, _frame: stop.append(signum))
     with services:
+        public = f"decoder (gRPC) at {services.decoder_address}"
+        if services.embed_model:
+            public += f", embed (gRPC) at {services.embed_address}"
+        if services.http_port is not None:
+            public += f", OpenAI-compatible HTTP API at {services.http_url}/v1"
         print(
-            f"ready: decoder (public API) at {services.decoder_address}, encoder at {services.encoder_address}, "
-            f"redis at {services.redis_url}. Ctrl-C stops all.",
+            f"ready: {public}, encoder at {services.encoder_address}, redis at {services.redis_url}. Ctrl-C stops all.",
             flush=True,
         )
         while not stop and all(p.poll() is None for p in services.procs):
@@ -149,6 +170,7 @@ def _bench(args: argparse.Namespace) -> int:
 COMMANDS = {
     "serve-encoder": _serve_encoder,
     "serve-decoder": _serve_decoder,
+    "serve-http": _serve_http,
     "up": _up,
     "transcribe": _transcribe,
     "demo": _demo,

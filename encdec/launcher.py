@@ -114,6 +114,29 @@ def wait_healthy(address: str, timeout_s: float, proc: subprocess.Popen | None =
     raise ServicesError(f"service at {address} not healthy after {timeout_s:.0f} s")
 
 
+def wait_http_healthy(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    """Polls ``GET <url>/health`` (the HTTP gateway's) until 200.
+
+    Raises:
+        ServicesError: ``proc`` exited first, or ``timeout_s`` passed.
+    """
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise ServicesError(f"service for {url} exited with code {proc.returncode} before becoming healthy")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2.0) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.2)
+    raise ServicesError(f"HTTP gateway at {url} not healthy after {timeout_s:.0f} s")
+
+
 @dataclass
 class Services:
     """Redis + encoder + decoder processes.
@@ -125,6 +148,10 @@ class Services:
         extra_decoder_args / extra_encoder_args: more CLI flags.
         log_dir: where each service's stdout/stderr goes; None inherits ours.
         log_level: the services' log level.
+        embed_model: also start an embed service (an encoder service of this encoder-only model) on
+            ``embed_port`` (0 picks a free one).
+        http_port: also start the HTTP gateway (``encdec serve-http``) on this port, in front of the decoder
+            and the embed service (0 picks a free port; None starts none). ``extra_http_args``: more flags.
         internal_token: generate an internal token (``shared.internal_auth``) in a private temporary
             directory and start both services with ``--internal-token-file`` (``internal_token_file``, removed
             at ``stop``); ``encdec up`` and ``demo`` do.
@@ -139,6 +166,10 @@ class Services:
     log_dir: str | None = None
     startup_timeout_s: float = 180.0
     log_level: str = "INFO"
+    embed_model: str | None = None
+    embed_port: int = 0
+    http_port: int | None = None
+    extra_http_args: list[str] = field(default_factory=list)
     internal_token: bool = False
     internal_token_file: str | None = None
     procs: list[subprocess.Popen] = field(default_factory=list)
@@ -153,6 +184,20 @@ class Services:
     def decoder_address(self) -> str:
         return f"127.0.0.1:{self.decoder_port}"
 
+    @property
+    def embed_address(self) -> str:
+        return f"127.0.0.1:{self.embed_port}"
+
+    @property
+    def http_url(self) -> str:
+        """The gateway's base URL (``http://127.0.0.1:<port>``); its OpenAI API is under ``/v1``."""
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def _address(self, name: str) -> str:
+        return {"encoder": self.encoder_address, "decoder": self.decoder_address, "embed": self.embed_address}.get(
+            name, self.http_url
+        )
+
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "encdec.cli", "--log-level", self.log_level, *args]
         out = None
@@ -161,12 +206,11 @@ class Services:
             out = open(os.path.join(self.log_dir, f"{name}.log"), "ab")  # noqa: SIM115 - owned by the child
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True)
         self.procs.append(proc)
-        address = self.encoder_address if name == "encoder" else self.decoder_address
-        self._named[name] = (proc, args, address)
+        self._named[name] = (proc, args, self._address(name))
         return proc
 
     def process(self, name: str) -> subprocess.Popen:
-        """The last process started as the ``encoder`` or ``decoder`` (running or exited).
+        """The last process started as the ``encoder``, ``decoder``, ``embed`` or ``http`` (running or exited).
 
         Raises:
             KeyError: no service of that name was started.
@@ -194,7 +238,8 @@ class Services:
         proc, args, address = self._named[name]
         if proc in self.procs:
             self.kill(name, sig)
-        wait_healthy(address, self.startup_timeout_s, self._spawn(name, args))
+        wait = wait_http_healthy if name == "http" else wait_healthy
+        wait(address, self.startup_timeout_s, self._spawn(name, args))
 
     def start(self) -> Services:
         """Starts everything and waits for health.
@@ -207,9 +252,14 @@ class Services:
             ServicesError: a fixed port is taken, or a service exited or did not become healthy in time
                 (everything started is stopped again).
         """
-        auto_encoder, auto_decoder = self.encoder_port == 0, self.decoder_port == 0
-        for port, auto in ((self.encoder_port, auto_encoder), (self.decoder_port, auto_decoder)):
-            if not auto:
+        ports = {"encoder": self.encoder_port, "decoder": self.decoder_port}
+        if self.embed_model:
+            ports["embed"] = self.embed_port
+        if self.http_port is not None:
+            ports["http"] = self.http_port
+        auto = {name: port == 0 for name, port in ports.items()}
+        for name, port in ports.items():
+            if not auto[name]:
                 check_port_free(port)
         try:
             if self.redis_url is None:
@@ -219,20 +269,17 @@ class Services:
                 self._redis.start()
                 self.redis_url = self._redis.url
             for attempt in range(1, BIND_ATTEMPTS + 1):
-                picked = iter(free_ports(auto_encoder + auto_decoder))
-                self.encoder_port = next(picked) if auto_encoder else self.encoder_port
-                self.decoder_port = next(picked) if auto_decoder else self.decoder_port
+                picked = iter(free_ports(sum(auto.values())))
+                for name in ports:
+                    if auto[name]:
+                        setattr(self, f"{name}_port", next(picked))
                 try:
                     self._start_services()
                     return self
                 except ServicesError:
                     # Only a service on a port picked here starts again on another; a fixed port stays an error.
                     exited = self.exited()
-                    lost_auto_port = any(
-                        exited.get(name) == BIND_ERROR_EXIT
-                        for name, auto in (("encoder", auto_encoder), ("decoder", auto_decoder))
-                        if auto
-                    )
+                    lost_auto_port = any(exited.get(name) == BIND_ERROR_EXIT for name in ports if auto[name])
                     if not lost_auto_port or attempt == BIND_ATTEMPTS:
                         raise
                     stop_processes(self.procs)
@@ -274,8 +321,19 @@ class Services:
                 *self.extra_decoder_args,
             ],
         )
+        embed = None
+        if self.embed_model:
+            embed = self._spawn("embed", ["serve-encoder", "--port", str(self.embed_port), "--model", self.embed_model])
         wait_healthy(self.encoder_address, self.startup_timeout_s, encoder)
         wait_healthy(self.decoder_address, self.startup_timeout_s, decoder)
+        if embed is not None:
+            wait_healthy(self.embed_address, self.startup_timeout_s, embed)
+        if self.http_port is not None:
+            backends = ["--decoder-address", self.decoder_address]
+            if self.embed_model:
+                backends += ["--embed-address", self.embed_address]
+            http = self._spawn("http", ["serve-http", "--port", str(self.http_port), *backends, *self.extra_http_args])
+            wait_http_healthy(self.http_url, self.startup_timeout_s, http)
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """Stops the decoder, then the encoder: SIGTERM, then SIGKILL if it outlives its timeout.
@@ -340,5 +398,45 @@ def encoder_service(
                 raise
     try:
         yield address
+    finally:
+        stop_processes([proc])
+
+
+@contextlib.contextmanager
+def http_gateway(
+    decoder_addresses: list[str] | None = None,
+    embed_addresses: list[str] | None = None,
+    extra_args: list[str] | None = None,
+    log_level: str = "WARNING",
+    startup_timeout_s: float = 60.0,
+    env: dict[str, str] | None = None,
+):
+    """Starts only the HTTP gateway (``encdec serve-http``) in front of running services; yields its base URL.
+
+    Like ``encoder_service``, it starts again on another free port if its port was taken before it bound it.
+    ``env``: the gateway's environment (default: ours), e.g. with ``ENCDEC_API_KEY``.
+
+    Raises:
+        ServicesError: it exited or did not become healthy in time.
+    """
+    backends = []
+    if decoder_addresses:
+        backends += ["--decoder-address", ",".join(decoder_addresses)]
+    if embed_addresses:
+        backends += ["--embed-address", ",".join(embed_addresses)]
+    for attempt in range(1, BIND_ATTEMPTS + 1):
+        port = free_port()
+        cmd = [sys.executable, "-m", "encdec.cli", "--log-level", log_level, "serve-http", "--port", str(port)]
+        proc = subprocess.Popen([*cmd, *backends, *(extra_args or [])], start_new_session=True, env=env)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_http_healthy(url, startup_timeout_s, proc)
+            break
+        except BaseException:
+            stop_processes([proc])
+            if proc.returncode != BIND_ERROR_EXIT or attempt == BIND_ATTEMPTS:
+                raise
+    try:
+        yield url
     finally:
         stop_processes([proc])

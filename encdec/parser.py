@@ -19,6 +19,7 @@ from encdec.bench import ORDER
 from encdec.bench.seq2seq_checkpoints import DEFAULT_CACHE, SHAPES
 from encdec.bench.table import positive_int
 from encdec.bench.transfer_payloads import PAYLOADS, TRANSPORTS
+from gateway_svc.config import GatewayConfig
 from shared.config import (
     DEFAULT_DECODER_ADDRESS,
     DecoderServiceConfig,
@@ -41,8 +42,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve-decoder", help="run the decoder service")
     add_config_arguments(p, DecoderServiceConfig)
 
-    p = sub.add_parser("up", help="start redis (if needed), encoder and decoder; Ctrl-C stops all")
-    _add_services(p, 50061, 50051)
+    p = sub.add_parser("serve-http", help="run the OpenAI-compatible HTTP gateway in front of the services")
+    add_config_arguments(p, GatewayConfig)
+
+    p = sub.add_parser(
+        "up",
+        help="start redis (if needed), encoder, decoder and the HTTP gateway (and --embed-model); Ctrl-C stops all",
+    )
+    _add_services(p, 50061, 50051, 50071, 8000)
 
     p = sub.add_parser("transcribe", help="transcribe audio files (sent concurrently) and stream the text")
     p.add_argument("files", nargs="+")
@@ -51,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="start everything, transcribe the bundled clip (or FILES), stop")
     p.add_argument("files", nargs="*")
-    _add_services(p, 0, 0)  # free ports: a demo never clashes with a running `encdec up`
+    _add_services(p, 0, 0, 0)  # free ports: a demo never clashes with a running `encdec up`
 
     _add_bench(sub)
     return parser
@@ -70,13 +77,26 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
-def _add_services(p: argparse.ArgumentParser, encoder_port: int, decoder_port: int) -> None:
+def _add_services(
+    p: argparse.ArgumentParser, encoder_port: int, decoder_port: int, embed_port: int, http_port: int | None = None
+) -> None:
+    """The flags of ``up`` and ``demo``; ``http_port`` None: no gateway flags (the demo starts none)."""
     p.add_argument("--model", default=None, help="model name or directory (default whisper-tiny.en)")
     p.add_argument(
         "--redis-url", default=None, help="external Redis (default: $REDIS_URL, else start a local redis-server)"
     )
+    p.add_argument(
+        "--embed-model", default=None, help="also serve this encoder-only model (EmbedService, /v1/embeddings)"
+    )
     p.add_argument("--encoder-port", type=int, default=encoder_port, help="0 picks a free port")
     p.add_argument("--decoder-port", type=int, default=decoder_port, help="0 picks a free port")
+    p.add_argument("--embed-port", type=int, default=embed_port, help="with --embed-model; 0 picks a free port")
+    if http_port is not None:
+        p.add_argument(
+            "--http-port", type=int, default=http_port, help="the OpenAI-compatible HTTP gateway; 0 picks a free port"
+        )
+        p.add_argument("--no-http", action="store_true", help="do not start the HTTP gateway")
+        p.add_argument("--http-args", default="", help="more serve-http flags, one string: --http-args='--api-key k'")
     p.add_argument(
         "--encoder-args",
         default="",

@@ -14,12 +14,20 @@ Input contracts (each one documented in README.md, "Embed"):
 - a text longer than ``max_input_chars`` (``max_input_length`` x
   ``tokenizing.MAX_CHARS_PER_TOKEN``) is refused the same way before any
   tokenizer work, or cut to that many characters first with ``truncate``
-  (``encoder_svc.embed.tokenizing``).
+  (``encoder_svc.embed.tokenizing``);
+- token ids (``EmbedRequest.input_ids``, OpenAI's ``input`` as lists of ids) are
+  used as given, as vLLM and TEI do: no special tokens are added, token type ids
+  are 0, each id must lie in ``[0, vocab_size)`` and each list hold at least one;
+  an over-long list fails as an over-long text does, or with ``truncate`` keeps
+  its first ``max_input_length`` ids (``EmbedEngine.encode_ids``). They enter as
+  the ``Encoded`` sequences the tokenizer gives for texts, so the ids of
+  ``tokenizer(text)`` embed bit for bit as ``text`` does in the same forward.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -27,6 +35,7 @@ import torch.nn.functional as F
 
 from encoder_svc.embed.tokenizing import BoundedTokenizer, Encoded
 from shared.device import model_device
+from shared.errors import InvalidRequestError
 from shared.models.bert import BertEncoderModel, PackedBatch
 from shared.models.embedding_config import EmbeddingSpec, read_embedding_spec
 
@@ -58,6 +67,7 @@ class EmbedEngine:
             limits.append(tok_max)
         self.max_input_length = min(limits)
         self.hidden_size = model.config.hidden_size
+        self.vocab_size = model.config.vocab_size
         self.num_labels = model.num_labels
         cfg = model.config
         self.labels = [cfg.id2label.get(i, f"LABEL_{i}") for i in range(self.num_labels)]
@@ -109,6 +119,43 @@ class EmbedEngine:
         return self._tokenizer.tokenize(
             texts, pairs, truncate, add_special_tokens, check_length, offsets, max_total_tokens, names
         )
+
+    def encode_ids(
+        self, ids: Sequence[Sequence[int]], truncate: bool = False, name: str = "input_ids"
+    ) -> list[Encoded]:
+        """Token id lists as the engine's sequences, used as given (no special tokens added).
+
+        Args:
+            ids: per input, its whole sequence of token ids (int).
+            truncate: keep the first ``max_input_length`` ids of a longer list instead of refusing it;
+                only the ids kept are checked against the vocabulary.
+            name: the request field, as errors name it (``input_ids[i]``).
+        Returns:
+            One ``Encoded`` per list, in order: the ids, token type ids all 0 (None when the model's
+            tokenizer gives none, which the forward reads as 0).
+        Raises:
+            InvalidRequestError: a list is empty, holds an id outside ``[0, vocab_size)``, or is longer
+                than ``max_input_length`` while ``truncate`` is off.
+        """
+        limit, vocab = self.max_input_length, self.vocab_size
+        with_types = self._tokenizer.with_type_ids
+        out = []
+        for i, given in enumerate(ids):
+            if not given:
+                raise InvalidRequestError(f"{name}[{i}] is empty; send at least one token id")
+            if len(given) > limit and not truncate:
+                raise InvalidRequestError(
+                    f"{name}[{i}] has {len(given)} tokens, more than this model's limit of {limit}; "
+                    "shorten it or set truncate=true"
+                )
+            seq = list(given[:limit])  # copies only the ids kept
+            if min(seq) < 0 or max(seq) >= vocab:  # C-speed scan; locate the bad id only on failure
+                j, bad = next((j, t) for j, t in enumerate(seq) if not 0 <= t < vocab)
+                raise InvalidRequestError(
+                    f"{name}[{i}] holds token id {bad} (at position {j}), outside this model's vocabulary [0, {vocab})"
+                )
+            out.append(Encoded(seq, [0] * len(seq) if with_types else None))
+        return out
 
     # ---- forward -------------------------------------------------------------------------------
 

@@ -8,7 +8,8 @@ stops spending forwards on it; the batcher also knows the call's deadline and
 drops the job unrun once it passes. A call whose deadline has passed before its
 tokenization gets DEADLINE_EXCEEDED without any work. Every text goes through the
 character bound of ``encoder_svc.embed.tokenizing`` before its tokenizer; a
-Tokenize response holds at most ``max_inputs x max_input_length`` tokens.
+Tokenize response holds at most ``max_inputs x max_input_length`` tokens. Embed
+takes texts (``inputs``) or token id lists (``input_ids``, ``EmbedEngine.encode_ids``).
 Loading and serving: ``encoder_svc.embed.startup``.
 """
 
@@ -122,10 +123,14 @@ class EmbedServicer(embed_pb2_grpc.EmbedServiceServicer):
                 f"Rerank needs a single-score cross-encoder; model {self.model_name!r} has {self.engine.num_labels} labels: use Classify"
             )
 
-    async def _tokenize(self, context, *args, **kwargs):
+    async def _off_loop(self, context, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)`` on the default executor, unless the call's deadline has passed already."""
         _deadline(context)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(None, functools.partial(self.engine.tokenize, *args, **kwargs))
+        return await loop.run_in_executor(None, functools.partial(fn, *args, **kwargs))
+
+    async def _tokenize(self, context, *args, **kwargs):
+        return await self._off_loop(context, self.engine.tokenize, *args, **kwargs)
 
     async def _batch(self, seqs, pooling: str, context=None):
         """Runs ``seqs`` through the batcher with the call's deadline; if this call is cancelled
@@ -145,7 +150,16 @@ class EmbedServicer(embed_pb2_grpc.EmbedServiceServicer):
 
     @_observed
     async def Embed(self, request, context):
-        self._check(request.model, len(request.inputs))
+        if request.inputs and request.input_ids:
+            raise InvalidRequestError(
+                "this request sets both inputs and input_ids; set only one: texts in inputs, or token id "
+                "lists in input_ids"
+            )
+        by_ids = len(request.input_ids) > 0
+        if by_ids:
+            self._check(request.model, len(request.input_ids), "input_ids")
+        else:
+            self._check(request.model, len(request.inputs))
         if request.dimensions > self.engine.hidden_size:
             raise InvalidRequestError(
                 f"dimensions {request.dimensions} is more than the model's {self.engine.hidden_size}"
@@ -157,7 +171,11 @@ class EmbedServicer(embed_pb2_grpc.EmbedServiceServicer):
             )
         pooling = _POOLING.get(request.pooling, self.engine.spec.pooling)
         normalize = request.normalize if request.HasField("normalize") else self.engine.spec.normalize
-        seqs = await self._tokenize(context, list(request.inputs), truncate=request.truncate)
+        if by_ids:  # the same sequences as texts give, so the forward, pooling and batching are shared
+            ids = [t.ids for t in request.input_ids]
+            seqs = await self._off_loop(context, self.engine.encode_ids, ids, truncate=request.truncate)
+        else:
+            seqs = await self._tokenize(context, list(request.inputs), truncate=request.truncate)
         outs = await self._batch(seqs, pooling, context)
         embeddings = [
             embed_pb2.Embedding(

@@ -29,6 +29,8 @@ def _up(*args: str, **popen) -> subprocess.Popen:
         "0",
         "--decoder-port",
         "0",
+        "--http-port",
+        "0",
         *args,
     ]
     return subprocess.Popen(
@@ -37,7 +39,7 @@ def _up(*args: str, **popen) -> subprocess.Popen:
 
 
 def _ready_address(proc: subprocess.Popen) -> str | None:
-    """The decoder address of ``encdec up``'s "ready: decoder (public API) at HOST:PORT, ..." line, or None."""
+    """The decoder address of ``encdec up``'s "ready: decoder (gRPC) at HOST:PORT, ..." line, or None."""
     for line in proc.stdout:
         if line.startswith("ready:"):
             return line.split(" at ")[1].split(",")[0]

@@ -172,6 +172,9 @@ def test_logprobs_consistent_with_tokens(served):
     for lp in lps:  # greedy: the token is the most likely one
         assert lp.rank == 1 and lp.top[0].token_id == lp.token_id and lp.top[0].logprob == lp.logprob <= 0
         assert [t.logprob for t in lp.top] == sorted((t.logprob for t in lp.top), reverse=True)
+        # Byte-level BPE: each token's text is its decode alone (U+FFFD for part of a multi-byte character).
+        assert lp.token == tok.decode([lp.token_id])
+        assert [t.token for t in lp.top] == [tok.decode([t.token_id]) for t in lp.top]
     # Same numbers as HF: log_softmax of generate()'s processed scores.
     hf = AutoModelForSeq2SeqLM.from_pretrained(path).eval()
     with torch.inference_mode():

@@ -122,3 +122,46 @@ def test_truncated_text_keeps_the_special_tokens(served):
     # A source of exactly 256 tokens is not cut and not reported as truncated.
     _, messages = run(stub, input_ids=decoder_pb2.TokenIds(ids=expected_src), truncate=True)
     assert not any(s.startswith("truncated_source") for s in messages[-1].applied_generation_defaults)
+
+
+def _token_text(tok, token_id: int) -> str:
+    """vLLM's logprobs token: decoded alone, special tokens kept, a SentencePiece "▁" start kept as a space."""
+    text = tok.decode([token_id])
+    return " " + text if tok.convert_ids_to_tokens(token_id).startswith("▁") and not text.startswith(" ") else text
+
+
+def test_logprob_tokens_are_the_token_texts(served):
+    arch, path, stub = served
+    tok = load_tokenizer(path)
+    sampling = decoder_pb2.SamplingParams(max_tokens=MAX_NEW, logprobs=True, top_logprobs=5)
+    request = decoder_pb2.GenerateRequest(text=sentence(random.Random(5), 10), sampling=sampling)
+    messages = list(stub.Generate(request, timeout=120))
+    ids = [t for m in messages for t in m.token_ids]
+    lps = [lp for m in messages for lp in m.logprobs]
+    # Forced tokens (BART's forced_bos_token_id) leave fewer than 5 alternatives at their step.
+    assert [lp.token_id for lp in lps] == ids and all(1 <= len(lp.top) <= 5 for lp in lps)
+    for lp in lps:
+        assert lp.token == _token_text(tok, lp.token_id), (arch, lp)
+        assert [t.token for t in lp.top] == [_token_text(tok, t.token_id) for t in lp.top], (arch, lp)
+    # Joined, the texts of the tokens that are not special are the decoded output.
+    special = set(tok.all_special_ids)
+    plain = [lp.token for lp in lps if lp.token_id not in special]
+    assert "".join(plain).strip() == tok.decode(ids, skip_special_tokens=True).strip(), arch
+    assert all(lp.token == tok.convert_ids_to_tokens(lp.token_id) for lp in lps if lp.token_id in special)
+    # A word-start piece (SentencePiece "▁cat", byte-level "Ġcat") keeps its space: " cat".
+    starts = [
+        t.token for lp in lps for t in [lp, *lp.top] if tok.convert_ids_to_tokens(t.token_id).startswith(("▁", "Ġ"))
+    ]
+    assert starts and all(t.startswith(" ") for t in starts), (arch, starts)
+
+
+def test_get_stats_names_the_served_text_model(served):
+    arch, path, stub = served
+    stats = stub.GetStats(decoder_pb2.GetStatsRequest())
+    assert stats.model == str(path) and stats.input_kind == "text", stats
+    names = list(stats.served_model_names)
+    assert str(path) in names and names == sorted(names)
+    tok = load_tokenizer(path)
+    for name in names:  # every name it reports is one Generate accepts
+        ids, _ = run(stub, model=name, input_ids=decoder_pb2.TokenIds(ids=tok("the cat")["input_ids"]))
+        assert ids, name

@@ -106,6 +106,19 @@ def test_concurrent_clips_match_hf_and_finish_in_redis(stub, hf_tokens):
     assert_all_blocks_free(stub)
 
 
+def test_get_stats_names_the_served_audio_model(stub):
+    stats = stub.GetStats(decoder_pb2.GetStatsRequest())
+    assert stats.model == "whisper-tiny.en" and stats.input_kind == "audio", stats
+    directory = str(resolve_model("whisper-tiny.en")[1])
+    assert list(stats.served_model_names) == sorted({"whisper-tiny.en", "openai/whisper-tiny.en", directory})
+    audio = (DATA / "short.wav").read_bytes()
+    for name in stats.served_model_names:  # every name it reports is one Generate accepts
+        request = decoder_pb2.GenerateRequest(
+            model=name, audio=audio, sampling=decoder_pb2.SamplingParams(max_tokens=2)
+        )
+        assert len([t for m in stub.Generate(request, timeout=120) for t in m.token_ids]) == 2, name
+
+
 def _wav(samples: np.ndarray, rate: int = 16000) -> bytes:
     buf = io.BytesIO()
     sf.write(buf, samples, rate, format="WAV", subtype="PCM_16")

@@ -172,3 +172,121 @@ def test_ten_thousand_items_at_the_configured_limit(cross):
     with pytest.raises(grpc.RpcError) as err:
         stub.Embed(embed_pb2.EmbedRequest(inputs=texts + ["one more"]))
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+# ---- token-id inputs (EmbedRequest.input_ids, OpenAI's `input` as lists of ids) ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def minilm_engine():
+    """The in-process MiniLM: its HF tokenizer gives the ids a client would send."""
+    return load_embed_engine("all-MiniLM-L6-v2")
+
+
+def token_ids(engine, texts: list[str]) -> list[embed_pb2.EmbedTokenIds]:
+    return [embed_pb2.EmbedTokenIds(ids=engine.tokenizer(t)["input_ids"]) for t in texts]
+
+
+ID_TEXTS = [SENTENCES[9], "", "🙂 naïve café", *SENTENCES[20:26]]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        dict(normalize=False),
+        dict(dimensions=64),
+        dict(dimensions=64, normalize=False),
+        dict(pooling=embed_pb2.POOLING_CLS),
+    ],
+    ids=["default", "raw", "dimensions", "dimensions-raw", "cls"],
+)
+@pytest.mark.parametrize("count", [1, len(ID_TEXTS)], ids=["single", "several"])
+def test_token_ids_embed_bit_for_bit_as_their_texts(minilm, minilm_engine, options, count):
+    _, stub = minilm
+    texts = ID_TEXTS[:count]
+    by_text = stub.Embed(embed_pb2.EmbedRequest(inputs=texts, **options))
+    by_ids = stub.Embed(embed_pb2.EmbedRequest(input_ids=token_ids(minilm_engine, texts), **options))
+    assert torch.equal(vectors(by_ids), vectors(by_text))
+    assert [e.num_tokens for e in by_ids.embeddings] == [e.num_tokens for e in by_text.embeddings]
+    assert by_ids.usage.prompt_tokens == by_text.usage.prompt_tokens == sum(e.num_tokens for e in by_ids.embeddings)
+    assert by_ids.model == "all-MiniLM-L6-v2" and len(vectors(by_ids)[0]) == options.get("dimensions", 384)
+
+
+def test_token_ids_and_texts_batched_together_embed_bit_for_bit(minilm, minilm_engine):
+    _, stub = minilm
+    texts = SENTENCES[:12]
+    requests = [embed_pb2.EmbedRequest(inputs=texts), embed_pb2.EmbedRequest(input_ids=token_ids(minilm_engine, texts))]
+    with ThreadPoolExecutor(2) as pool:
+        for _ in range(4):  # sent at once: the batcher may run both in one forward or one after the other
+            by_text, by_ids = pool.map(lambda r: vectors(stub.Embed(r)), requests)
+            assert torch.equal(by_ids, by_text)
+
+
+def test_token_id_sequences_share_a_forward_with_other_texts(minilm_engine):
+    engine = minilm_engine
+    texts, others = ID_TEXTS, SENTENCES[30:36]
+    from_ids = engine.encode_ids([t.ids for t in token_ids(engine, texts)])
+    from_text = engine.tokenize(texts)
+    assert [(s.ids, s.type_ids) for s in from_ids] == [(s.ids, s.type_ids) for s in from_text]
+    seqs = from_text + engine.tokenize(others) + from_ids  # one packed forward holding all three
+    outs = engine.forward(seqs, ["mean"] * len(seqs))
+    for a, b in zip(outs[: len(texts)], outs[-len(texts) :]):
+        assert torch.equal(a, b)
+
+
+def test_over_long_token_ids_fail_or_keep_their_first_max_length_ids(minilm, minilm_engine):
+    _, stub = minilm
+    ids = token_ids(minilm_engine, ["fine", "word " * 300])
+    assert len(ids[1].ids) == 302
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Embed(embed_pb2.EmbedRequest(input_ids=ids))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "input_ids[1] has 302 tokens, more than this model's limit of 256" in err.value.details()
+    cut = stub.Embed(embed_pb2.EmbedRequest(input_ids=ids, truncate=True))
+    assert [e.num_tokens for e in cut.embeddings] == [3, 256] and cut.usage.prompt_tokens == 259
+    first = embed_pb2.EmbedTokenIds(ids=ids[1].ids[:256])
+    assert torch.equal(vectors(cut), vectors(stub.Embed(embed_pb2.EmbedRequest(input_ids=[ids[0], first]))))
+
+
+@pytest.mark.parametrize(
+    "request_kwargs, code, message",
+    [
+        (
+            dict(input_ids=[embed_pb2.EmbedTokenIds(ids=[101, 102]), embed_pb2.EmbedTokenIds(ids=[101, 7, 30522])]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "input_ids[1] holds token id 30522 (at position 2), outside this model's vocabulary [0, 30522)",
+        ),
+        (
+            dict(input_ids=[embed_pb2.EmbedTokenIds(ids=[101, -1, 102])]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "input_ids[0] holds token id -1 (at position 1)",
+        ),
+        (
+            dict(input_ids=[embed_pb2.EmbedTokenIds(ids=[101, 102]), embed_pb2.EmbedTokenIds()]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "input_ids[1] is empty; send at least one token id",
+        ),
+        (
+            dict(inputs=["hello"], input_ids=[embed_pb2.EmbedTokenIds(ids=[101, 102])]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "sets both inputs and input_ids; set only one",
+        ),
+        (
+            dict(input_ids=[embed_pb2.EmbedTokenIds(ids=[101, 102])] * 2049),
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "2049 input_ids is more than this server's limit of 2048",
+        ),
+        (
+            dict(input_ids=[embed_pb2.EmbedTokenIds(ids=[101, 102])], dimensions=500),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "dimensions 500",
+        ),
+    ],
+    ids=["out-of-vocab", "negative", "empty-list", "both-fields", "2049-lists", "dimensions"],
+)
+def test_embed_token_id_errors(minilm, request_kwargs, code, message):
+    _, stub = minilm
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Embed(embed_pb2.EmbedRequest(**request_kwargs))
+    assert err.value.code() == code and message in err.value.details(), err.value.details()

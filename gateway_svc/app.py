@@ -1,0 +1,44 @@
+"""The FastAPI application of ``encdec serve-http``: ``create_app(config)``; ``gateway_svc.startup.run`` serves it
+on uvicorn.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from fastapi import Depends, FastAPI
+
+from gateway_svc import errors
+from gateway_svc.backends import Backends
+from gateway_svc.config import GatewayConfig
+from gateway_svc.metrics import GatewayMetrics, MetricsMiddleware
+from gateway_svc.route_support import require_api_key
+from gateway_svc.routes import audio, completions, embeddings, meta
+from gateway_svc.upload import UploadLimitMiddleware
+
+
+def create_app(cfg: GatewayConfig) -> FastAPI:
+    """The gateway application for ``cfg``; its backends are discovered when it starts (its lifespan)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        app.state.backends = Backends(cfg)
+        await app.state.backends.start()
+        try:
+            yield
+        finally:
+            await app.state.backends.close()
+
+    app = FastAPI(title="encdec-serve", summary="OpenAI-compatible HTTP API of encdec-serve", lifespan=lifespan)
+    app.state.config = cfg
+    app.state.metrics = GatewayMetrics()
+    errors.install(app)
+    guarded = [Depends(require_api_key)]
+    app.include_router(meta.public)
+    app.include_router(meta.router, dependencies=guarded)
+    app.include_router(audio.router, dependencies=guarded)
+    app.include_router(completions.router, dependencies=guarded)
+    app.include_router(embeddings.router, dependencies=guarded)
+    app.add_middleware(UploadLimitMiddleware, limit_bytes=cfg.max_upload_bytes)
+    app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
+    return app

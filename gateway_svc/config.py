@@ -1,0 +1,73 @@
+"""``GatewayConfig``: the settings of ``encdec serve-http`` (CLI flags and ``ENCDEC_*`` variables, as the services')."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# OpenAI's documented upload limit for /v1/audio/* (25 MB).
+DEFAULT_MAX_UPLOAD_MB = 25.0
+# OpenAI's documented limit of inputs in one /v1/embeddings request.
+DEFAULT_MAX_EMBEDDING_INPUTS = 2048
+
+
+@dataclass(frozen=True, kw_only=True)
+class GatewayConfig:
+    """Settings of the HTTP gateway.
+
+    Attributes:
+        host: address to listen on.
+        port: HTTP port (OpenAI-compatible API, ``/health``, ``/metrics``).
+        decoder_address: the decoder services, comma-separated gRPC targets (``host:port``, or
+            ``dns:///name:port`` of a headless service whose addresses are all replicas). Targets serving the
+            same model are balanced with gRPC's ``round_robin`` policy; each model is routed to its own.
+        embed_address: the embed services (encoder services of encoder-only models), as ``decoder_address``.
+        api_key: when set, every route but ``/health`` needs ``Authorization: Bearer <api_key>`` (401
+            otherwise). Prefer ``ENCDEC_API_KEY`` to the flag (a flag shows in ``ps``).
+        max_upload_mb: largest request body of ``/v1/audio/*`` in MB (10^6 bytes); larger is 413, refused
+            before the body is read whole.
+        max_embedding_inputs: most ``input`` items of one ``/v1/embeddings`` request (400 beyond).
+        request_timeout_s: the gRPC deadline of each backend call (seconds).
+
+    Raises:
+        ValueError: no backend address, or a limit out of range.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    decoder_address: str = ""
+    embed_address: str = ""
+    api_key: str = ""
+    max_upload_mb: float = DEFAULT_MAX_UPLOAD_MB
+    max_embedding_inputs: int = DEFAULT_MAX_EMBEDDING_INPUTS
+    request_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not self.decoder_targets and not self.embed_targets:
+            raise ValueError(
+                "the gateway needs at least one backend: --decoder-address and/or --embed-address "
+                "(ENCDEC_DECODER_ADDRESS / ENCDEC_EMBED_ADDRESS)"
+            )
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_upload_mb <= 0:
+            raise ValueError(f"max_upload_mb must be > 0, got {self.max_upload_mb:g}")
+        if self.max_embedding_inputs < 1:
+            raise ValueError(f"max_embedding_inputs must be >= 1, got {self.max_embedding_inputs}")
+        if self.request_timeout_s <= 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s:g}")
+
+    @property
+    def decoder_targets(self) -> list[str]:
+        return _targets(self.decoder_address)
+
+    @property
+    def embed_targets(self) -> list[str]:
+        return _targets(self.embed_address)
+
+    @property
+    def max_upload_bytes(self) -> int:
+        return int(self.max_upload_mb * 1_000_000)
+
+
+def _targets(value: str) -> list[str]:
+    return [t.strip() for t in value.split(",") if t.strip()]

@@ -1,0 +1,133 @@
+"""OpenAI-shaped errors: the body ``{"error": {"message", "type", "param", "code"}}`` and the one place a gRPC
+status becomes an HTTP status.
+
+The map follows the gRPC <-> HTTP table of Google's API design guide (``google.rpc.Code``), with OpenAI's error
+``type`` names (``invalid_request_error``, ``authentication_error``, ``rate_limit_error``, ``server_error``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
+
+# gRPC status -> HTTP status (google.rpc.Code's documented HTTP mapping; CANCELLED as nginx's 499).
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.ABORTED: 409,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.UNIMPLEMENTED: 501,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    409: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+}
+
+
+class GatewayError(Exception):
+    """A request the gateway answers with an error itself (before or instead of a backend call).
+
+    Args:
+        status: HTTP status code.
+        message: what was wrong and what to do, for the user.
+        param: the request field at fault, if one is.
+        code: OpenAI's machine-readable ``code`` (``model_not_found``, ``invalid_api_key``...), if any.
+    """
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def bad_request(message: str, param: str | None = None) -> GatewayError:
+    return GatewayError(400, message, param)
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error object for an HTTP ``status``."""
+    kind = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+
+
+def from_rpc_error(exc: grpc.RpcError) -> GatewayError:
+    """A backend's gRPC error as the HTTP error the client gets (its details are the message)."""
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    status = HTTP_STATUS.get(code, 500)
+    details = (exc.details() if hasattr(exc, "details") else None) or code.name
+    if code == grpc.StatusCode.UNAVAILABLE and "failed to connect" in details.lower():
+        details = f"the backend service is unreachable ({details}); retry later"
+    return GatewayError(status, details, code="model_not_found" if status == 404 and "model" in details else None)
+
+
+def _field(loc: tuple) -> str:
+    """``("body", "input", 3)`` -> ``input[3]``: the field a validation error names."""
+    parts = [str(p) for p in loc if p not in ("body", "query", "form")]
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)
+    return out or "body"
+
+
+def install(app: FastAPI) -> None:
+    """Every error the app can raise answers in OpenAI's shape; none becomes an HTML page or a bare 500."""
+
+    @app.exception_handler(GatewayError)
+    async def _gateway(_: Request, exc: GatewayError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.param, exc.code)
+
+    @app.exception_handler(grpc.RpcError)
+    async def _rpc(_: Request, exc: grpc.RpcError) -> JSONResponse:
+        err = from_rpc_error(exc)
+        return error_response(err.status, err.message, err.param, err.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request body"}
+        field = _field(tuple(first.get("loc", ())))
+        kind = first.get("type", "")
+        if kind == "extra_forbidden":
+            message = f"unknown field {field!r}: not a parameter of this endpoint"
+        elif kind == "missing":
+            message = f"missing required field {field!r}"
+        elif kind == "json_invalid":
+            message = f"the body is not valid JSON: {first.get('msg')}"
+        else:
+            message = f"{field}: {first.get('msg')}"
+        return error_response(400, message, param=field)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")

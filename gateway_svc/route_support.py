@@ -1,0 +1,98 @@
+"""What the gateway's routes share: their dependencies (the backends, the config, the API key check), the watch
+for a client that went away, server-sent events, response ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from gateway_svc.backends import Backends
+from gateway_svc.config import GatewayConfig
+from gateway_svc.errors import GatewayError
+
+T = TypeVar("T")
+
+
+def backends(request: Request) -> Backends:
+    return request.app.state.backends
+
+
+def config(request: Request) -> GatewayConfig:
+    return request.app.state.config
+
+
+def require_api_key(request: Request) -> None:
+    """With ``api_key`` set, the request must carry ``Authorization: Bearer <api_key>``.
+
+    Raises:
+        GatewayError: 401, the header missing or the key wrong.
+    """
+    expected = request.app.state.config.api_key
+    if not expected:
+        return
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not given:
+        raise GatewayError(
+            401, "missing API key: send the header 'Authorization: Bearer <key>'", code="invalid_api_key"
+        )
+    if not hmac.compare_digest(given.strip().encode(), expected.encode()):
+        raise GatewayError(401, "invalid API key", code="invalid_api_key")
+
+
+async def until_disconnect(request: Request) -> None:
+    """Returns when the client closes the connection (the request's body must have been read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """``await work``, cancelled (and its gRPC calls with it) if the client goes away first.
+
+    Raises:
+        GatewayError: 499, the client went away (nobody reads this answer; it ends the handler).
+    """
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(until_disconnect(request))
+    try:
+        await asyncio.wait([task, watch], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+    if task.cancelled():
+        raise GatewayError(499, "the client closed the connection")
+    return task.result()
+
+
+def sse(events: AsyncIterator[dict | str]) -> StreamingResponse:
+    """Server-sent events: each dict as ``data: <json>``, a str as ``data: <str>`` (``[DONE]``).
+
+    When the client goes away Starlette cancels the iteration; ``events`` closes its gRPC calls in its
+    ``finally``.
+    """
+
+    async def framed():
+        async for event in events:
+            payload = event if isinstance(event, str) else json.dumps(event, separators=(",", ":"))
+            yield f"data: {payload}\n\n"
+
+    return StreamingResponse(
+        framed(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"

@@ -1,0 +1,1 @@
+"""The gateway's routes, one module per API family: ``audio``, ``completions``, ``embeddings``, ``meta``."""

@@ -1,0 +1,107 @@
+"""``POST /v1/embeddings`` and ``POST /v1/rerank`` over the embed service's Embed and Rerank RPCs.
+
+Vectors are the Embed RPC's float32 values exactly: ``float`` writes each as the shortest decimal that reads back
+to the same float32 through a double; ``base64`` is the little-endian float32 bytes, as OpenAI sends them (and
+as the ``openai`` Python client asks for by default).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import numpy as np
+from fastapi import APIRouter, Depends, Response
+
+from gateway_svc.backends import Backends
+from gateway_svc.config import GatewayConfig
+from gateway_svc.errors import bad_request
+from gateway_svc.route_support import backends, config, new_id
+from gateway_svc.schemas import EmbeddingsRequest, RerankRequest
+from shared.proto import embed_pb2
+
+router = APIRouter()
+
+
+def _json(body: dict) -> Response:
+    return Response(json.dumps(body, separators=(",", ":")), media_type="application/json")
+
+
+def embed_request(body: EmbeddingsRequest, max_inputs: int) -> embed_pb2.EmbedRequest:
+    """The Embed RPC for ``body``.
+
+    Raises:
+        GatewayError: 400, an empty input list or more than ``max_inputs`` items.
+    """
+    inputs = body.input
+    if isinstance(inputs, str):
+        inputs = [inputs]
+    elif inputs and isinstance(inputs[0], int):
+        inputs = [inputs]
+    if not inputs:
+        raise bad_request("input is empty; send a string, a list of strings or a list of token-id lists", "input")
+    if len(inputs) > max_inputs:
+        raise bad_request(
+            f"input has {len(inputs)} items; the limit is {max_inputs} per request (--max-embedding-inputs): "
+            "split the list",
+            "input",
+        )
+    request = embed_pb2.EmbedRequest(model=body.model, dimensions=body.dimensions or 0, truncate=body.truncate)
+    if body.normalize is not None:
+        request.normalize = body.normalize
+    if isinstance(inputs[0], str):
+        request.inputs.extend(inputs)
+    else:
+        request.input_ids.extend(embed_pb2.EmbedTokenIds(ids=ids) for ids in inputs)
+    return request
+
+
+@router.post("/v1/embeddings")
+async def embeddings(
+    body: EmbeddingsRequest, b: Backends = Depends(backends), cfg: GatewayConfig = Depends(config)
+) -> Response:
+    request = embed_request(body, cfg.max_embedding_inputs)
+    backend = await b.lookup(body.model, ("embed",), "/v1/embeddings")
+    response = await backend.embed.Embed(request, timeout=cfg.request_timeout_s)
+    if body.encoding_format == "base64":
+        vectors = [base64.b64encode(np.asarray(e.values, dtype="<f4").tobytes()).decode() for e in response.embeddings]
+    else:
+        vectors = [list(e.values) for e in response.embeddings]
+    tokens = response.usage.prompt_tokens
+    return _json(
+        {
+            "object": "list",
+            "data": [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)],
+            "model": response.model or backend.model,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
+    )
+
+
+@router.post("/v1/rerank")
+@router.post("/rerank")
+async def rerank(
+    body: RerankRequest, b: Backends = Depends(backends), cfg: GatewayConfig = Depends(config)
+) -> Response:
+    """Scores each document against the query (a cross-encoder with one label: sigmoid of its logit), best first."""
+    backend = await b.lookup(body.model, ("embed",), "/v1/rerank")
+    response = await backend.embed.Rerank(
+        embed_pb2.RerankRequest(
+            model=body.model, query=body.query, documents=body.documents, truncate=body.truncate, top_n=body.top_n or 0
+        ),
+        timeout=cfg.request_timeout_s,
+    )
+    results = []
+    for r in response.results:
+        result = {"index": r.index, "relevance_score": r.score}
+        if body.return_documents:
+            result["document"] = {"text": body.documents[r.index]}
+        results.append(result)
+    return _json(
+        {
+            "id": new_id("rerank"),
+            "model": response.model or backend.model,
+            "usage": {"total_tokens": response.usage.prompt_tokens},
+            "results": results,
+        }
+    )

@@ -1,0 +1,54 @@
+"""``GET /health`` (no API key), ``GET /v1/models``, ``GET /v1/models/{model}``, ``GET /metrics``."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import JSONResponse
+
+from gateway_svc.backends import Backend, Backends
+from gateway_svc.errors import GatewayError
+from gateway_svc.route_support import backends
+
+public = APIRouter()
+router = APIRouter()
+
+
+@public.get("/health")
+async def health(b: Backends = Depends(backends)) -> JSONResponse:
+    """200 when every configured backend answers its gRPC health check SERVING, else 503 naming those that do not."""
+    answers = await b.health()
+    failing = {target: why for target, why in answers.items() if why is not None}
+    body = {
+        "status": "ok" if not failing else "unavailable",
+        "backends": {t: why or "SERVING" for t, why in answers.items()},
+    }
+    return JSONResponse(body, status_code=200 if not failing else 503)
+
+
+def _model_card(backend: Backend) -> dict:
+    return {"id": backend.model, "object": "model", "created": backend.created, "owned_by": "encdec-serve"}
+
+
+@router.get("/v1/models")
+async def list_models(b: Backends = Depends(backends)) -> dict:
+    """OpenAI's model list: every model a configured backend serves (asked again if none is known yet)."""
+    if not b.models:
+        await b.discover()
+    return {"object": "list", "data": [_model_card(m) for m in sorted(b.models.values(), key=lambda m: m.model)]}
+
+
+@router.get("/v1/models/{model:path}")
+async def get_model(model: str, b: Backends = Depends(backends)) -> dict:
+    found = next((m for m in b.models.values() if model in m.served_names), None)
+    if found is None:
+        await b.discover()
+        found = next((m for m in b.models.values() if model in m.served_names), None)
+    if found is None:
+        raise GatewayError(404, f"model {model!r} is not served here", "model", "model_not_found")
+    return _model_card(found)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    body, content_type = request.app.state.metrics.render()
+    return Response(body, media_type=content_type)
