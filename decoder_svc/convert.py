@@ -144,10 +144,9 @@ class TokenTexts:
     ``_verify_tokens`` it is not rebuilt from the preceding tokens. An id the
     tokenizer does not know (a model's padded vocabulary rows) is "".
 
-    A decode costs a few microseconds (2-6 us on the test checkpoints'
-    tokenizers, Marian's Python SentencePiece the slowest) and a step names up
-    to 21 tokens per sequence (``top_logprobs`` <= 20), on the event loop: so
-    texts are cached by id (LRU, ``max_cached`` ids). Built once per tokenizer;
+    A decode runs on the event loop and a step names up to 21 tokens per
+    sequence (``top_logprobs`` <= 20), so texts are cached by id (LRU,
+    ``max_cached`` ids). Built once per tokenizer;
     nothing is decoded for requests without logprobs.
 
     Args:

@@ -186,6 +186,37 @@ def _add_bench(sub) -> None:
     p.set_defaults(func=BenchEntry("embed"))
 
     p = benches.add_parser(
+        "http",
+        help="the OpenAI-compatible HTTP gateway vs gRPC to the same services: embeddings, transcriptions",
+    )
+    p.add_argument("--requests-b1", type=positive_int, default=200, help="one-sentence embedding requests per path")
+    p.add_argument("--requests-b32", type=positive_int, default=20, help="32-sentence embedding requests per path")
+    p.add_argument(
+        "--requests-audio", type=positive_int, default=32, help="transcription requests per path (clips cycled)"
+    )
+    p.add_argument(
+        "--concurrency", type=positive_int, default=8, help="workers of the concurrent embeddings batch 1 row"
+    )
+    p.add_argument("--audio-concurrency", type=positive_int, default=16, help="workers of the transcriptions row")
+    p.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=8,
+        help="pieces each row's requests are sent in, every piece over HTTP and gRPC in turn (which first alternates)",
+    )
+    p.add_argument(
+        "--encoding-format",
+        default="float",
+        choices=["float", "base64"],
+        help="/v1/embeddings encoding_format (float: the API's default; base64: the openai client's)",
+    )
+    p.add_argument("--embed-model", default="all-MiniLM-L6-v2", help="encoder-only model of the embed service")
+    p.add_argument("--clips", default=str(DATA_DIR), help="folder of .wav/.flac clips (default: the bundled ones)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads of the encoder and the decoder service")
+    p.add_argument("--json", default=None, help="also write the results here")
+    p.set_defaults(func=BenchEntry("http"))
+
+    p = benches.add_parser(
         "transfer", help="cross-KV transports (shm, torch_dist, cuda_ipc) in GB/s next to a plain memcpy"
     )
     add_transfer_arguments(p)

@@ -8,6 +8,7 @@ The map follows the gRPC <-> HTTP table of Google's API design guide (``google.r
 from __future__ import annotations
 
 import logging
+import re
 
 import grpc
 from fastapi import FastAPI, Request
@@ -84,12 +85,20 @@ def from_rpc_error(exc: grpc.RpcError) -> GatewayError:
     details = (exc.details() if hasattr(exc, "details") else None) or code.name
     if code == grpc.StatusCode.UNAVAILABLE and "failed to connect" in details.lower():
         details = f"the backend service is unreachable ({details}); retry later"
-    return GatewayError(status, details, code="model_not_found" if status == 404 and "model" in details else None)
+    if status == 404 and "model" in details:
+        return GatewayError(status, details, "model", "model_not_found")
+    return GatewayError(status, details)
+
+
+# pydantic names a union's member in an error's loc (("body", "input", "list[str]", 1)): not a request field.
+_UNION_TAG = re.compile(r"^(str|int|float|bool|bytes|none|[a-z-]+\[.*\]|[A-Z]\w*)$")
 
 
 def _field(loc: tuple) -> str:
     """``("body", "input", 3)`` -> ``input[3]``: the field a validation error names."""
-    parts = [str(p) for p in loc if p not in ("body", "query", "form")]
+    parts = [
+        str(p) for p in loc if p not in ("body", "query", "form") and not (isinstance(p, str) and _UNION_TAG.match(p))
+    ]
     out = ""
     for p in parts:
         out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)
@@ -119,13 +128,16 @@ def install(app: FastAPI) -> None:
             message = f"missing required field {field!r}"
         elif kind == "json_invalid":
             message = f"the body is not valid JSON: {first.get('msg')}"
+            field = None  # its loc is the character position, not a field
         else:
             message = f"{field}: {first.get('msg')}"
         return error_response(400, message, param=field)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail))
+        response = error_response(exc.status_code, str(exc.detail))
+        response.headers.update(exc.headers or {})  # a 405's Allow
+        return response
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:

@@ -1,4 +1,4 @@
 """``encdec bench``: side-by-side benchmarks printed as Markdown tables."""
 
-ORDER = ["whisper", "seq2seq", "embed", "transfer", "online"]
+ORDER = ["whisper", "seq2seq", "embed", "transfer", "online", "http"]
 """The benches, in the order ``encdec bench all`` runs them (``encdec.bench.suite``)."""

@@ -1,11 +1,12 @@
 """``encdec bench`` / ``encdec bench all``: every bench in one invocation.
 
 Runs whisper, seq2seq, embed, transfer (when ``encdec/bench/transfer.py``
-exists) and online one after another, each exactly as its own sub-command
-would with its defaults (the CLI parser builds each one's arguments, plus
-``--threads`` / ``--skip-ct2`` and any ``--<bench>-args``), collects each
-bench's JSON, then prints every Markdown table (with its ratio column), and
-writes the combined JSON (``--json``) and a PNG (``--plot``).
+exists), online and http (when httpx, its client, is installed) one after
+another, each exactly as its own sub-command would with its defaults (the CLI
+parser builds each one's arguments, plus ``--threads`` / ``--skip-ct2`` and any
+``--<bench>-args``), collects each bench's JSON, then prints every Markdown
+table (with its ratio column), and writes the combined JSON (``--json``) and a
+PNG (``--plot``).
 """
 
 from __future__ import annotations
@@ -26,14 +27,17 @@ from encdec.bench.table import markdown_table, write_json
 from encdec.parser import build_parser
 
 # Benches that take --threads / --skip-ct2.
-THREADED = {"whisper", "seq2seq", "embed", "transfer", "online"}
+THREADED = {"whisper", "seq2seq", "embed", "transfer", "online", "http"}
 CT2 = {"whisper", "seq2seq"}
 
 
 def available() -> list[str]:
-    """The benches this checkout has (transfer only when its module exists)."""
-    has_transfer = importlib.util.find_spec("encdec.bench.transfer") is not None
-    return [b for b in ORDER if b != "transfer" or has_transfer]
+    """The benches this checkout can run (transfer only when its module exists, http only with httpx)."""
+    has = {
+        "transfer": importlib.util.find_spec("encdec.bench.transfer") is not None,
+        "http": importlib.util.find_spec("httpx") is not None,
+    }
+    return [b for b in ORDER if has.get(b, True)]
 
 
 def _columns(name: str, payload: dict) -> list[str]:
@@ -66,6 +70,8 @@ def run(args) -> dict:
         raise ValueError(f"unknown bench(es) {unknown}; choose from {', '.join(ORDER)}")
     if "transfer" in names and "transfer" not in available():
         raise ValueError("the transfer bench is not in this checkout (encdec/bench/transfer.py)")
+    if "http" in names and "http" not in available():
+        raise ValueError("the http bench needs httpx (pip install httpx)")
     names = [n for n in ORDER if n in names and n not in skip]
     benches: dict[str, dict] = {}
     failed: dict[str, str] = {}

@@ -101,9 +101,17 @@ class Choice:
     tokens: list[str] = field(default_factory=list)
     token_logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[str, float]] = field(default_factory=list)
+    text_offset: list[int] = field(default_factory=list)
 
     def add(self, message: decoder_pb2.GenerateResponse, with_logprobs: bool) -> dict | None:
-        """Adds ``message``; returns its logprobs object (OpenAI's, for this message's tokens) when asked for."""
+        """Adds ``message``; returns its logprobs object (OpenAI's, for this message's tokens) when asked for.
+
+        OpenAI's ``tokens`` join to the text and ``text_offset`` is each token's start in it. The decoder's token
+        texts are context-free (``Logprobs.token``: a SentencePiece word-start token keeps its leading space,
+        vLLM's convention) while the text drops the space of its first word, so at the text's start that one
+        space is dropped from the token (and its alternatives).
+        """
+        at_start = not self.text and not self.tokens
         offset = len(self.text)
         self.text += message.text
         if message.finish_reason:
@@ -112,26 +120,28 @@ class Choice:
             return None
         part = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for lp in message.logprobs:
-            part["tokens"].append(lp.token)
+            trim = at_start and lp.token.startswith(" ") and not message.text.startswith(" ")
+            at_start = False
+            token = lp.token[1:] if trim else lp.token
+            part["tokens"].append(token)
             part["token_logprobs"].append(lp.logprob)
-            part["top_logprobs"].append({t.token: t.logprob for t in lp.top})
+            part["top_logprobs"].append(
+                {(t.token[1:] if trim and t.token.startswith(" ") else t.token): t.logprob for t in lp.top}
+            )
             part["text_offset"].append(offset)
-            offset += len(lp.token)
+            offset += len(token)
         self.tokens += part["tokens"]
         self.token_logprobs += part["token_logprobs"]
         self.top_logprobs += part["top_logprobs"]
+        self.text_offset += part["text_offset"]
         return part
 
-    def logprobs(self, text_start: int = 0) -> dict:
-        offsets, at = [], text_start
-        for token in self.tokens:
-            offsets.append(at)
-            at += len(token)
+    def logprobs(self) -> dict:
         return {
             "tokens": self.tokens,
             "token_logprobs": self.token_logprobs,
             "top_logprobs": self.top_logprobs,
-            "text_offset": offsets,
+            "text_offset": self.text_offset,
         }
 
 

@@ -2,11 +2,13 @@
 
 The structural tests read compose.yaml as ``docker compose`` would and check the
 deployment's promises (only public ports published, health checks over the gRPC
-health service, service_healthy dependencies, the models volume, the gpu
-profile, every ENCDEC_* variable a real config field). The end-to-end test runs
-each service's command as a local process with its compose environment
-(``tests/helpers/compose_local.py``; a real redis-server stands in for the redis image)
-and sends a Generate and an Embed through the published ports.
+health service or, for the HTTP gateway, its /health, service_healthy
+dependencies, the models volume, the gpu profile, every ENCDEC_* variable a real
+config field). The end-to-end test runs each service's command as a local
+process with its compose environment (``tests/helpers/compose_local.py``; a real
+redis-server stands in for the redis image) and sends a Generate and an Embed
+through the published ports, and /v1/models and a transcription through the
+published HTTP port.
 """
 
 from __future__ import annotations
@@ -36,13 +38,15 @@ from helpers.embed_sentences import SENTENCES
 
 from encdec import DATA_DIR
 from encdec.redis_server import free_port
+from gateway_svc.config import GatewayConfig
 from shared.config import DecoderServiceConfig, EncoderServiceConfig, config_from
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = DATA_DIR
-CONFIG_OF = {"serve-encoder": EncoderServiceConfig, "serve-decoder": DecoderServiceConfig}
+CONFIG_OF = {"serve-encoder": EncoderServiceConfig, "serve-decoder": DecoderServiceConfig, "serve-http": GatewayConfig}
+MODEL_COMMANDS = {"serve-encoder", "serve-decoder"}  # hold a model (the gateway holds none)
 CLI_ENV = {"ENCDEC_LOG_LEVEL"}  # read by encdec.cli, not a config field
-DECODER_PORT, EMBED_PORT = 50051, 50071  # the public ports
+DECODER_PORT, EMBED_PORT, HTTP_PORT = 50051, 50071, 8000  # the public ports
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +56,14 @@ def project() -> Project:
 
 def encdec_services(project: Project) -> dict[str, dict]:
     return {n: s for n, s in project.services.items() if s["command"][0] == "encdec"}
+
+
+def model_services(project: Project) -> dict[str, dict]:
+    return {n: s for n, s in encdec_services(project).items() if s["command"][1] in MODEL_COMMANDS}
+
+
+def gateways(project: Project) -> dict[str, dict]:
+    return {n: s for n, s in encdec_services(project).items() if s["command"][1] == "serve-http"}
 
 
 def in_profile(project: Project, profile: str) -> dict[str, dict]:
@@ -79,13 +91,18 @@ def test_only_the_public_ports_are_published_and_redis_stays_internal(project):
     assert project.networks["internal"] == {"internal": True}
     for profile, suffix in (("cpu", ""), ("gpu", "-gpu")):
         services = in_profile(project, profile)
-        assert set(services) == {f"encoder{suffix}", f"decoder{suffix}", f"embed{suffix}"}
+        assert set(services) == {f"encoder{suffix}", f"decoder{suffix}", f"embed{suffix}", f"http{suffix}"}
         published = {n: [h for h, _ in published_ports(s)] for n, s in services.items() if "ports" in s}
-        assert published == {f"decoder{suffix}": [DECODER_PORT], f"embed{suffix}": [EMBED_PORT]}
+        assert published == {
+            f"decoder{suffix}": [DECODER_PORT],
+            f"embed{suffix}": [EMBED_PORT],
+            f"http{suffix}": [HTTP_PORT],
+        }
         assert services[f"encoder{suffix}"]["networks"] == ["internal"]  # Encode: internal only
+        assert services[f"http{suffix}"]["networks"] == ["public"]  # reaches the decoder and embed, not Encode
 
 
-def test_dependencies_wait_for_health_and_health_checks_use_grpc_health(project):
+def test_dependencies_wait_for_health_and_health_checks_use_grpc_or_http_health(project):
     for name, svc in project.services.items():
         for dep, spec in svc.get("depends_on", {}).items():
             if "healthcheck" in project.services[dep]:
@@ -94,19 +111,29 @@ def test_dependencies_wait_for_health_and_health_checks_use_grpc_health(project)
             if svc.get(mode, "").startswith("service:"):
                 owner = svc[mode].removeprefix("service:")
                 assert svc["depends_on"][owner]["condition"] == "service_healthy", (name, mode)
-    for name, svc in encdec_services(project).items():
+    for name, svc in model_services(project).items():
         test = svc["healthcheck"]["test"]
         assert test[:3] == ["CMD", "python", "-c"] and "grpc_health.v1" in test[3] and ".Check(" in test[3], name
+    for name, svc in gateways(project).items():  # the image has no curl: python's urllib asks GET /health
+        test = svc["healthcheck"]["test"]
+        assert test[:3] == ["CMD", "python", "-c"] and "urllib.request" in test[3] and '"/health"' in test[3], name
     for name in ("decoder", "decoder-gpu"):
         assert set(project.services[name]["depends_on"]) == {"redis", name.replace("decoder", "encoder")}
+    for name in ("http", "http-gpu"):
+        suffix = name.removeprefix("http")
+        assert set(project.services[name]["depends_on"]) == {f"decoder{suffix}", f"embed{suffix}"}
 
 
-def test_health_check_command_fails_when_nothing_serves(project):
+@pytest.mark.parametrize(
+    ("service", "message"),
+    [("decoder", "127.0.0.1:{port}: UNAVAILABLE"), ("http", "http://127.0.0.1:{port}/health: ")],
+)
+def test_health_check_command_fails_when_nothing_serves(project, service, message):
     port = free_port()
     env = {"ENCDEC_PORT": str(port), "PATH": "/usr/bin:/bin"}
-    argv = local_command(project.services["decoder"]["healthcheck"]["test"][1:])
+    argv = local_command(project.services[service]["healthcheck"]["test"][1:])
     result = subprocess.run(argv, check=False, env=env, capture_output=True, timeout=60)
-    assert result.returncode != 0 and f"127.0.0.1:{port}: UNAVAILABLE" in result.stderr.decode()
+    assert result.returncode != 0 and message.format(port=port) in result.stderr.decode()
 
 
 def test_environment_names_real_config_fields_and_validates(project, monkeypatch):
@@ -121,6 +148,19 @@ def test_environment_names_real_config_fields_and_validates(project, monkeypatch
         assert not unknown, f"{name}: {sorted(unknown)} are not {cls.__name__} fields"
         config = config_from(cls, env=env)  # raises on a value the service would refuse
         assert config.port == int(env["ENCDEC_PORT"]) and config.host == "0.0.0.0"
+
+
+def test_each_gateway_reaches_its_profiles_decoder_and_embed_service(project):
+    for name, svc in gateways(project).items():
+        config = config_from(GatewayConfig, env={k: str(v) for k, v in svc["environment"].items()})
+        assert not config.api_key  # ENCDEC_API_KEY: empty unless set in the shell or .env
+        for targets, role in ((config.decoder_targets, "decoder"), (config.embed_targets, "embed")):
+            assert len(targets) == 1, (name, role)
+            host, _, port = targets[0].rpartition(":")
+            backend = project.services[host]
+            assert backend["command"][1] == ("serve-decoder" if role == "decoder" else "serve-encoder"), (name, host)
+            assert port in backend["expose"] and backend["profiles"] == svc["profiles"], (name, host)
+            assert set(backend["networks"]) & set(svc["networks"]), (name, host)
 
 
 def test_each_decoder_and_its_encoder_agree_on_the_kv_transport(project, monkeypatch):
@@ -146,12 +186,12 @@ def test_each_decoder_and_its_encoder_agree_on_the_kv_transport(project, monkeyp
 def test_encoders_and_decoders_share_the_internal_token_and_nothing_else_sees_it(project):
     """Encode takes only the deployment's token (shared/internal_auth.py): each encoder writes it to the
     internal-token volume on its first start, its decoder (started once the encoder is healthy) reads it there;
-    the public embed services do not mount it."""
+    the public embed services and HTTP gateways do not mount it."""
     assert "internal-token" in project.volumes
     for name, svc in encdec_services(project).items():
         path = svc["environment"].get("ENCDEC_INTERNAL_TOKEN_FILE")
-        if name.startswith("embed"):
-            assert path is None and not any(str(m).startswith("internal-token:") for m in svc["volumes"]), name
+        if name.startswith(("embed", "http")):
+            assert path is None and not any(str(m).startswith("internal-token:") for m in svc.get("volumes", [])), name
             continue
         mount = next(m for m in svc["volumes"] if str(m).startswith("internal-token:"))
         assert path == mount.partition(":")[2] + "/internal-token", name
@@ -164,14 +204,18 @@ def test_encoders_and_decoders_share_the_internal_token_and_nothing_else_sees_it
 
 def test_models_volume_and_gpu_profile(project):
     assert "models" in project.volumes
-    for name, svc in encdec_services(project).items():
+    for name, svc in model_services(project).items():
         assert "models:/models" in svc["volumes"], name
+    for name, svc in gateways(project).items():  # no model: neither the volume nor a GPU
+        assert "volumes" not in svc and "deploy" not in svc, name
     gpu = in_profile(project, "gpu")
     for name, svc in gpu.items():
-        devices = svc["deploy"]["resources"]["reservations"]["devices"]
-        assert any(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices), name
+        if name in model_services(project):
+            devices = svc["deploy"]["resources"]["reservations"]["devices"]
+            assert any(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices), name
         cpu_twin = project.services[name.removesuffix("-gpu")]
         assert svc["command"] == cpu_twin["command"] and svc.get("ports") == cpu_twin.get("ports"), name
+        assert svc["image"].endswith(":cuda") and cpu_twin["image"].endswith(":cpu"), name
         assert "deploy" not in cpu_twin
     env = gpu["decoder-gpu"]["environment"]
     assert env["ENCDEC_KV_TRANSPORT"] == "cuda_ipc" and env["ENCDEC_ATTENTION_BACKEND"] == "triton"
@@ -287,3 +331,33 @@ def test_embed_through_the_published_embed_port(deployment):
     got = torch.tensor([list(e.values) for e in resp.embeddings])
     assert got.shape == (len(texts), 384)
     assert F.cosine_similarity(got, ref, dim=1).min().item() >= 0.99999
+
+
+def test_http_gateway_through_the_published_http_port(deployment):
+    """The gateway lists the decoder's and the embed service's models and answers a transcription of a bundled
+    clip with the decoder's own transcript (Generate over the published decoder port)."""
+    import httpx
+
+    from shared.proto import decoder_pb2, decoder_pb2_grpc
+
+    url = "http://" + deployment.published(HTTP_PORT)
+    audio = (DATA / "short.wav").read_bytes()
+    with grpc.insecure_channel(deployment.published(DECODER_PORT)) as ch:
+        messages = decoder_pb2_grpc.DecoderServiceStub(ch).Generate(
+            decoder_pb2.GenerateRequest(audio=audio), timeout=120
+        )
+        expected = "".join(m.text for m in messages).strip()
+    assert expected
+    with httpx.Client(base_url=url, timeout=120) as client:
+        health = client.get("/health")
+        assert health.status_code == 200 and set(health.json()["backends"].values()) == {"SERVING"}
+        models = client.get("/v1/models").json()
+        assert models["object"] == "list"
+        assert {m["id"] for m in models["data"]} == {"whisper-tiny.en", "all-MiniLM-L6-v2"}
+        answer = client.post(
+            "/v1/audio/transcriptions",
+            files={"file": ("short.wav", audio, "audio/wav")},
+            data={"model": "whisper-tiny.en"},
+        )
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["text"] == expected

@@ -16,7 +16,9 @@ service of the active profiles as a process on this machine:
   values are rewritten;
 * ``depends_on`` is honoured in order; ``service_healthy`` waits until the
   service's own ``healthcheck`` command, run locally with the service's
-  environment, exits 0.
+  environment, exits 0 (whatever it checks: the gRPC health service of the
+  model services, ``GET /health`` of the HTTP gateway, which answers 200 only
+  once its decoder and embed backends are SERVING).
 
 Docker-only isolation (networks, IPC/PID namespaces, shm size) has no local
 effect; the tests check those keys structurally. ``compose_file.check_understood``

@@ -1,0 +1,140 @@
+"""The gateway's API key, ``/health`` and ``/metrics`` over raw HTTP (httpx, real servers): a gateway started with
+``ENCDEC_API_KEY``, one with a dead extra target, and the main one's request counts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from encdec.launcher import http_gateway, stop_processes
+from encdec.redis_server import free_port
+
+EMBED = "all-MiniLM-L6-v2"
+API_KEY = "sk-test-gateway-3c1f0e"
+
+
+@pytest.fixture(scope="module")
+def keyed_gateway(stack):
+    env = {**os.environ, "ENCDEC_API_KEY": API_KEY}
+    with http_gateway(stack.decoder_addresses, stack.embed_addresses, env=env) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def unhealthy_gateway(decoder_addresses: list[str], embed_addresses: list[str], timeout_s: float = 60.0):
+    """A gateway (``encdec serve-http``) whose ``/health`` is expected to fail: ready once it answers at all."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "encdec.cli", "--log-level", "WARNING", "serve-http", "--port", str(port)]
+    cmd += ["--decoder-address", ",".join(decoder_addresses), "--embed-address", ",".join(embed_addresses)]
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            assert proc.poll() is None, f"the gateway exited with {proc.returncode}"
+            try:
+                httpx.get(f"{url}/health", timeout=10)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "the gateway did not answer"
+                time.sleep(0.2)
+        yield url
+    finally:
+        stop_processes([proc])
+
+
+def test_no_api_key_is_401_with_www_authenticate(keyed_gateway):
+    for method, path, body in (("GET", "/v1/models", None), ("POST", "/v1/embeddings", {"model": EMBED, "input": "x"})):
+        response = httpx.request(method, keyed_gateway + path, json=body, timeout=30)
+        assert response.status_code == 401, (path, response.text)
+        assert response.headers.get("www-authenticate") == "Bearer", response.headers
+        error = response.json()["error"]
+        assert error["type"] == "authentication_error" and error["code"] == "invalid_api_key", error
+
+
+@pytest.mark.parametrize("header", [f"Bearer {API_KEY}x", "Bearer sk-wrong", f"Basic {API_KEY}", "Bearer", API_KEY])
+def test_a_wrong_api_key_is_401(keyed_gateway, header):
+    response = httpx.get(keyed_gateway + "/v1/models", headers={"Authorization": header}, timeout=30)
+    assert response.status_code == 401, response.text
+    assert response.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_the_right_api_key_is_served(keyed_gateway):
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(base_url=keyed_gateway, headers=auth, timeout=60) as client:
+        models = client.get("/v1/models")
+        assert models.status_code == 200, models.text
+        assert EMBED in {m["id"] for m in models.json()["data"]}
+        embedded = client.post("/v1/embeddings", json={"model": EMBED, "input": ["a key", "was sent"]})
+        assert embedded.status_code == 200, embedded.text
+        assert len(embedded.json()["data"]) == 2
+        assert client.get("/metrics").status_code == 200
+
+
+def test_health_needs_no_key_but_metrics_does(keyed_gateway):
+    assert httpx.get(keyed_gateway + "/health", timeout=30).status_code == 200
+    response = httpx.get(keyed_gateway + "/metrics", timeout=30)
+    assert response.status_code == 401, response.text
+    assert "encdec_http_requests" not in response.text
+
+
+def test_health_is_200_with_every_backend_serving(stack):
+    response = httpx.get(stack.url + "/health", timeout=30)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["status"] == "ok"
+    assert body["backends"] == {t: "SERVING" for t in stack.decoder_addresses + stack.embed_addresses}, body
+
+
+def test_health_is_503_naming_a_dead_target(stack):
+    dead = f"127.0.0.1:{free_port()}"  # nobody listens there
+    with unhealthy_gateway([*stack.decoder_addresses, dead], stack.embed_addresses) as url:
+        response = httpx.get(url + "/health", timeout=30)
+        models = httpx.get(url + "/v1/models", timeout=30)
+    assert response.status_code == 503, response.text
+    body = response.json()
+    assert body["status"] == "unavailable", body
+    assert body["backends"][dead].startswith("UNAVAILABLE"), body
+    assert {t for t, why in body["backends"].items() if why != "SERVING"} == {dead}, body
+    assert models.status_code == 200 and len(models.json()["data"]) == 4, models.text  # the others still serve
+
+
+def request_counts(url: str) -> dict[tuple[str, str, str], float]:
+    """``{(route, method, status): count}`` of the gateway's ``encdec_http_requests_total``."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return {
+        (s.labels["route"], s.labels["method"], s.labels["status"]): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "encdec_http_requests_total"
+    }
+
+
+def test_metrics_count_requests_by_route_method_and_status(stack):
+    before = request_counts(stack.url)
+    with httpx.Client(base_url=stack.url, timeout=60) as client:
+        for i in range(3):
+            assert client.post("/v1/embeddings", json={"model": EMBED, "input": f"count me {i}"}).status_code == 200
+        assert client.post("/v1/embeddings", json={"model": EMBED, "input": []}).status_code == 400
+        assert client.get("/no/such/path/8f3a").status_code == 404
+        assert client.get("/v1/models/no-such-model").status_code == 404
+    after = request_counts(stack.url)
+
+    def delta(key):
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert delta(("/v1/embeddings", "POST", "200")) == 3, after
+    assert delta(("/v1/embeddings", "POST", "400")) == 1, after
+    assert delta(("unmatched", "GET", "404")) == 1, after
+    assert delta(("/v1/models/{model:path}", "GET", "404")) == 1, after
+    assert not any("8f3a" in route or "no-such-model" in route for route, _, _ in after), "paths are not labels"
+    text = httpx.get(stack.url + "/metrics", timeout=30).text
+    assert 'encdec_http_request_duration_seconds_count{route="/v1/embeddings"}' in text

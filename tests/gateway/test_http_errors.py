@@ -1,0 +1,209 @@
+"""The gateway's refusals over raw HTTP (httpx, real servers): multipart edge cases of ``/v1/audio/transcriptions``
+(400 naming the field, 413 over the upload limit with and without a Content-Length), and the JSON routes' 400 /
+404 / 405 answers, each in OpenAI's error shape ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+
+from encdec import DATA_DIR
+from encdec.launcher import http_gateway
+
+WHISPER = "whisper-tiny.en"
+EMBED = "all-MiniLM-L6-v2"
+TRANSCRIBE = "/v1/audio/transcriptions"
+WAV = (DATA_DIR / "short.wav").read_bytes()
+BIG_WAV = (DATA_DIR / "sample.wav").read_bytes()  # 233 kB: over 0.05 MB + the form overhead (64 KiB)
+
+
+def error_of(response: httpx.Response, status: int) -> dict:
+    """The ``error`` object of an OpenAI-shaped error answer with ``status`` (asserted)."""
+    assert response.status_code == status, (response.status_code, response.text)
+    assert response.headers["content-type"].startswith("application/json"), response.headers
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"], body
+    assert body["error"]["type"] in ("invalid_request_error", "authentication_error", "server_error"), body
+    return body["error"]
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    with httpx.Client(base_url=stack.url, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def small_gateway(stack):
+    """A second gateway in front of the same services with a 0.05 MB upload limit."""
+    with http_gateway(stack.decoder_addresses, stack.embed_addresses, extra_args=["--max-upload-mb", "0.05"]) as url:
+        yield url
+
+
+AUDIO = ("file", ("short.wav", WAV, "audio/wav"))
+MODEL = ("model", (None, WHISPER))
+MULTIPART_CASES = {
+    "no file": ([MODEL], "file"),
+    "empty file": ([("file", ("empty.wav", b"", "audio/wav")), MODEL], "file"),
+    "text/plain file": ([("file", ("notes.txt", b"hello there", "text/plain")), MODEL], "file"),
+    "text field named file": ([("file", (None, "not a file")), MODEL], "file"),
+    "no model": ([AUDIO], "model"),
+    "unknown field": ([AUDIO, MODEL, ("speed", (None, "2"))], "speed"),
+    "xml format": ([AUDIO, MODEL, ("response_format", (None, "xml"))], "response_format"),
+    "negative temperature": ([AUDIO, MODEL, ("temperature", (None, "-0.5"))], "temperature"),
+    "temperature not a number": ([AUDIO, MODEL, ("temperature", (None, "abc"))], "temperature"),
+}
+
+
+@pytest.mark.parametrize("parts, field", MULTIPART_CASES.values(), ids=MULTIPART_CASES.keys())
+def test_multipart_edge_cases_are_400_naming_the_field(client, parts, field):
+    error = error_of(client.post(TRANSCRIBE, files=parts), 400)
+    assert error["param"] == field, error
+    assert field in error["message"], error
+    assert error["type"] == "invalid_request_error", error
+
+
+def test_a_json_body_on_the_upload_route_is_400_asking_for_multipart(client):
+    error = error_of(client.post(TRANSCRIBE, json={"model": WHISPER, "file": "abc"}), 400)
+    assert "multipart/form-data" in error["message"] and "file" in error["message"], error
+
+
+def test_a_non_audio_file_of_audio_type_is_the_decoders_400(client):
+    garbage = ("file", ("noise.wav", b"this is not a RIFF file at all " * 64, "audio/wav"))
+    error = error_of(client.post(TRANSCRIBE, files=[garbage, MODEL]), 400)
+    assert error["type"] == "invalid_request_error" and "audio" in error["message"], error
+    assert client.post(TRANSCRIBE, files=[AUDIO, MODEL]).status_code == 200  # and the next one is served
+
+
+def _recv_response(sock: socket.socket) -> tuple[bytes, bytes]:
+    """The head and the Content-Length body of one HTTP response read from ``sock``."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(
+        int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")
+    )
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        assert chunk, body
+        body += chunk
+    return head, body
+
+
+def test_an_upload_over_the_limit_by_content_length_is_413_before_the_body_is_sent(small_gateway):
+    url = urlsplit(small_gateway)
+    with socket.create_connection((url.hostname, url.port), timeout=10) as sock:
+        sock.sendall(
+            b"POST /v1/audio/transcriptions HTTP/1.1\r\nHost: gateway\r\n"
+            b"Content-Type: multipart/form-data; boundary=xyz\r\nContent-Length: 50000000\r\n\r\n--xyz\r\n"
+        )  # 50 MB announced, 7 bytes sent: the answer cannot wait for the body
+        head, body = _recv_response(sock)
+    assert head.startswith(b"HTTP/1.1 413 "), head
+    error = json.loads(body)["error"]
+    assert error["param"] == "file" and error["code"] == "file_too_large" and "0.05 MB" in error["message"], error
+
+
+def test_an_upload_over_the_limit_is_413(small_gateway):
+    response = httpx.post(
+        small_gateway + TRANSCRIBE, files=[("file", ("sample.wav", BIG_WAV, "audio/wav")), MODEL], timeout=60
+    )
+    assert "content-length" in response.request.headers
+    error = error_of(response, 413)
+    assert error["param"] == "file" and error["code"] == "file_too_large", error
+
+
+def test_a_chunked_upload_over_the_limit_is_413(small_gateway):
+    def body():
+        yield b'--xyz\r\nContent-Disposition: form-data; name="model"\r\n\r\n' + WHISPER.encode() + b"\r\n"
+        yield b'--xyz\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\nContent-Type: audio/wav\r\n\r\n'
+        for start in range(0, len(BIG_WAV), 16384):
+            yield BIG_WAV[start : start + 16384]
+        yield b"\r\n--xyz--\r\n"
+
+    response = httpx.post(
+        small_gateway + TRANSCRIBE,
+        content=body(),
+        headers={"content-type": "multipart/form-data; boundary=xyz"},
+        timeout=60,
+    )
+    assert "content-length" not in response.request.headers
+    assert response.request.headers["transfer-encoding"] == "chunked"
+    error = error_of(response, 413)
+    assert error["param"] == "file" and error["code"] == "file_too_large", error
+
+
+def test_the_small_gateway_serves_a_body_within_the_limit_and_the_form_overhead(small_gateway):
+    # short.wav is 83 kB: over 0.05 MB, within it + FORM_OVERHEAD_BYTES (the documented allowance)
+    response = httpx.post(small_gateway + TRANSCRIBE, files=[AUDIO, MODEL], timeout=60)
+    assert response.status_code == 200 and response.json()["text"], response.text
+
+
+def test_unknown_json_fields_are_400_naming_them(client, stack):
+    error = error_of(client.post("/v1/embeddings", json={"model": EMBED, "input": "hi", "colour": "red"}), 400)
+    assert error["param"] == "colour" and "colour" in error["message"], error
+    body = {"model": str(stack.t5_path), "prompt": "hi", "max_token": 5}
+    error = error_of(client.post("/v1/completions", json=body), 400)
+    assert error["param"] == "max_token" and "max_token" in error["message"], error
+
+
+def test_wrong_json_types_are_400_naming_the_field(client, stack):
+    error = error_of(
+        client.post("/v1/completions", json={"model": str(stack.t5_path), "prompt": "hi", "n": "two"}), 400
+    )
+    assert error["param"] == "n", error
+    error = error_of(client.post("/v1/embeddings", json={"model": EMBED, "input": 5}), 400)
+    assert error["param"] == "input" and "input" in error["message"], error
+
+
+def test_malformed_json_is_400(client):
+    response = client.post(
+        "/v1/embeddings", content=b'{"model": "x", "input": ', headers={"content-type": "application/json"}
+    )
+    error = error_of(response, 400)
+    assert "JSON" in error["message"] and error["param"] is None, error
+
+
+def test_unknown_models_are_404_model_not_found(client):
+    for path, body in (
+        ("/v1/embeddings", {"model": "no-such-model", "input": "hi"}),
+        ("/v1/completions", {"model": "no-such-model", "prompt": "hi"}),
+    ):
+        error = error_of(client.post(path, json=body), 404)
+        assert error["code"] == "model_not_found" and "no-such-model" in error["message"], (path, error)
+    response = client.post(TRANSCRIBE, files=[AUDIO, ("model", (None, "no-such-model"))])
+    assert error_of(response, 404)["code"] == "model_not_found"
+    assert error_of(client.get("/v1/models/no-such-model"), 404)["code"] == "model_not_found"
+
+
+def test_too_many_embedding_inputs_are_400_naming_the_limit(client):
+    error = error_of(client.post("/v1/embeddings", json={"model": EMBED, "input": ["a few words"] * 10_000}), 400)
+    assert error["param"] == "input" and "2048" in error["message"] and "10000" in error["message"], error
+    after = client.post("/v1/embeddings", json={"model": EMBED, "input": ["still answering"]})
+    assert after.status_code == 200 and len(after.json()["data"]) == 1, after.text
+
+
+def test_an_empty_input_list_is_400(client):
+    error = error_of(client.post("/v1/embeddings", json={"model": EMBED, "input": []}), 400)
+    assert error["param"] == "input", error
+
+
+def test_a_get_on_a_post_route_is_405_in_openai_shape(client):
+    response = client.get("/v1/embeddings")
+    error = error_of(response, 405)
+    assert error["type"] == "invalid_request_error", error
+    assert "POST" in response.headers.get("allow", ""), response.headers
+
+
+def test_an_unknown_path_is_404_in_openai_shape(client):
+    error = error_of(client.get("/v1/no/such/route"), 404)
+    assert error["type"] == "invalid_request_error", error
+    error_of(client.post("/v2/completions", json={}), 404)
