@@ -47,7 +47,10 @@ def _serve_http(args: argparse.Namespace) -> int:
     from gateway_svc.config import GatewayConfig
     from gateway_svc.startup import run
 
-    run(config_from(GatewayConfig, args), log_level=args.log_level)
+    try:
+        run(config_from(GatewayConfig, args), log_level=args.log_level)
+    except KeyboardInterrupt:  # uvicorn re-raises the signal after its graceful shutdown
+        pass
     return 0
 
 

@@ -22,15 +22,15 @@ from gateway_svc.errors import GatewayError
 T = TypeVar("T")
 
 
-def backends(request: Request) -> Backends:
-    return request.app.state.backends
+async def backends(request: Request) -> Backends:
+    return request.app.state.backends  # async: FastAPI runs a plain def dependency in its thread pool
 
 
-def config(request: Request) -> GatewayConfig:
+async def config(request: Request) -> GatewayConfig:
     return request.app.state.config
 
 
-def require_api_key(request: Request) -> None:
+async def require_api_key(request: Request) -> None:
     """With ``api_key`` set, the request must carry ``Authorization: Bearer <api_key>``.
 
     Raises:

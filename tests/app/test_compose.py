@@ -127,6 +127,7 @@ def test_dependencies_wait_for_health_and_health_checks_use_grpc_or_http_health(
 @pytest.mark.parametrize(
     ("service", "message"),
     [("decoder", "127.0.0.1:{port}: UNAVAILABLE"), ("http", "http://127.0.0.1:{port}/health: ")],
+    ids=["decoder", "http"],
 )
 def test_health_check_command_fails_when_nothing_serves(project, service, message):
     port = free_port()
