@@ -34,6 +34,23 @@ def sse_payloads(response: httpx.Response) -> list[str]:
     return payloads
 
 
+def long_unique_clip() -> bytes:
+    """~75 s of the bundled clips in a row (three 30 s windows) with a little fresh noise: seconds of work that no
+    earlier request's encoder-cache entry can shorten, so a 0.3 s client timeout always comes first."""
+    import io
+
+    import numpy as np
+    import soundfile
+
+    clips = [soundfile.read(path, dtype="float32") for path in sorted(DATA_DIR.glob("*.wav"))]
+    rate = clips[0][1]
+    pcm = np.concatenate([c for c, _ in clips] * 3)[: 75 * rate]
+    pcm = pcm + np.random.default_rng().normal(0.0, 1e-4, pcm.shape).astype(np.float32)
+    out = io.BytesIO()
+    soundfile.write(out, pcm, rate, format="WAV", subtype="FLOAT")
+    return out.getvalue()
+
+
 def _stub(address: str):
     channel = grpc.insecure_channel(address)
     return channel, decoder_pb2_grpc.DecoderServiceStub(channel)
@@ -169,7 +186,7 @@ def test_a_transcription_client_that_times_out_leaves_nothing_running(stack, whi
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(
             f"{stack.url}/v1/audio/transcriptions",
-            files={"file": ("sample.wav", audio, "audio/wav")},
+            files={"file": ("long.wav", long_unique_clip(), "audio/wav")},
             data={"model": WHISPER},
             timeout=httpx.Timeout(30.0, read=0.3),
         )
