@@ -105,7 +105,8 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
 
     def _check_model(self, name: str) -> None:
         if name and name not in self.served_names:
-            raise NotFoundError(f"model {name!r} is not served here; this decoder serves {self.config.model!r}")
+            shown = name if len(name) <= 256 else name[:256] + "..."  # a status message travels in 16 KiB metadata
+            raise NotFoundError(f"model {shown!r} is not served here; this decoder serves {self.config.model!r}")
 
     # -- RPCs ---------------------------------------------------------------
     async def Generate(self, request, context):

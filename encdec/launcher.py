@@ -149,7 +149,7 @@ class Services:
         log_dir: where each service's stdout/stderr goes; None inherits ours.
         log_level: the services' log level.
         embed_model: also start an embed service (an encoder service of this encoder-only model) on
-            ``embed_port`` (0 picks a free one).
+            ``embed_port`` (0 picks a free one), its Prometheus ``/metrics`` on 9402.
         http_port: also start the HTTP gateway (``encdec serve-http``) on this port, in front of the decoder
             and the embed service (0 picks a free port; None starts none). ``extra_http_args``: more flags.
         internal_token: generate an internal token (``shared.internal_auth``) in a private temporary
@@ -323,7 +323,19 @@ class Services:
         )
         embed = None
         if self.embed_model:
-            embed = self._spawn("embed", ["serve-encoder", "--port", str(self.embed_port), "--model", self.embed_model])
+            embed = self._spawn(
+                "embed",
+                # Its own metrics port: the encoder's default (9401) is taken by the encoder.
+                [
+                    "serve-encoder",
+                    "--port",
+                    str(self.embed_port),
+                    "--model",
+                    self.embed_model,
+                    "--metrics-port",
+                    "9402",
+                ],
+            )
         wait_healthy(self.encoder_address, self.startup_timeout_s, encoder)
         wait_healthy(self.decoder_address, self.startup_timeout_s, decoder)
         if embed is not None:

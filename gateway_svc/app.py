@@ -39,6 +39,6 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
     app.include_router(audio.router, dependencies=guarded)
     app.include_router(completions.router, dependencies=guarded)
     app.include_router(embeddings.router, dependencies=guarded)
-    app.add_middleware(UploadLimitMiddleware, limit_bytes=cfg.max_upload_bytes)
+    app.add_middleware(UploadLimitMiddleware, upload_bytes=cfg.max_upload_bytes, request_bytes=cfg.max_request_bytes)
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     return app

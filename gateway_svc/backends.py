@@ -97,6 +97,7 @@ class Backends:
         self.models: dict[str, Backend] = {}  # by Backend.model
         self._probes: dict[str, grpc.aio.Channel] = {}  # one channel per configured target
         self._last_discovery = 0.0
+        self.unanswered: set[str] = set()  # targets that did not answer the last discovery
         self._lock = asyncio.Lock()
 
     def _probe(self, target: str) -> grpc.aio.Channel:
@@ -116,6 +117,7 @@ class Backends:
             probes = [(t, "decoder") for t in self.config.decoder_targets]
             probes += [(t, "embed") for t in self.config.embed_targets]
             answers = await asyncio.gather(*(self._ask(t, role) for t, role in probes))
+            self.unanswered = {target for (target, _), answer in zip(probes, answers) if answer is None}
             for (target, _), answer in zip(probes, answers):
                 if answer is None:
                     continue
@@ -179,9 +181,18 @@ class Backends:
                 return fitting[0]
             if not fitting:
                 configured = self.config.decoder_targets if "embed" not in kinds else self.config.embed_targets
-                if not configured:
-                    raise GatewayError(404, f"this gateway has no backend for {endpoint}", "model", "model_not_found")
-                raise GatewayError(503, f"no backend for {endpoint} answers ({', '.join(configured)}); retry later")
+                silent = [t for t in configured if t in self.unanswered]
+                if silent:  # the model may be behind a target that is down
+                    raise GatewayError(
+                        503, f"model {model!r} is not known: {', '.join(silent)} did not answer; retry later"
+                    )
+                served = ", ".join(sorted(b.model for b in self.models.values())) or "nothing"
+                raise GatewayError(
+                    404,
+                    f"model {model!r} is not served here; no model for {endpoint} is (served: {served})",
+                    "model",
+                    "model_not_found",
+                )
             served = ", ".join(sorted(b.model for b in fitting))
             raise GatewayError(
                 404, f"model {model!r} is not served here; {endpoint} serves: {served}", "model", "model_not_found"

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 # OpenAI's documented upload limit for /v1/audio/* (25 MB).
 DEFAULT_MAX_UPLOAD_MB = 25.0
+# JSON bodies: 2048 embedding inputs of a few KB each fit (TEI's --payload-limit is 2 MB).
+DEFAULT_MAX_REQUEST_MB = 16.0
 # OpenAI's documented limit of inputs in one /v1/embeddings request.
 DEFAULT_MAX_EMBEDDING_INPUTS = 2048
 
@@ -25,6 +27,8 @@ class GatewayConfig:
             otherwise). Prefer ``ENCDEC_API_KEY`` to the flag (a flag shows in ``ps``).
         max_upload_mb: largest request body of ``/v1/audio/*`` in MB (10^6 bytes); larger is 413, refused
             before the body is read whole.
+        max_request_mb: largest JSON request body in MB (10^6 bytes); larger is 413, refused before it is read
+            whole (TEI's ``--payload-limit``).
         max_embedding_inputs: most ``input`` items of one ``/v1/embeddings`` request (400 beyond).
         request_timeout_s: the gRPC deadline of each backend call (seconds).
 
@@ -38,6 +42,7 @@ class GatewayConfig:
     embed_address: str = ""
     api_key: str = ""
     max_upload_mb: float = DEFAULT_MAX_UPLOAD_MB
+    max_request_mb: float = DEFAULT_MAX_REQUEST_MB
     max_embedding_inputs: int = DEFAULT_MAX_EMBEDDING_INPUTS
     request_timeout_s: float = 600.0
 
@@ -51,6 +56,8 @@ class GatewayConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_upload_mb <= 0:
             raise ValueError(f"max_upload_mb must be > 0, got {self.max_upload_mb:g}")
+        if self.max_request_mb <= 0:
+            raise ValueError(f"max_request_mb must be > 0, got {self.max_request_mb:g}")
         if self.max_embedding_inputs < 1:
             raise ValueError(f"max_embedding_inputs must be >= 1, got {self.max_embedding_inputs}")
         if self.request_timeout_s <= 0:
@@ -67,6 +74,10 @@ class GatewayConfig:
     @property
     def max_upload_bytes(self) -> int:
         return int(self.max_upload_mb * 1_000_000)
+
+    @property
+    def max_request_bytes(self) -> int:
+        return int(self.max_request_mb * 1_000_000)
 
 
 def _targets(value: str) -> list[str]:

@@ -7,6 +7,7 @@ The map follows the gRPC <-> HTTP table of Google's API design guide (``google.r
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 
@@ -15,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 log = logging.getLogger(__name__)
 
@@ -67,14 +69,41 @@ def bad_request(message: str, param: str | None = None) -> GatewayError:
     return GatewayError(400, message, param)
 
 
+@contextlib.contextmanager
+def building_request(param: str | None = None):
+    """Around the building of a gRPC request from checked fields: what protobuf still refuses is the caller's 400
+    (naming ``param``, the field the strings or numbers come from, when one does).
+
+    Raises:
+        GatewayError: 400, a string holding a lone UTF-16 surrogate (JSON's ``"\\ud800"``: not UTF-8) or a number
+            out of its proto field's range.
+    """
+    try:
+        yield
+    except UnicodeEncodeError:
+        raise bad_request(
+            "a string in the request is not valid Unicode (a lone surrogate escape such as \\ud800); send UTF-8 text",
+            param,
+        ) from None
+    except ValueError as exc:  # protobuf: "Value out of range: ..."
+        raise bad_request(f"a number in the request is out of range: {exc}", param) from None
+
+
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     """OpenAI's error object for an HTTP ``status``."""
     kind = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+RETRY_AFTER_S = "1"  # 429 (a decoder's full queue) and 503 (a backend down): clients back off before retrying
+
+
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    headers = None
+    if status == 401:
+        headers = {"WWW-Authenticate": "Bearer"}
+    elif status in (429, 503):
+        headers = {"Retry-After": RETRY_AFTER_S}
     return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
@@ -118,10 +147,14 @@ def install(app: FastAPI) -> None:
         return error_response(err.status, err.message, err.param, err.code)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request body"}
         field = _field(tuple(first.get("loc", ())))
         kind = first.get("type", "")
+        content_type = request.headers.get("content-type", "")
+        if field == "body" and not content_type.startswith("application/json"):
+            message = f"send the body as JSON with 'Content-Type: application/json' (got {content_type or 'none'!r})"
+            return error_response(400, message)
         if kind == "extra_forbidden":
             message = f"unknown field {field!r}: not a parameter of this endpoint"
         elif kind == "missing":
@@ -135,9 +168,16 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        response = error_response(exc.status_code, str(exc.detail))
+        detail = str(exc.detail)
+        if detail == "There was an error parsing the body":  # FastAPI's words for a body json.loads refused
+            detail = "the body is not valid JSON (or not UTF-8); send a JSON object"
+        response = error_response(exc.status_code, detail)
         response.headers.update(exc.headers or {})  # a 405's Allow
         return response
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(_: Request, exc: ClientDisconnect) -> JSONResponse:
+        return error_response(499, "the client closed the connection before its request was read")
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:

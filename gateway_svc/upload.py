@@ -1,4 +1,5 @@
-"""The request-body limit of the upload routes (``/v1/audio/*``): 413 before the body is read whole.
+"""The request-body limits: ``--max-upload-mb`` on the upload routes (``/v1/audio/*``), ``--max-request-mb`` on the
+JSON routes; 413 before the body is read whole.
 
 A ``Content-Length`` over the limit is answered at once, without reading the body; a body sent without one
 (chunked) is counted as it arrives and refused once it passes the limit. Either way the gateway never holds more
@@ -15,36 +16,40 @@ from gateway_svc.errors import GatewayError, error_body
 FORM_OVERHEAD_BYTES = 64 * 1024
 
 
-def too_large(limit_bytes: int) -> GatewayError:
+def too_large(limit_bytes: int, audio: bool = True) -> GatewayError:
+    """The 413 of a body over ``limit_bytes``: an audio upload's, or a JSON body's."""
+    flag, param = ("--max-upload-mb", "file") if audio else ("--max-request-mb", None)
+    advice = "send a shorter clip (FLAC is about half the size of WAV)" if audio else "split the request"
     return GatewayError(
         413,
-        f"the upload is over this server's limit of {limit_bytes / 1e6:g} MB (--max-upload-mb); "
-        "send a shorter or compressed file (flac, mp3, ogg)",
-        "file",
-        "file_too_large",
+        f"the request body is over this server's limit of {limit_bytes / 1e6:g} MB ({flag}); " + advice,
+        param,
+        "file_too_large" if audio else "request_too_large",
     )
 
 
 class UploadLimitMiddleware:
-    """ASGI middleware bounding the body of requests whose path starts with one of ``prefixes``.
+    """ASGI middleware bounding every request body: ``upload_bytes`` (plus ``FORM_OVERHEAD_BYTES``) on paths
+    starting with one of ``upload_prefixes``, ``request_bytes`` on the others (JSON bodies)."""
 
-    Args:
-        limit_bytes: the file's limit; the body may exceed it by ``FORM_OVERHEAD_BYTES``.
-    """
-
-    def __init__(self, app, limit_bytes: int, prefixes: tuple[str, ...] = ("/v1/audio/",)) -> None:
+    def __init__(
+        self, app, upload_bytes: int, request_bytes: int, upload_prefixes: tuple[str, ...] = ("/v1/audio/",)
+    ) -> None:
         self.app = app
-        self.limit_bytes = limit_bytes
-        self.prefixes = prefixes
+        self.upload_bytes = upload_bytes
+        self.request_bytes = request_bytes
+        self.upload_prefixes = upload_prefixes
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith(self.prefixes):
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        bound = self.limit_bytes + FORM_OVERHEAD_BYTES
+        audio = scope["path"].startswith(self.upload_prefixes)
+        limit = self.upload_bytes if audio else self.request_bytes
+        bound = limit + FORM_OVERHEAD_BYTES if audio else limit
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > bound:
-            await _send_error(send, too_large(self.limit_bytes))
+            await _send_error(send, too_large(limit, audio))
             return
         received = 0
 
@@ -54,14 +59,14 @@ class UploadLimitMiddleware:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > bound:
-                    raise too_large(self.limit_bytes)  # the route's error handler answers 413
+                    raise too_large(limit, audio)  # the route's error handler answers 413
             return message
 
         await self.app(scope, counted, send)
 
 
 async def _send_error(send, err: GatewayError) -> None:
-    body = json.dumps(error_body(err.status, err.message, err.param, err.code)).encode()
+    body = json.dumps(error_body(err.status, err.message, err.param, err.code), separators=(",", ":")).encode()
     await send(
         {
             "type": "http.response.start",

@@ -104,7 +104,8 @@ class EmbedServicer(embed_pb2_grpc.EmbedServiceServicer):
 
     def _check(self, model: str, count: int, what: str = "inputs", allow_empty: bool = False) -> None:
         if model and model not in self.served_names:
-            raise NotFoundError(f"model {model!r} is not served here; this encoder serves {self.model_name!r}")
+            shown = model if len(model) <= 256 else model[:256] + "..."  # a status message travels in 16 KiB metadata
+            raise NotFoundError(f"model {shown!r} is not served here; this encoder serves {self.model_name!r}")
         if count == 0 and not allow_empty:
             raise InvalidRequestError(f"{what} is empty; send at least one")
         if count > self.max_inputs:

@@ -25,6 +25,7 @@ from gateway_svc.backends import Backends
 from gateway_svc.config import GatewayConfig
 from gateway_svc.errors import bad_request, error_body, from_rpc_error
 from gateway_svc.route_support import backends, config, sse, unless_disconnected
+from gateway_svc.schemas import MAX_MODEL_NAME_LEN
 from shared.proto import decoder_pb2
 
 router = APIRouter()
@@ -86,10 +87,12 @@ async def parse_form(request: Request, task: str) -> dict:
         raise bad_request("file must be a file part (filename and content), not a text field", "file")
     media = (upload.content_type or "").lower()
     if media and not media.startswith(AUDIO_TYPES):
-        raise bad_request(f"file has media type {media!r}; send an audio file (wav, flac, mp3, ogg, webm, m4a)", "file")
+        raise bad_request(f"file has media type {media!r}; send an audio file (WAV or FLAC)", "file")
     model = _one(form, "model")
     if not model:
         raise bad_request("missing required field 'model'", "model")
+    if len(model) > MAX_MODEL_NAME_LEN:
+        raise bad_request(f"model is {len(model)} characters; the limit is {MAX_MODEL_NAME_LEN}", "model")
     response_format = _one(form, "response_format") or "json"
     if response_format not in FORMATS:
         raise bad_request(

@@ -18,7 +18,7 @@ from fastapi import APIRouter, Depends, Request
 
 from gateway_svc.backends import Backend, Backends
 from gateway_svc.config import GatewayConfig
-from gateway_svc.errors import bad_request, error_body, from_rpc_error
+from gateway_svc.errors import bad_request, building_request, error_body, from_rpc_error
 from gateway_svc.route_support import backends, config, new_id, sse, unless_disconnected
 from gateway_svc.schemas import CompletionRequest
 from shared.proto import decoder_pb2
@@ -78,6 +78,11 @@ def generate_requests(body: CompletionRequest) -> list[decoder_pb2.GenerateReque
         raise bad_request("prompt is empty; send a string, a list of strings or token-id lists", "prompt")
     if len(prompts) > MAX_PROMPTS:
         raise bad_request(f"{len(prompts)} prompts; the limit is {MAX_PROMPTS} per request", "prompt")
+    with building_request("prompt"):
+        return _generate_requests(body, prompts)
+
+
+def _generate_requests(body: CompletionRequest, prompts: list) -> list[decoder_pb2.GenerateRequest]:
     params = sampling_params(body)
     out = []
     for prompt in prompts:

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Depends, Response
 
 from gateway_svc.backends import Backends
 from gateway_svc.config import GatewayConfig
-from gateway_svc.errors import bad_request
+from gateway_svc.errors import bad_request, building_request
 from gateway_svc.route_support import backends, config, new_id
 from gateway_svc.schemas import EmbeddingsRequest, RerankRequest
 from shared.proto import embed_pb2
@@ -46,13 +46,14 @@ def embed_request(body: EmbeddingsRequest, max_inputs: int) -> embed_pb2.EmbedRe
             "split the list",
             "input",
         )
-    request = embed_pb2.EmbedRequest(model=body.model, dimensions=body.dimensions or 0, truncate=body.truncate)
-    if body.normalize is not None:
-        request.normalize = body.normalize
-    if isinstance(inputs[0], str):
-        request.inputs.extend(inputs)
-    else:
-        request.input_ids.extend(embed_pb2.EmbedTokenIds(ids=ids) for ids in inputs)
+    with building_request("input"):
+        request = embed_pb2.EmbedRequest(model=body.model, dimensions=body.dimensions or 0, truncate=body.truncate)
+        if body.normalize is not None:
+            request.normalize = body.normalize
+        if isinstance(inputs[0], str):
+            request.inputs.extend(inputs)
+        else:
+            request.input_ids.extend(embed_pb2.EmbedTokenIds(ids=ids) for ids in inputs)
     return request
 
 
@@ -85,12 +86,11 @@ async def rerank(
 ) -> Response:
     """Scores each document against the query (a cross-encoder with one label: sigmoid of its logit), best first."""
     backend = await b.lookup(body.model, ("embed",), "/v1/rerank")
-    response = await backend.embed.Rerank(
-        embed_pb2.RerankRequest(
+    with building_request():
+        request = embed_pb2.RerankRequest(
             model=body.model, query=body.query, documents=body.documents, truncate=body.truncate, top_n=body.top_n or 0
-        ),
-        timeout=cfg.request_timeout_s,
-    )
+        )
+    response = await backend.embed.Rerank(request, timeout=cfg.request_timeout_s)
     results = []
     for r in response.results:
         result = {"index": r.index, "relevance_score": r.score}

@@ -207,3 +207,55 @@ def test_an_unknown_path_is_404_in_openai_shape(client):
     error = error_of(client.get("/v1/no/such/route"), 404)
     assert error["type"] == "invalid_request_error", error
     error_of(client.post("/v2/completions", json={}), 404)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/embeddings", {"model": EMBED, "input": "x", "dimensions": 2**32}, "dimensions"),
+        ("/v1/embeddings", {"model": EMBED, "input": [2**31]}, "input"),
+        ("/v1/embeddings", {"model": EMBED, "input": "x", "dimensions": "3"}, "dimensions"),
+        ("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 10**14}, "max_tokens"),
+        ("/v1/completions", {"model": "m", "prompt": "hi", "temperature": "0.5"}, "temperature"),
+        ("/v1/rerank", {"model": EMBED, "query": "q", "documents": ["d"], "top_n": 10**20}, "top_n"),
+        ("/v1/embeddings", {"model": "", "input": "x"}, "model"),
+        ("/v1/embeddings", {"model": "m" * 20000, "input": "x"}, "model"),
+    ],
+)
+def test_out_of_range_and_uncoerced_values_are_400_naming_the_field(stack, path, body, param):
+    response = httpx.post(stack.url + path, json=body, timeout=30)
+    error = error_of(response, 400)
+    assert error["param"] == param, error
+
+
+@pytest.mark.parametrize("field", ["input", "model"])
+def test_a_lone_surrogate_is_400_not_a_500(stack, field):
+    model, text = (EMBED, "\\ud800") if field == "input" else ("\\ud800", "x")
+    body = '{"model": "' + model + '", "input": "' + text + '"}'  # JSON's escape, not a Python character
+    response = httpx.post(
+        stack.url + "/v1/embeddings", content=body, headers={"content-type": "application/json"}, timeout=30
+    )
+    error = error_of(response, 400)
+    assert error["param"] == field and "internal error" not in error["message"], error
+
+
+def test_a_json_body_over_the_limit_is_413_before_it_is_read(stack):
+    with http_gateway(stack.decoder_addresses, stack.embed_addresses, ["--max-request-mb", "0.01"]) as url:
+        big = {"model": EMBED, "input": ["word " * 100] * 40}  # ~20 KB
+        error = error_of(httpx.post(url + "/v1/embeddings", json=big, timeout=30), 413)
+        assert "--max-request-mb" in error["message"], error
+        small = httpx.post(url + "/v1/embeddings", json={"model": EMBED, "input": "x"}, timeout=30)
+        assert small.status_code == 200, small.text
+
+
+def test_a_text_endpoint_with_only_speech_backends_is_404_not_503(stack):
+    with http_gateway([stack.whisper.decoder_address]) as url:
+        response = httpx.post(url + "/v1/completions", json={"model": "/models/my-t5", "prompt": "hi"}, timeout=30)
+        error = error_of(response, 404)
+        assert error["code"] == "model_not_found" and WHISPER in error["message"], error
+
+
+def test_json_without_its_content_type_says_so(stack):
+    response = httpx.post(stack.url + "/v1/embeddings", content=b'{"model": "m", "input": "x"}', timeout=30)
+    error = error_of(response, 400)
+    assert "Content-Type: application/json" in error["message"], error
