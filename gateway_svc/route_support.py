@@ -7,13 +7,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
 
+import orjson
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from gateway_svc.backends import Backends
 from gateway_svc.config import GatewayConfig
@@ -86,12 +86,18 @@ def sse(events: AsyncIterator[dict | str]) -> StreamingResponse:
 
     async def framed():
         async for event in events:
-            payload = event if isinstance(event, str) else json.dumps(event, separators=(",", ":"))
-            yield f"data: {payload}\n\n"
+            payload = event.encode() if isinstance(event, str) else orjson.dumps(event)
+            yield b"data: " + payload + b"\n\n"
 
     return StreamingResponse(
         framed(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     )
+
+
+def json_response(body: dict, status: int = 200) -> Response:
+    """``body`` as compact JSON (orjson: numpy float32 arrays are written as float32 values, each the shortest
+    decimal that reads back to the same float32)."""
+    return Response(orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), status, media_type="application/json")
 
 
 def new_id(prefix: str) -> str:

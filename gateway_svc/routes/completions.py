@@ -19,7 +19,7 @@ from fastapi import APIRouter, Depends, Request
 from gateway_svc.backends import Backend, Backends
 from gateway_svc.config import GatewayConfig
 from gateway_svc.errors import bad_request, building_request, error_body, from_rpc_error
-from gateway_svc.route_support import backends, config, new_id, sse, unless_disconnected
+from gateway_svc.route_support import backends, config, json_response, new_id, sse, unless_disconnected
 from gateway_svc.schemas import CompletionRequest
 from shared.proto import decoder_pb2
 
@@ -186,7 +186,7 @@ async def completions(
     with_logprobs = body.logprobs is not None
     if body.stream:
         return sse(_stream(started, body, meta, with_logprobs))
-    return await unless_disconnected(request, _gather(started, body.n, meta, with_logprobs))
+    return json_response(await unless_disconnected(request, _gather(started, body.n, meta, with_logprobs)))
 
 
 async def _messages(call, first):

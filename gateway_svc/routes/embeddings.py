@@ -1,14 +1,13 @@
 """``POST /v1/embeddings`` and ``POST /v1/rerank`` over the embed service's Embed and Rerank RPCs.
 
 Vectors are the Embed RPC's float32 values exactly: ``float`` writes each as the shortest decimal that reads back
-to the same float32 through a double; ``base64`` is the little-endian float32 bytes, as OpenAI sends them (and
+to the same float32 (``route_support.json_response``); ``base64`` is the little-endian float32 bytes, as OpenAI sends them (and
 as the ``openai`` Python client asks for by default).
 """
 
 from __future__ import annotations
 
 import base64
-import json
 
 import numpy as np
 from fastapi import APIRouter, Depends, Response
@@ -16,15 +15,11 @@ from fastapi import APIRouter, Depends, Response
 from gateway_svc.backends import Backends
 from gateway_svc.config import GatewayConfig
 from gateway_svc.errors import bad_request, building_request
-from gateway_svc.route_support import backends, config, new_id
+from gateway_svc.route_support import backends, config, json_response, new_id
 from gateway_svc.schemas import EmbeddingsRequest, RerankRequest
 from shared.proto import embed_pb2
 
 router = APIRouter()
-
-
-def _json(body: dict) -> Response:
-    return Response(json.dumps(body, separators=(",", ":")), media_type="application/json")
 
 
 def embed_request(body: EmbeddingsRequest, max_inputs: int) -> embed_pb2.EmbedRequest:
@@ -67,9 +62,9 @@ async def embeddings(
     if body.encoding_format == "base64":
         vectors = [base64.b64encode(np.asarray(e.values, dtype="<f4").tobytes()).decode() for e in response.embeddings]
     else:
-        vectors = [list(e.values) for e in response.embeddings]
+        vectors = [np.asarray(e.values, dtype=np.float32) for e in response.embeddings]
     tokens = response.usage.prompt_tokens
-    return _json(
+    return json_response(
         {
             "object": "list",
             "data": [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)],
@@ -97,7 +92,7 @@ async def rerank(
         if body.return_documents:
             result["document"] = {"text": body.documents[r.index]}
         results.append(result)
-    return _json(
+    return json_response(
         {
             "id": new_id("rerank"),
             "model": response.model or backend.model,
