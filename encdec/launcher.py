@@ -384,25 +384,26 @@ def encoder_service(
     Raises:
         ServicesError: it exited or did not become healthy in time.
     """
+    args = ["serve-encoder", "--model", model, *(extra_args or [])]
+    with _one_service(args, log_level, startup_timeout_s, lambda port: f"127.0.0.1:{port}", wait_healthy) as address:
+        yield address
+
+
+@contextlib.contextmanager
+def _one_service(args: list[str], log_level: str, startup_timeout_s: float, address_of, wait, env=None):
+    """``encdec <args> --port P`` on a free port P (picked again if it was taken before the service bound it, up to
+    ``BIND_ATTEMPTS`` times); yields ``address_of(P)`` once ``wait(address, timeout_s, proc)`` passes; stops it.
+
+    Raises:
+        ServicesError: it exited or did not become healthy in time.
+    """
     for attempt in range(1, BIND_ATTEMPTS + 1):
         port = free_port()
-        cmd = [
-            sys.executable,
-            "-m",
-            "encdec.cli",
-            "--log-level",
-            log_level,
-            "serve-encoder",
-            "--port",
-            str(port),
-            "--model",
-            model,
-            *(extra_args or []),
-        ]
-        proc = subprocess.Popen(cmd, start_new_session=True)
-        address = f"127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "encdec.cli", "--log-level", log_level, *args[:1], "--port", str(port), *args[1:]]
+        proc = subprocess.Popen(cmd, start_new_session=True, env=env)
+        address = address_of(port)
         try:
-            wait_healthy(address, startup_timeout_s, proc)
+            wait(address, startup_timeout_s, proc)
             break
         except BaseException:
             stop_processes([proc])
@@ -436,19 +437,8 @@ def http_gateway(
         backends += ["--decoder-address", ",".join(decoder_addresses)]
     if embed_addresses:
         backends += ["--embed-address", ",".join(embed_addresses)]
-    for attempt in range(1, BIND_ATTEMPTS + 1):
-        port = free_port()
-        cmd = [sys.executable, "-m", "encdec.cli", "--log-level", log_level, "serve-http", "--port", str(port)]
-        proc = subprocess.Popen([*cmd, *backends, *(extra_args or [])], start_new_session=True, env=env)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            wait_http_healthy(url, startup_timeout_s, proc)
-            break
-        except BaseException:
-            stop_processes([proc])
-            if proc.returncode != BIND_ERROR_EXIT or attempt == BIND_ATTEMPTS:
-                raise
-    try:
+    args = ["serve-http", *backends, *(extra_args or [])]
+    with _one_service(
+        args, log_level, startup_timeout_s, lambda port: f"http://127.0.0.1:{port}", wait_http_healthy, env
+    ) as url:
         yield url
-    finally:
-        stop_processes([proc])

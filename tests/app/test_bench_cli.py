@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers.cli import encdec
 
 ROOT = Path(__file__).resolve().parents[2]
 REQUESTS, NEW_TOKENS, SOURCE_LEN = 4, 8, 6
@@ -25,12 +25,7 @@ def bench_run(tmp_path_factory):
     pytest.importorskip("matplotlib")
     out = tmp_path_factory.mktemp("bench")
     cache = out / "cache"
-    cmd = [
-        sys.executable,
-        "-m",
-        "encdec.cli",
-        "--log-level",
-        "WARNING",
+    cmd = encdec(
         "bench",
         "all",
         "--only",
@@ -44,7 +39,7 @@ def bench_run(tmp_path_factory):
         f"--skip-hf-sequential --repeats 1 --stream-intervals 1,16 --cache-dir {cache}",
         f"--online-args=--workload bart-tiny --rate 4 --duration 1.5 --new-tokens {NEW_TOKENS} --source-len {SOURCE_LEN} "
         f"--cache-dir {cache}",
-    ]
+    )
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # the bench starts its own redis-server
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -9,10 +9,10 @@ import asyncio
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers.cli import encdec
 
 from encdec.bench.http import COLUMNS, TARGETS, chunks, machine, timed_run
 
@@ -25,12 +25,7 @@ def bench_http(tmp_path_factory):
     pytest.importorskip("httpx")
     pytest.importorskip("matplotlib")
     out = tmp_path_factory.mktemp("bench-http")
-    cmd = [
-        sys.executable,
-        "-m",
-        "encdec.cli",
-        "--log-level",
-        "WARNING",
+    cmd = encdec(
         "bench",
         "all",
         "--only",
@@ -41,7 +36,7 @@ def bench_http(tmp_path_factory):
         str(out / "bench.png"),
         f"--http-args=--requests-b1 {B1} --requests-b32 {B32} --requests-audio {AUDIO} --concurrency {CONCURRENCY} "
         f"--audio-concurrency {CONCURRENCY} --rounds 2",
-    ]
+    )
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # the bench starts its own redis-server
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers.cli import encdec
 
 from encdec.bench.online import SWEEP_COLUMNS, parse_rates, summarize_sweep
 
@@ -56,12 +56,7 @@ def test_sweep_row_counts_refusals_and_goodput():
 
 def test_cli_rate_sweep_prints_one_row_per_rate(tmp_path):
     out = tmp_path / "sweep.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "encdec.cli",
-        "--log-level",
-        "WARNING",
+    cmd = encdec(
         "bench",
         "online",
         "--workload",
@@ -80,7 +75,7 @@ def test_cli_rate_sweep_prints_one_row_per_rate(tmp_path):
         str(tmp_path / "cache"),
         "--json",
         str(out),
-    ]
+    )
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # the bench starts its own redis-server
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import grpc
+from helpers.cli import encdec
 
 from encdec import DATA_DIR
 from shared.proto import decoder_pb2, decoder_pb2_grpc
@@ -18,12 +18,7 @@ CLIP = DATA_DIR / "meeting.wav"
 
 def _up(*args: str, **popen) -> subprocess.Popen:
     """``encdec up`` on auto-picked ports with ``args`` added, in its own process group, stdout piped."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "encdec.cli",
-        "--log-level",
-        "WARNING",
+    cmd = encdec(
         "up",
         "--encoder-port",
         "0",
@@ -32,7 +27,7 @@ def _up(*args: str, **popen) -> subprocess.Popen:
         "--http-port",
         "0",
         *args,
-    ]
+    )
     return subprocess.Popen(
         cmd, stdout=subprocess.PIPE, text=True, start_new_session=True, cwd=Path(__file__).parents[2], **popen
     )
