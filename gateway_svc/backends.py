@@ -98,6 +98,7 @@ class Backends:
         self._probes: dict[str, grpc.aio.Channel] = {}  # one channel per configured target
         self._last_discovery = 0.0
         self.unanswered: set[str] = set()  # targets that did not answer the last discovery
+        self.aliases = config.aliases
         self._lock = asyncio.Lock()
 
     def _probe(self, target: str) -> grpc.aio.Channel:
@@ -167,10 +168,10 @@ class Backends:
             GatewayError: 404 (no such model), 400 (the model serves another endpoint), 503 (no backend of
                 ``kinds`` answers).
         """
-        backend = self._find(model)
+        backend = self.find(model)
         if backend is None and time.monotonic() - self._last_discovery > REDISCOVER_INTERVAL_S:
             await self.discover()
-            backend = self._find(model)
+            backend = self.find(model)
         if backend is not None and backend.kind not in kinds:
             raise GatewayError(
                 400, f"model {model!r} is {_KIND_NAMES[backend.kind]}: it does not serve {endpoint}", "model"
@@ -199,7 +200,13 @@ class Backends:
             )
         return backend
 
-    def _find(self, model: str) -> Backend | None:
+    def wire_name(self, model: str) -> str:
+        """The name a backend knows ``model`` by: an alias's model (``GatewayConfig.model_aliases``), else itself."""
+        return self.aliases.get(model, model)
+
+    def find(self, model: str) -> Backend | None:
+        """The known backend serving ``model`` (a served name or an alias of one), if any."""
+        model = self.wire_name(model)
         return next((b for b in self.models.values() if model in b.served_names), None)
 
     async def health(self) -> dict[str, str | None]:

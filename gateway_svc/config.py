@@ -31,6 +31,9 @@ class GatewayConfig:
             whole (TEI's ``--payload-limit``).
         max_embedding_inputs: most ``input`` items of one ``/v1/embeddings`` request (400 beyond).
         request_timeout_s: the gRPC deadline of each backend call (seconds).
+        model_aliases: more names for served models, ``alias=model`` comma-separated
+            (``whisper-1=whisper-tiny.en,text-embedding-3-small=all-MiniLM-L6-v2``), so that code written for
+            OpenAI's model names runs unchanged (vLLM's ``--served-model-name``). Listed by ``/v1/models``.
 
     Raises:
         ValueError: no backend address, or a limit out of range.
@@ -45,6 +48,7 @@ class GatewayConfig:
     max_request_mb: float = DEFAULT_MAX_REQUEST_MB
     max_embedding_inputs: int = DEFAULT_MAX_EMBEDDING_INPUTS
     request_timeout_s: float = 600.0
+    model_aliases: str = ""
 
     def __post_init__(self) -> None:
         if not self.decoder_targets and not self.embed_targets:
@@ -62,6 +66,22 @@ class GatewayConfig:
             raise ValueError(f"max_embedding_inputs must be >= 1, got {self.max_embedding_inputs}")
         if self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s:g}")
+        self.aliases  # noqa: B018 - parses model_aliases: a malformed entry fails the start
+
+    @property
+    def aliases(self) -> dict[str, str]:
+        """``{alias: served model name}`` from ``model_aliases``.
+
+        Raises:
+            ValueError: an entry is not ``alias=model``.
+        """
+        out = {}
+        for entry in _targets(self.model_aliases):
+            alias, sep, model = (part.strip() for part in entry.partition("="))
+            if not sep or not alias or not model:
+                raise ValueError(f"model_aliases: {entry!r} is not alias=model")
+            out[alias] = model
+        return out
 
     @property
     def decoder_targets(self) -> list[str]:

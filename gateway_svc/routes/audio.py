@@ -160,7 +160,7 @@ async def _transcribe(request: Request, b: Backends, cfg: GatewayConfig, task: s
     backend = await b.lookup(fields["model"], ("audio",), ENDPOINTS[task])
     duration = duration_s(fields["data"])
     generate = decoder_pb2.GenerateRequest(
-        model=fields.pop("model"),
+        model=b.wire_name(fields.pop("model")),
         audio=fields.pop("data"),
         sampling=decoder_pb2.SamplingParams(temperature=fields["temperature"]),
     )

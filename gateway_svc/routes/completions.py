@@ -65,7 +65,7 @@ def sampling_params(body: CompletionRequest) -> decoder_pb2.SamplingParams:
     return params
 
 
-def generate_requests(body: CompletionRequest) -> list[decoder_pb2.GenerateRequest]:
+def generate_requests(body: CompletionRequest, model: str) -> list[decoder_pb2.GenerateRequest]:
     """One GenerateRequest per prompt (a string, a list of strings, a token-id list or a list of them).
 
     Raises:
@@ -79,15 +79,15 @@ def generate_requests(body: CompletionRequest) -> list[decoder_pb2.GenerateReque
     if len(prompts) > MAX_PROMPTS:
         raise bad_request(f"{len(prompts)} prompts; the limit is {MAX_PROMPTS} per request", "prompt")
     with building_request("prompt"):
-        return _generate_requests(body, prompts)
+        return _generate_requests(body, prompts, model)
 
 
-def _generate_requests(body: CompletionRequest, prompts: list) -> list[decoder_pb2.GenerateRequest]:
+def _generate_requests(body: CompletionRequest, prompts: list, model: str) -> list[decoder_pb2.GenerateRequest]:
     params = sampling_params(body)
     out = []
     for prompt in prompts:
         request = decoder_pb2.GenerateRequest(
-            model=body.model, sampling=params, priority=body.priority, truncate=body.truncate
+            model=model, sampling=params, priority=body.priority, truncate=body.truncate
         )
         if isinstance(prompt, str):
             request.text = prompt
@@ -179,7 +179,7 @@ async def _start(backend: Backend, requests, timeout_s: float):
 async def completions(
     body: CompletionRequest, request: Request, b: Backends = Depends(backends), cfg: GatewayConfig = Depends(config)
 ):
-    requests = generate_requests(body)
+    requests = generate_requests(body, b.wire_name(body.model))
     backend = await b.lookup(body.model, ("text",), "/v1/completions")
     meta = {"id": new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": backend.model}
     started = await unless_disconnected(request, _start(backend, requests, cfg.request_timeout_s))

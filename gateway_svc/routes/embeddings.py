@@ -22,7 +22,7 @@ from shared.proto import embed_pb2
 router = APIRouter()
 
 
-def embed_request(body: EmbeddingsRequest, max_inputs: int) -> embed_pb2.EmbedRequest:
+def embed_request(body: EmbeddingsRequest, model: str, max_inputs: int) -> embed_pb2.EmbedRequest:
     """The Embed RPC for ``body``.
 
     Raises:
@@ -42,7 +42,7 @@ def embed_request(body: EmbeddingsRequest, max_inputs: int) -> embed_pb2.EmbedRe
             "input",
         )
     with building_request("input"):
-        request = embed_pb2.EmbedRequest(model=body.model, dimensions=body.dimensions or 0, truncate=body.truncate)
+        request = embed_pb2.EmbedRequest(model=model, dimensions=body.dimensions or 0, truncate=body.truncate)
         if body.normalize is not None:
             request.normalize = body.normalize
         if isinstance(inputs[0], str):
@@ -56,7 +56,7 @@ def embed_request(body: EmbeddingsRequest, max_inputs: int) -> embed_pb2.EmbedRe
 async def embeddings(
     body: EmbeddingsRequest, b: Backends = Depends(backends), cfg: GatewayConfig = Depends(config)
 ) -> Response:
-    request = embed_request(body, cfg.max_embedding_inputs)
+    request = embed_request(body, b.wire_name(body.model), cfg.max_embedding_inputs)
     backend = await b.lookup(body.model, ("embed",), "/v1/embeddings")
     response = await backend.embed.Embed(request, timeout=cfg.request_timeout_s)
     if body.encoding_format == "base64":
@@ -83,7 +83,11 @@ async def rerank(
     backend = await b.lookup(body.model, ("embed",), "/v1/rerank")
     with building_request():
         request = embed_pb2.RerankRequest(
-            model=body.model, query=body.query, documents=body.documents, truncate=body.truncate, top_n=body.top_n or 0
+            model=b.wire_name(body.model),
+            query=body.query,
+            documents=body.documents,
+            truncate=body.truncate,
+            top_n=body.top_n or 0,
         )
     response = await backend.embed.Rerank(request, timeout=cfg.request_timeout_s)
     results = []

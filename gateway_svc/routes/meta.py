@@ -34,18 +34,22 @@ async def list_models(b: Backends = Depends(backends)) -> dict:
     """OpenAI's model list: every model a configured backend serves (asked again if none is known yet)."""
     if not b.models:
         await b.discover()
-    return {"object": "list", "data": [_model_card(m) for m in sorted(b.models.values(), key=lambda m: m.model)]}
+    cards = [_model_card(m) for m in sorted(b.models.values(), key=lambda m: m.model)]
+    for alias in sorted(b.aliases):
+        if (target := b.find(alias)) is not None:
+            cards.append({**_model_card(target), "id": alias})
+    return {"object": "list", "data": cards}
 
 
 @router.get("/v1/models/{model:path}")
 async def get_model(model: str, b: Backends = Depends(backends)) -> dict:
-    found = next((m for m in b.models.values() if model in m.served_names), None)
+    found = b.find(model)
     if found is None:
         await b.discover()
-        found = next((m for m in b.models.values() if model in m.served_names), None)
+        found = b.find(model)
     if found is None:
         raise GatewayError(404, f"model {model!r} is not served here", "model", "model_not_found")
-    return _model_card(found)
+    return {**_model_card(found), "id": model}
 
 
 @router.get("/metrics")
