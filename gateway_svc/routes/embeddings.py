@@ -10,12 +10,12 @@ from __future__ import annotations
 import base64
 
 import numpy as np
-from fastapi import APIRouter, Depends, Response
+from fastapi import APIRouter, Depends, Request, Response
 
 from gateway_svc.backends import Backends
 from gateway_svc.config import GatewayConfig
 from gateway_svc.errors import bad_request, building_request
-from gateway_svc.route_support import backends, config, json_response, new_id
+from gateway_svc.route_support import backends, body_schema, config, json_body, json_response, new_id
 from gateway_svc.schemas import EmbeddingsRequest, RerankRequest
 from shared.proto import embed_pb2
 
@@ -52,10 +52,10 @@ def embed_request(body: EmbeddingsRequest, model: str, max_inputs: int) -> embed
     return request
 
 
-@router.post("/v1/embeddings")
-async def embeddings(
-    body: EmbeddingsRequest, b: Backends = Depends(backends), cfg: GatewayConfig = Depends(config)
-) -> Response:
+@router.post("/v1/embeddings", openapi_extra=body_schema(EmbeddingsRequest))
+async def embeddings(http: Request) -> Response:
+    body = await json_body(http, EmbeddingsRequest)
+    b, cfg = http.app.state.backends, http.app.state.config  # no Depends on the hottest route: see json_body
     request = embed_request(body, b.wire_name(body.model), cfg.max_embedding_inputs)
     backend = await b.lookup(body.model, ("embed",), "/v1/embeddings")
     response = await backend.embed.Embed(request, timeout=cfg.request_timeout_s)
