@@ -139,6 +139,17 @@ class Backends:
                     backend.channel = grpc.aio.insecure_channel(target, options=GRPC_OPTIONS + ROUND_ROBIN)
             self.models.update(found)
 
+    async def rediscover(self) -> bool:
+        """``discover`` again unless it ran in the last ``REDISCOVER_INTERVAL_S`` seconds (or runs now: concurrent
+        callers wait for that one instead of queueing their own); True if the catalog may have changed."""
+        if self._lock.locked():
+            async with self._lock:  # another caller's discovery: its answer is ours
+                return True
+        if time.monotonic() - self._last_discovery <= REDISCOVER_INTERVAL_S:
+            return False
+        await self.discover()
+        return True
+
     async def _ask(self, target: str, role: str) -> tuple[str, list[str], str] | None:
         """``(model, served names, kind)`` of the service at ``target``; None (logged) if it does not answer."""
         channel = self._probe(target)
@@ -169,8 +180,7 @@ class Backends:
                 ``kinds`` answers).
         """
         backend = self.find(model)
-        if backend is None and time.monotonic() - self._last_discovery > REDISCOVER_INTERVAL_S:
-            await self.discover()
+        if backend is None and await self.rediscover():
             backend = self.find(model)
         if backend is not None and backend.kind not in kinds:
             raise GatewayError(

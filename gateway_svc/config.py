@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 # OpenAI's documented upload limit for /v1/audio/* (25 MB).
 DEFAULT_MAX_UPLOAD_MB = 25.0
-# JSON bodies: 2048 embedding inputs of a few KB each fit (TEI's --payload-limit is 2 MB).
-DEFAULT_MAX_REQUEST_MB = 16.0
+# JSON bodies: OpenAI's embedding limits (2048 inputs, 300k tokens in all) fit in about 2 MB (TEI's --payload-limit);
+# parsing costs tens of times the body's size in Python objects, so the bound is also the gateway's memory bound.
+DEFAULT_MAX_REQUEST_MB = 8.0
 # OpenAI's documented limit of inputs in one /v1/embeddings request.
 DEFAULT_MAX_EMBEDDING_INPUTS = 2048
 

@@ -167,7 +167,10 @@ def install(app: FastAPI) -> None:
         return error_response(400, message, param=field)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        too_large = request.scope.get("encdec.too_large")  # gateway_svc.upload.TOO_LARGE_KEY
+        if too_large is not None:  # FastAPI's 400 for a body whose read failed: it failed on the size limit
+            return error_response(too_large.status, too_large.message, too_large.param, too_large.code)
         detail = str(exc.detail)
         if detail == "There was an error parsing the body":  # FastAPI's words for a body json.loads refused
             detail = "the body is not valid JSON (or not UTF-8); send a JSON object"

@@ -12,6 +12,7 @@ import json
 
 from gateway_svc.errors import GatewayError, error_body
 
+TOO_LARGE_KEY = "encdec.too_large"  # the scope key of a body that went over its limit
 # Multipart framing and the small form fields beside the file (OpenAI's limit is on the file).
 FORM_OVERHEAD_BYTES = 64 * 1024
 
@@ -59,7 +60,11 @@ class UploadLimitMiddleware:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > bound:
-                    raise too_large(limit, audio)  # the route's error handler answers 413
+                    err = too_large(limit, audio)
+                    # The route's handler answers 413; FastAPI's body parsing turns any exception of the body's
+                    # read into its own 400, so the error also waits in the scope for errors.install to find.
+                    scope[TOO_LARGE_KEY] = err
+                    raise err
             return message
 
         await self.app(scope, counted, send)

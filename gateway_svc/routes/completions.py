@@ -42,6 +42,8 @@ def sampling_params(body: CompletionRequest) -> decoder_pb2.SamplingParams:
     for name, neutral in (("echo", False), ("suffix", None), ("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
         if getattr(body, name) != neutral:
             raise bad_request(f"{name} is not supported by this server (leave it at {neutral!r})", name)
+    if body.stream_options is not None and not body.stream:
+        raise bad_request("stream_options is only allowed with stream: true", "stream_options")
     if body.logit_bias:
         raise bad_request("logit_bias is not supported by this server", "logit_bias")
     if body.best_of is not None and body.best_of != body.n:
@@ -78,7 +80,7 @@ def generate_requests(body: CompletionRequest, model: str) -> list[decoder_pb2.G
         raise bad_request("prompt is empty; send a string, a list of strings or token-id lists", "prompt")
     if len(prompts) > MAX_PROMPTS:
         raise bad_request(f"{len(prompts)} prompts; the limit is {MAX_PROMPTS} per request", "prompt")
-    with building_request("prompt"):
+    with building_request():  # the strings may be the prompt's or the stop strings
         return _generate_requests(body, prompts, model)
 
 

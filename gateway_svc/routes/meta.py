@@ -13,7 +13,7 @@ public = APIRouter()
 router = APIRouter()
 
 
-@public.get("/health")
+@public.api_route("/health", methods=["GET", "HEAD"])
 async def health(b: Backends = Depends(backends)) -> JSONResponse:
     """200 when every configured backend answers its gRPC health check SERVING, else 503 naming those that do not."""
     answers = await b.health()
@@ -33,7 +33,7 @@ def _model_card(backend: Backend) -> dict:
 async def list_models(b: Backends = Depends(backends)) -> dict:
     """OpenAI's model list: every model a configured backend serves (asked again if none is known yet)."""
     if not b.models:
-        await b.discover()
+        await b.rediscover()
     cards = [_model_card(m) for m in sorted(b.models.values(), key=lambda m: m.model)]
     for alias in sorted(b.aliases):
         if (target := b.find(alias)) is not None:
@@ -44,11 +44,11 @@ async def list_models(b: Backends = Depends(backends)) -> dict:
 @router.get("/v1/models/{model:path}")
 async def get_model(model: str, b: Backends = Depends(backends)) -> dict:
     found = b.find(model)
-    if found is None:
-        await b.discover()
+    if found is None and await b.rediscover():
         found = b.find(model)
     if found is None:
-        raise GatewayError(404, f"model {model!r} is not served here", "model", "model_not_found")
+        shown = model if len(model) <= 256 else model[:256] + "..."
+        raise GatewayError(404, f"model {shown!r} is not served here", "model", "model_not_found")
     return {**_model_card(found), "id": model}
 
 

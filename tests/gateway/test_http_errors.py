@@ -246,6 +246,19 @@ def test_a_json_body_over_the_limit_is_413_before_it_is_read(stack):
         assert "--max-request-mb" in error["message"], error
         small = httpx.post(url + "/v1/embeddings", json={"model": EMBED, "input": "x"}, timeout=30)
         assert small.status_code == 200, small.text
+        body = json.dumps({"model": EMBED, "query": "q", "documents": ["word " * 100] * 40}).encode()
+        for path in ("/v1/embeddings", "/v1/rerank"):  # chunked: no Content-Length to refuse it by
+            payload = body if path == "/v1/rerank" else json.dumps(big).encode()
+            chunks = (payload[i : i + 4096] for i in range(0, len(payload), 4096))
+            response = httpx.post(url + path, content=chunks, headers={"content-type": "application/json"}, timeout=30)
+            assert "--max-request-mb" in error_of(response, 413)["message"], path
+
+
+def test_head_health_and_stream_options_without_stream(stack):
+    assert httpx.head(stack.url + "/health", timeout=30).status_code == 200
+    body = {"model": "m", "prompt": "hi", "stream_options": {"include_usage": True}}
+    error = error_of(httpx.post(stack.url + "/v1/completions", json=body, timeout=30), 400)
+    assert error["param"] == "stream_options", error
 
 
 def test_a_text_endpoint_with_only_speech_backends_is_404_not_503(stack):
