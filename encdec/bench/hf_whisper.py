@@ -14,13 +14,16 @@ from pathlib import Path
 import torch
 
 from shared.models.ct2_reader import load_ct2_weights
+from shared.models.whisper_features import special_token_ids
 
-D_MODEL, HEADS, LAYERS, FFN, VOCAB, MELS = 384, 6, 4, 1536, 51864, 80
+
+def _layer_count(w: dict[str, torch.Tensor], side: str) -> int:
+    return sum(1 for k in w if k.startswith(f"{side}/layer_") and k.endswith("/ffn/linear_0/weight"))
 
 
 def _hf_state_dict(w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     sd: dict[str, torch.Tensor] = {}
-    d = D_MODEL
+    d = w["decoder/embeddings/weight"].shape[1]
 
     def lin(hf: str, ct2: str, bias: bool = True, rows: slice = slice(None)) -> None:
         sd[f"{hf}.weight"] = w[f"{ct2}/weight"][rows]
@@ -39,7 +42,7 @@ def _hf_state_dict(w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     lin(f"{e}.conv1", "encoder/conv1")
     lin(f"{e}.conv2", "encoder/conv2")
     sd[f"{e}.embed_positions.weight"] = w["encoder/position_encodings/encodings"]
-    for i in range(LAYERS):
+    for i in range(_layer_count(w, "encoder")):
         h, c = f"{e}.layers.{i}", f"encoder/layer_{i}"
         fused_qkv(f"{h}.self_attn", f"{c}/self_attention/linear_0")
         lin(f"{h}.self_attn.out_proj", f"{c}/self_attention/linear_1")
@@ -51,7 +54,7 @@ def _hf_state_dict(w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
     sd[f"{dd}.embed_tokens.weight"] = w["decoder/embeddings/weight"]
     sd[f"{dd}.embed_positions.weight"] = w["decoder/position_encodings/encodings"]
-    for i in range(LAYERS):
+    for i in range(_layer_count(w, "decoder")):
         h, c = f"{dd}.layers.{i}", f"decoder/layer_{i}"
         fused_qkv(f"{h}.self_attn", f"{c}/self_attention/linear_0")
         lin(f"{h}.self_attn.out_proj", f"{c}/self_attention/linear_1")
@@ -70,52 +73,68 @@ def _hf_state_dict(w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def build_hf_whisper(model_dir: str | Path):
-    """HF Whisper tiny.en (float32, eval) with the CT2 weights and a generation
-    config that greedy-decodes with prompt ``[50257, 50362]``."""
+    """HF Whisper (float32, eval) with the CT2 weights of ``model_dir`` and a greedy generation config.
+
+    The shape (width, layers, heads, vocab) is read from the weights. English-only
+    checkpoints (vocab 51864, e.g. tiny.en) decode with prompt
+    ``<|startoftranscript|><|notimestamps|>``; multilingual ones (51865, e.g. base)
+    with ``<|startoftranscript|><|en|><|transcribe|><|notimestamps|>`` (``generate``
+    defaults to ``language="en", task="transcribe"``).
+    """
     from transformers import WhisperConfig, WhisperForConditionalGeneration
     from transformers.initialization import no_init_weights
 
     model_dir = Path(model_dir)
     with open(model_dir / "config.json", encoding="utf-8") as f:
         pkg = json.load(f)
+    w = load_ct2_weights(model_dir / "model.bin")
+    ids = special_token_ids(model_dir)
+    vocab, d_model = w["decoder/embeddings/weight"].shape
+    heads, ffn = int(w["encoder/num_heads"]), w["encoder/layer_0/ffn/linear_0/weight"].shape[0]
+    multilingual = vocab >= 51865
+    sot, eot, no_ts = ids["<|startoftranscript|>"], ids["<|endoftext|>"], ids["<|notimestamps|>"]
     cfg = WhisperConfig(
-        vocab_size=VOCAB,
-        num_mel_bins=MELS,
-        d_model=D_MODEL,
-        encoder_layers=LAYERS,
-        decoder_layers=LAYERS,
-        encoder_attention_heads=HEADS,
-        decoder_attention_heads=HEADS,
-        encoder_ffn_dim=FFN,
-        decoder_ffn_dim=FFN,
+        vocab_size=vocab,
+        num_mel_bins=w["encoder/conv1/weight"].shape[1],
+        d_model=d_model,
+        encoder_layers=_layer_count(w, "encoder"),
+        decoder_layers=_layer_count(w, "decoder"),
+        encoder_attention_heads=heads,
+        decoder_attention_heads=heads,
+        encoder_ffn_dim=ffn,
+        decoder_ffn_dim=ffn,
         max_source_positions=1500,
         max_target_positions=448,
         activation_function="gelu",
         scale_embedding=False,
         tie_word_embeddings=True,
-        pad_token_id=50256,
-        bos_token_id=50257,
-        eos_token_id=50256,
-        decoder_start_token_id=50257,
+        pad_token_id=eot,
+        bos_token_id=eot,
+        eos_token_id=eot,
+        decoder_start_token_id=sot,
         begin_suppress_tokens=None,
         suppress_tokens=None,
     )
     cfg._attn_implementation = "sdpa"
     with no_init_weights():  # every weight is overwritten below; skip the slow random init
         model = WhisperForConditionalGeneration(cfg)
-    missing, unexpected = model.load_state_dict(_hf_state_dict(load_ct2_weights(model_dir / "model.bin")), strict=False)
+    missing, unexpected = model.load_state_dict(_hf_state_dict(w), strict=False)
     missing = [k for k in missing if k != "proj_out.weight"]  # tied to embed_tokens
     assert not missing and not unexpected, (missing, unexpected)
     model.eval()
 
     g = model.generation_config
-    g.decoder_start_token_id = 50257
-    g.no_timestamps_token_id = 50362
-    g.eos_token_id = 50256
-    g.pad_token_id = 50256
+    g.decoder_start_token_id = sot
+    g.no_timestamps_token_id = no_ts
+    g.eos_token_id = eot
+    g.pad_token_id = eot
     g.suppress_tokens = list(pkg["suppress_ids"])
     g.begin_suppress_tokens = list(pkg["suppress_ids_begin"])
-    g.is_multilingual = False
+    g.is_multilingual = multilingual
+    if multilingual:
+        g.lang_to_id = {"<|en|>": ids["<|en|>"]}
+        g.task_to_id = {"transcribe": ids["<|transcribe|>"]}
+        g.language, g.task = "en", "transcribe"
     g.forced_decoder_ids = None
     g.max_length = 448
     g.do_sample = False

