@@ -64,6 +64,14 @@ class GatewayError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
 
+    def body(self) -> dict:
+        """OpenAI's error object (also the ``data`` of an error event in a stream)."""
+        return error_body(self.status, self.message, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        """The HTTP answer (an ASGI app too: middlewares can answer with it)."""
+        return error_response(self.status, self.message, self.param, self.code)
+
 
 def bad_request(message: str, param: str | None = None) -> GatewayError:
     return GatewayError(400, message, param)
@@ -95,6 +103,8 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+# The scope key under which gateway_svc.upload leaves the 413 of a body that went over its limit.
+TOO_LARGE_KEY = "encdec.too_large"
 RETRY_AFTER_S = "1"  # 429 (a decoder's full queue) and 503 (a backend down): clients back off before retrying
 
 
@@ -139,12 +149,11 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(GatewayError)
     async def _gateway(_: Request, exc: GatewayError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.param, exc.code)
+        return exc.response()
 
     @app.exception_handler(grpc.RpcError)
     async def _rpc(_: Request, exc: grpc.RpcError) -> JSONResponse:
-        err = from_rpc_error(exc)
-        return error_response(err.status, err.message, err.param, err.code)
+        return from_rpc_error(exc).response()
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -168,9 +177,9 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        too_large = request.scope.get("encdec.too_large")  # gateway_svc.upload.TOO_LARGE_KEY
+        too_large = request.scope.get(TOO_LARGE_KEY)
         if too_large is not None:  # FastAPI's 400 for a body whose read failed: it failed on the size limit
-            return error_response(too_large.status, too_large.message, too_large.param, too_large.code)
+            return too_large.response()
         detail = str(exc.detail)
         if detail == "There was an error parsing the body":  # FastAPI's words for a body json.loads refused
             detail = "the body is not valid JSON (or not UTF-8); send a JSON object"

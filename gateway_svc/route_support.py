@@ -11,6 +11,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
 
+import grpc
 import orjson
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
@@ -19,7 +20,7 @@ from pydantic import BaseModel, ValidationError
 
 from gateway_svc.backends import Backends
 from gateway_svc.config import GatewayConfig
-from gateway_svc.errors import GatewayError
+from gateway_svc.errors import GatewayError, from_rpc_error
 
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
@@ -78,6 +79,24 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     if task.cancelled():
         raise GatewayError(499, "the client closed the connection")
     return task.result()
+
+
+async def stream_messages(call, first):
+    """``first`` (a message already read, or ``grpc.aio.EOF``), then the rest of ``call``'s stream; read with
+    ``read()`` throughout: grpc.aio forbids mixing it with ``async for``.
+
+    Raises:
+        grpc.RpcError: the stream ended with an error status.
+    """
+    message = first
+    while message is not grpc.aio.EOF:
+        yield message
+        message = await call.read()
+
+
+def error_event(exc: grpc.RpcError) -> dict:
+    """The ``data`` of the event that ends a stream whose backend call failed after the answer began."""
+    return from_rpc_error(exc).body()
 
 
 def sse(events: AsyncIterator[dict | str]) -> StreamingResponse:

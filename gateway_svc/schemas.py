@@ -17,6 +17,14 @@ TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 ModelName = Annotated[str, Field(min_length=1, max_length=MAX_MODEL_NAME_LEN)]
 
 
+def as_items(value: str | list) -> list:
+    """OpenAI's "one or many" field (``input``, ``prompt``) as a list of items: a string or one token-id list is
+    one item; a list of strings or of token-id lists is already one."""
+    if isinstance(value, str) or (value and isinstance(value[0], int)):
+        return [value]
+    return value
+
+
 class Strict(BaseModel):
     """Unknown fields refused; no coercion ("3" is not an int, "yes" not a bool); NaN and infinities refused."""
 

@@ -8,11 +8,8 @@ than the limit of one request.
 
 from __future__ import annotations
 
-import json
+from gateway_svc.errors import TOO_LARGE_KEY, GatewayError
 
-from gateway_svc.errors import GatewayError, error_body
-
-TOO_LARGE_KEY = "encdec.too_large"  # the scope key of a body that went over its limit
 # Multipart framing and the small form fields beside the file (OpenAI's limit is on the file).
 FORM_OVERHEAD_BYTES = 64 * 1024
 
@@ -50,7 +47,7 @@ class UploadLimitMiddleware:
         bound = limit + FORM_OVERHEAD_BYTES if audio else limit
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > bound:
-            await _send_error(send, too_large(limit, audio))
+            await too_large(limit, audio).response()(scope, receive, send)
             return
         received = 0
 
@@ -68,15 +65,3 @@ class UploadLimitMiddleware:
             return message
 
         await self.app(scope, counted, send)
-
-
-async def _send_error(send, err: GatewayError) -> None:
-    body = json.dumps(error_body(err.status, err.message, err.param, err.code), separators=(",", ":")).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": err.status,
-            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})

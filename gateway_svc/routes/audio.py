@@ -23,8 +23,8 @@ from starlette.datastructures import UploadFile
 
 from gateway_svc.backends import Backends
 from gateway_svc.config import GatewayConfig
-from gateway_svc.errors import bad_request, error_body, from_rpc_error
-from gateway_svc.route_support import backends, config, sse, unless_disconnected
+from gateway_svc.errors import bad_request, from_rpc_error
+from gateway_svc.route_support import backends, config, error_event, sse, stream_messages, unless_disconnected
 from gateway_svc.schemas import MAX_MODEL_NAME_LEN
 from shared.proto import decoder_pb2
 
@@ -172,8 +172,7 @@ async def _transcribe(request: Request, b: Backends, cfg: GatewayConfig, task: s
         raise
     if fields["stream"]:
         return sse(_events(call, first))
-    text, final = await unless_disconnected(request, _collect(call, first))
-    text = text.strip()
+    text = (await unless_disconnected(request, _collect(call, first))).strip()
     if fields["response_format"] == "text":
         return PlainTextResponse(text)
     body: dict = {"text": text}
@@ -184,27 +183,22 @@ async def _transcribe(request: Request, b: Backends, cfg: GatewayConfig, task: s
     return JSONResponse(body)
 
 
-async def _collect(call, first) -> tuple[str, decoder_pb2.GenerateResponse | None]:
-    parts, final, message = [], None, first
+async def _collect(call, first) -> str:
+    """The whole text of the stream (``first`` already read)."""
     try:
-        while message is not grpc.aio.EOF:
-            parts.append(message.text)
-            if message.HasField("usage"):
-                final = message
-            message = await call.read()
+        return "".join([message.text async for message in stream_messages(call, first)])
     except grpc.RpcError as exc:
         raise from_rpc_error(exc) from None
     finally:
         call.cancel()
-    return "".join(parts), final
 
 
 async def _events(call, first):
     """OpenAI's streaming transcription events: ``transcript.text.delta`` per message with text, then
     ``transcript.text.done`` with the whole text and token usage."""
-    parts, message = [], first
+    parts = []
     try:
-        while message is not grpc.aio.EOF:
+        async for message in stream_messages(call, first):
             delta = message.text if parts else message.text.lstrip()
             if delta:
                 parts.append(delta)
@@ -218,10 +212,8 @@ async def _events(call, first):
                     "total_tokens": usage.encoder_tokens + usage.completion_tokens,
                 }
                 yield {"type": "transcript.text.done", "text": "".join(parts).rstrip(), "usage": tokens}
-            message = await call.read()
     except grpc.RpcError as exc:
-        err = from_rpc_error(exc)
-        yield error_body(err.status, err.message, err.param, err.code)
+        yield error_event(exc)
     finally:
         call.cancel()
 

@@ -18,9 +18,18 @@ from fastapi import APIRouter, Depends, Request
 
 from gateway_svc.backends import Backend, Backends
 from gateway_svc.config import GatewayConfig
-from gateway_svc.errors import bad_request, building_request, error_body, from_rpc_error
-from gateway_svc.route_support import backends, config, json_response, new_id, sse, unless_disconnected
-from gateway_svc.schemas import CompletionRequest
+from gateway_svc.errors import bad_request, building_request, from_rpc_error
+from gateway_svc.route_support import (
+    backends,
+    config,
+    error_event,
+    json_response,
+    new_id,
+    sse,
+    stream_messages,
+    unless_disconnected,
+)
+from gateway_svc.schemas import CompletionRequest, as_items
 from shared.proto import decoder_pb2
 
 router = APIRouter()
@@ -73,9 +82,7 @@ def generate_requests(body: CompletionRequest, model: str) -> list[decoder_pb2.G
     Raises:
         GatewayError: 400, no prompt, more than ``MAX_PROMPTS``, or a field out of range.
     """
-    prompts = body.prompt
-    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-        prompts = [prompts]
+    prompts = as_items(body.prompt)
     if not prompts:
         raise bad_request("prompt is empty; send a string, a list of strings or token-id lists", "prompt")
     if len(prompts) > MAX_PROMPTS:
@@ -162,7 +169,7 @@ async def _start(backend: Backend, requests, timeout_s: float):
     """Starts every Generate call and reads its first message (so refusals become HTTP statuses).
 
     Returns:
-        ``[(call, first message or None at once-ended stream)]``.
+        ``[(call, its first message, or grpc.aio.EOF for a stream that ended at once)]``.
 
     Raises:
         grpc.RpcError: a call failed before its first message (every call is cancelled then).
@@ -174,7 +181,7 @@ async def _start(backend: Backend, requests, timeout_s: float):
         for call in calls:
             call.cancel()
         raise
-    return [(c, None if f is grpc.aio.EOF else f) for c, f in zip(calls, firsts)]
+    return list(zip(calls, firsts))
 
 
 @router.post("/v1/completions")
@@ -191,22 +198,12 @@ async def completions(
     return json_response(await unless_disconnected(request, _gather(started, body.n, meta, with_logprobs)))
 
 
-async def _messages(call, first):
-    """``first``, then the rest of ``call``'s stream (read with ``read()``: grpc.aio forbids mixing it with
-    ``async for``)."""
-    message = first
-    while message is not None:
-        yield message
-        message = await call.read()
-        message = None if message is grpc.aio.EOF else message
-
-
 async def _gather(started, n: int, meta: dict, with_logprobs: bool) -> dict:
     choices = [Choice() for _ in range(len(started) * n)]
     finals = []
     try:
         for p, (call, first) in enumerate(started):
-            async for message in _messages(call, first):
+            async for message in stream_messages(call, first):
                 choices[p * n + message.index].add(message, with_logprobs)
                 if message.HasField("usage"):
                     finals.append(message)
@@ -239,7 +236,7 @@ async def _stream(started, body: CompletionRequest, meta: dict, with_logprobs: b
 
     async def pump(p: int, call, first) -> None:
         try:
-            async for message in _messages(call, first):
+            async for message in stream_messages(call, first):
                 await queue.put((p, message))
         except grpc.RpcError as exc:
             await queue.put((p, exc))
@@ -255,8 +252,7 @@ async def _stream(started, body: CompletionRequest, meta: dict, with_logprobs: b
                 open_streams -= 1
                 continue
             if isinstance(item, grpc.RpcError):
-                err = from_rpc_error(item)
-                yield error_body(err.status, err.message, err.param, err.code)
+                yield error_event(item)
                 return
             index = p * n + item.index
             part = choices[index].add(item, with_logprobs)

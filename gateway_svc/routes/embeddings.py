@@ -16,7 +16,7 @@ from gateway_svc.backends import Backends
 from gateway_svc.config import GatewayConfig
 from gateway_svc.errors import bad_request, building_request
 from gateway_svc.route_support import backends, body_schema, config, json_body, json_response, new_id
-from gateway_svc.schemas import EmbeddingsRequest, RerankRequest
+from gateway_svc.schemas import EmbeddingsRequest, RerankRequest, as_items
 from shared.proto import embed_pb2
 
 router = APIRouter()
@@ -28,11 +28,7 @@ def embed_request(body: EmbeddingsRequest, model: str, max_inputs: int) -> embed
     Raises:
         GatewayError: 400, an empty input list or more than ``max_inputs`` items.
     """
-    inputs = body.input
-    if isinstance(inputs, str):
-        inputs = [inputs]
-    elif inputs and isinstance(inputs[0], int):
-        inputs = [inputs]
+    inputs = as_items(body.input)
     if not inputs:
         raise bad_request("input is empty; send a string, a list of strings or a list of token-id lists", "input")
     if len(inputs) > max_inputs:
