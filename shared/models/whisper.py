@@ -29,6 +29,7 @@ from shared.models.ct2_reader import load_ct2_weights
 from shared.models.linear import Linear, PackedDecodeWeights, linear_act, linear_add, packed_product
 from shared.models.norm import LayerNorm
 from shared.models.whisper_features import load_tokenizer, log_mel_spectrogram, special_token_ids
+from shared.models.whisper_specials import WhisperSpecials
 
 __all__ = [
     "WhisperConfig",
@@ -79,6 +80,7 @@ class WhisperGenerationDefaults:
     suppress_tokens: list[int]
     begin_suppress_tokens: list[int]
     max_length: int = 448
+    specials: WhisperSpecials | None = None  # language / task / timestamp tokens, alignment heads
 
     @classmethod
     def from_model_dir(cls, model_dir: Path, config: WhisperConfig) -> WhisperGenerationDefaults:
@@ -100,6 +102,13 @@ class WhisperGenerationDefaults:
             suppress_tokens=list(cfg.get("suppress_ids", [])),
             begin_suppress_tokens=list(cfg.get("suppress_ids_begin", [])),
             max_length=config.max_target_positions,
+            specials=WhisperSpecials.from_token_ids(
+                ids,
+                config.vocab_size,
+                cfg.get("lang_ids"),
+                cfg.get("alignment_heads", ()),
+                config.max_target_positions,
+            ),
         )
 
 
