@@ -113,6 +113,8 @@ class DecoderEngine:
         prompt_token_ids: list[int] | None = None,
         priority: int = 0,
         encoder_cache_key: str | None = None,
+        keep_cross: bool = False,
+        reuse_cross: bool = False,
     ) -> None:
         """Queues a request; its cross blocks are reserved at a later ``step()``.
 
@@ -126,6 +128,12 @@ class DecoderEngine:
                 (``decoder_svc.encoder_cache``): while another unfinished request
                 with this key holds cross KV, this one shares it and is never
                 listed in ``to_encode``. None: always encoded.
+            keep_cross: when it finishes (not aborted) its cross blocks stay
+                reserved under ``request_id`` (``decoder_svc.request_queues``): for
+                another sequence of the same request over the same encoder output
+                (Whisper's fallback, language detection) or ``cross_kv``.
+            reuse_cross: read the cross blocks kept under ``request_id``: never in
+                ``to_encode``, runnable at once.
 
         Raises:
             CapacityError: it can never fit the KV pools / batch token limit (with
@@ -157,7 +165,9 @@ class DecoderEngine:
         seq = Sequence(request_id, prompt, encoder_len, params, self.eos_token_id, self.max_total_len, priority)
         if width > 1:
             self.sequence_groups.check_capacity(seq, width)
-        self.scheduler.add(seq, encoder_cache_key)
+        if (keep_cross or reuse_cross) and width > 1:
+            raise ValueError("keep_cross / reuse_cross take n = 1 and num_beams = 1")
+        self.scheduler.add(seq, encoder_cache_key, keep_cross=keep_cross, reuse_cross=reuse_cross)
         if width > 1:
             self.sequence_groups.add(seq)
 
@@ -250,6 +260,20 @@ class DecoderEngine:
             existed = self.scheduler.abort(sid) or existed
             self.sampler.release(sid)
         return existed or group is not None
+
+    def release_cross(self, request_id: str) -> bool:
+        """Frees the cross blocks kept under ``request_id`` (``add_request(keep_cross=True)``); False if none."""
+        return self.scheduler.release_cross(request_id)
+
+    def cross_kv(self, request_id: str) -> torch.Tensor:
+        """The cross-attention KV kept under ``request_id``, gathered densely:
+        ``[num_layers, 2, encoder_len, H, Dh]`` (a copy, in the pool's dtype and device).
+
+        Raises:
+            KeyError: no cross KV is kept under ``request_id``.
+        """
+        block_ids, encoder_len = self.scheduler.kept_cross[request_id]
+        return self.model_runner.gather_cross(block_ids, encoder_len)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

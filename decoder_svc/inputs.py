@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from decoder_svc.audio import decode_audio, pcm_to_array
+from decoder_svc.whisper.options import WhisperJob, parse_whisper_options
 from shared.errors import InvalidRequestError
 
 SAMPLE_RATE = 16000
@@ -52,6 +53,7 @@ class RequestInput:
     input_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
     applied: list[str] = field(default_factory=list)
+    whisper: WhisperJob | None = None  # Whisper with n = 1, num_beams = 1: language, task, long-form (its session)
 
     def windows(self) -> list[RequestInput]:
         """The consecutive inputs the decoder runs one after another for this request.
@@ -64,7 +66,7 @@ class RequestInput:
         heard in pieces, as with HF's pipeline at ``chunk_length_s=30`` and no
         stride. Text: ``[self]``.
         """
-        if self.pcm is None or len(self.pcm) <= WINDOW_SAMPLES:
+        if self.pcm is None or len(self.pcm) <= WINDOW_SAMPLES or self.whisper is not None:
             return [self]
         return [
             RequestInput(
@@ -121,13 +123,28 @@ def parse_input(request, model, tokenizer, max_audio_s: float) -> RequestInput:
         seconds = len(pcm) / SAMPLE_RATE
         if seconds > max_audio_s:
             raise InvalidRequestError(f"audio is {seconds:.2f} s long; this server accepts at most {max_audio_s:.2f} s")
-        return RequestInput(encoder_len=model.config.max_source_positions, pcm=pcm)
+        sampling = request.sampling
+        job = None
+        if max(sampling.n, sampling.num_beams, 1) == 1:
+            job = parse_whisper_options(
+                request.whisper,
+                model.generation.specials,
+                lambda text: encode_text(tokenizer, text, add_special_tokens=False),
+                pcm,
+                sampling.temperature,
+            )
+        elif request.HasField("whisper") and request.whisper != type(request.whisper)():
+            raise InvalidRequestError(
+                "whisper options (language, task, prompt, timestamps, long-form, VAD) need sampling.n = 1 and "
+                "num_beams = 1"
+            )
+        return RequestInput(encoder_len=model.config.max_source_positions, pcm=pcm, whisper=job)
     return _text_input(request, kind, model, tokenizer)
 
 
 def _text_input(request, kind: str, model, tokenizer) -> RequestInput:
     c, gen = model.config, model.generation
-    ids = _encode(tokenizer, request.text) if kind == "text" else list(request.input_ids.ids)
+    ids = encode_text(tokenizer, request.text) if kind == "text" else list(request.input_ids.ids)
     if not ids:
         raise InvalidRequestError("the source is empty" + (" after tokenization" if kind == "text" else ""))
     _check_ids(ids, c.vocab_size, "input_ids")
@@ -141,11 +158,15 @@ def _text_input(request, kind: str, model, tokenizer) -> RequestInput:
             )
         # Text is cut by the tokenizer, as HF `tokenizer(text, truncation=True, max_length=...)` does: the
         # special tokens (end token, mBART's language code) stay. `input_ids` are used as given: cut at the end.
-        ids = _encode(tokenizer, request.text, truncation=True, max_length=max_src) if kind == "text" else ids[:max_src]
+        ids = (
+            encode_text(tokenizer, request.text, truncation=True, max_length=max_src)
+            if kind == "text"
+            else ids[:max_src]
+        )
     prompt_kind = request.WhichOneof("decoder_prompt")
     prefix: list[int] = []
     if prompt_kind == "decoder_prompt_text":
-        prefix = _encode(tokenizer, request.decoder_prompt_text, add_special_tokens=False)
+        prefix = encode_text(tokenizer, request.decoder_prompt_text, add_special_tokens=False)
     elif prompt_kind == "decoder_prompt_ids":
         prefix = list(request.decoder_prompt_ids.ids)
         _check_ids(prefix, c.vocab_size, "decoder_prompt_ids")
@@ -155,7 +176,7 @@ def _text_input(request, kind: str, model, tokenizer) -> RequestInput:
     )
 
 
-def _encode(tokenizer, text: str, **kwargs) -> list[int]:
+def encode_text(tokenizer, text: str, **kwargs) -> list[int]:
     with _TOKENIZER_LOCK:
         return list(tokenizer(text, verbose=False, **kwargs)["input_ids"])
 

@@ -140,10 +140,19 @@ class ModelRunner:
             return ModelRunnerOutput()
         input_ids, positions, md = self.prepare_inputs(so)
         hidden = self.model.forward(input_ids, positions, md, self.self_kv_cache, self.cross_kv_cache)  # [T, d]
-        logits = self.model.compute_logits(hidden[md.logits_indices])  # [B, V] float32
+        probes = self._probe_rows(so, md)  # (seq id, flat row) of prompt positions asked for (Whisper)
+        picked = (
+            md.logits_indices
+            if not probes
+            else torch.cat([md.logits_indices, md.logits_indices.new_tensor([r for _, r in probes])])
+        )
+        logits = self.model.compute_logits(hidden[picked])  # [B (+ probes), V] float32
+        probe_logits = {sid: logits[len(so.scheduled_seqs) + j].clone().cpu() for j, (sid, _) in enumerate(probes)}
+        logits = logits[: len(so.scheduled_seqs)]
         rows = [SamplingRow.from_sequence(s) for s in so.scheduled_seqs]
         sampled = self.sampler(logits, rows)  # on the model's device (per-request generators live there)
         return ModelRunnerOutput(
+            probe_logits=probe_logits,
             seq_ids=[s.request_id for s in so.scheduled_seqs],
             sampled_token_ids=sampled.sampled_token_ids,
             logprobs=sampled.logprobs,
@@ -151,6 +160,28 @@ class ModelRunner:
             beam_logprobs=sampled.beam_logprobs,
             failed=sampled.failed,
         )
+
+    @staticmethod
+    def _probe_rows(so: SchedulerOutput, md: AttentionMetadata) -> list[tuple[str, int]]:
+        """Flat-batch rows of the prompt positions this step computes that a sequence asked the logits of
+        (``SamplingParams.probe_position``), as ``(seq id, row)``."""
+        probes = []
+        start = 0
+        for seq, n in zip(so.scheduled_seqs, so.num_scheduled_tokens):
+            pos = seq.sampling_params.probe_position
+            first = seq.num_computed_tokens
+            if pos is not None and first <= pos < first + n and pos < seq.num_prompt_tokens:
+                probes.append((seq.request_id, start + pos - first))
+            start += n
+        return probes
+
+    @torch.inference_mode()
+    def gather_cross(self, block_ids: list[int], encoder_len: int) -> torch.Tensor:
+        """``[L, 2, encoder_len, H, Dh]``: one sequence's cross KV copied out of its blocks."""
+        cache = self.cross_kv_cache  # [L, 2, num_blocks, block_size, H, Dh]
+        idx = torch.tensor(block_ids, dtype=torch.long, device=cache.device)
+        kv = cache[:, :, idx]  # [L, 2, nb, block_size, H, Dh]
+        return kv.reshape(kv.shape[0], 2, -1, *kv.shape[4:])[:, :, :encoder_len].clone()
 
     @torch.inference_mode()
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:

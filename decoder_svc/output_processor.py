@@ -73,6 +73,7 @@ class OutputProcessor:
                 if final is not status:  # its text completed a stop string
                     self.scheduler.finish_request(seq, final)
                 outputs.append(self._make_output(seq, tok, final is not None, out.logprobs.get(seq.request_id)))
+                outputs[-1].probe_logits = out.probe_logits.get(seq.request_id)
         return outputs
 
     def _output_text(self, seq: Sequence) -> OutputText:

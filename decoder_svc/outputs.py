@@ -80,6 +80,7 @@ class ModelRunnerOutput:
     extra_token_ids: dict[str, list[int]] = field(default_factory=dict)
     beam_logprobs: dict[str, torch.Tensor] = field(default_factory=dict)
     failed: dict[str, BaseException] = field(default_factory=dict)
+    probe_logits: dict[str, torch.Tensor] = field(default_factory=dict)  # [V] raw logits at params.probe_position
 
 
 @dataclass
@@ -107,6 +108,8 @@ class RequestOutput:
             (``decoder_svc.step_failures``): a ``shared.errors.ServiceError`` whose
             code is the request's status (its blocks are already freed; the
             other fields carry nothing). The owner ends the request with it.
+        probe_logits: ``[V]`` float32 raw logits at ``params.probe_position`` of the
+            prompt, on the output of the step that computed that position (its prefill).
     """
 
     request_id: str
@@ -121,6 +124,7 @@ class RequestOutput:
     index: int = 0
     score: float | None = None
     error: BaseException | None = None
+    probe_logits: torch.Tensor | None = None
 
 
 @dataclass

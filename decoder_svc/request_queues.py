@@ -6,6 +6,12 @@ request life cycle around it: admission checks (``check_capacity``), ``add``,
 that frees a sequence's blocks. Queues are ordered by ``queue_key``: lower
 ``priority`` value first, first come first served among equals (vLLM's
 convention). Life cycle: ``decoder_svc.sequence.SequenceStatus``.
+
+Kept cross KV (Whisper's temperature fallback, language detection, word
+alignment): a sequence added with ``keep_cross`` does not free its cross
+blocks when it finishes (an abort still does); they stay in ``kept_cross``
+under its request id until the next sequence of that id is added with
+``reuse_cross`` (it reads them, no Encode) or ``release_cross`` frees them.
 """
 
 from __future__ import annotations
@@ -56,6 +62,8 @@ class RequestQueues:
         self.running: list[Sequence] = []
         self.num_preemptions = 0  # since start, for metrics
         self.encoder_cache = EncoderCache()
+        self.kept_cross: dict[str, tuple[list[int], int]] = {}  # request id -> (cross block ids, encoder_len)
+        self.keeps_cross: set[str] = set()  # unfinished sequences whose cross blocks outlive them
 
     # --- admission ------------------------------------------------------
     def check_capacity(self, seq: Sequence) -> None:
@@ -81,7 +89,9 @@ class RequestQueues:
                 f"{self.max_num_batched_tokens} (a recompute prefill must fit one step)"
             )
 
-    def add(self, seq: Sequence, encoder_cache_key: str | None = None) -> None:
+    def add(
+        self, seq: Sequence, encoder_cache_key: str | None = None, keep_cross: bool = False, reuse_cross: bool = False
+    ) -> None:
         """Queues ``seq`` for cross blocks (in ``(priority, arrival_order)`` order).
 
         Args:
@@ -90,16 +100,34 @@ class RequestQueues:
                 (``decoder_svc.encoder_cache.encoder_cache_key``); while another
                 unfinished request with the same key holds cross KV, ``seq``
                 shares it instead of being encoded. None: never shared.
+            keep_cross: its cross blocks outlive it (``kept_cross``) unless it is aborted.
+            reuse_cross: it reads the cross blocks kept under its request id: no Encode,
+                it waits for self blocks at once.
 
         Raises:
             CapacityError: it can never fit (message names the numbers).
-            ValueError: its request id is already unfinished here.
+            ValueError: its request id is already unfinished here; ``reuse_cross`` with no
+                kept cross KV of that id and length.
         """
         if seq.request_id in self.requests:
             raise ValueError(f"duplicate request id {seq.request_id!r}")
         self.check_capacity(seq)
+        if reuse_cross:
+            kept = self.kept_cross.get(seq.request_id)
+            if kept is None or kept[1] != seq.encoder_len:
+                raise ValueError(f"request {seq.request_id!r} has no kept cross KV of length {seq.encoder_len}")
+            del self.kept_cross[seq.request_id]
+            seq.cross_block_ids = list(kept[0])
+            seq.status = SequenceStatus.WAITING
+            self.requests[seq.request_id] = seq
+            if keep_cross:
+                self.keeps_cross.add(seq.request_id)
+            insort(self.waiting, seq, key=queue_key)
+            return
         seq.status = SequenceStatus.WAITING_CROSS_BLOCKS
         self.requests[seq.request_id] = seq
+        if keep_cross:
+            self.keeps_cross.add(seq.request_id)
         if encoder_cache_key is not None:
             self.encoder_cache.keys[seq.request_id] = encoder_cache_key
         insort(self.waiting_cross, seq, key=queue_key)
@@ -189,15 +217,33 @@ class RequestQueues:
             self.block_manager.free_cross(orphan)
             orphan.status = SequenceStatus.WAITING_CROSS_BLOCKS
             insort(self.waiting_cross, orphan, key=queue_key)
-        self.block_manager.free(seq)
+        keep = seq.request_id in self.keeps_cross
+        self.keeps_cross.discard(seq.request_id)
+        if keep and status is not SequenceStatus.FINISHED_ABORTED and seq.cross_block_ids:
+            self.release_cross(seq.request_id)  # an older window's, never two kept per request
+            self.block_manager.free_self(seq)
+            self.kept_cross[seq.request_id] = (seq.cross_block_ids, seq.encoder_len)
+            seq.cross_block_ids = []
+        else:
+            self.block_manager.free(seq)
         seq.status = status
         del self.requests[seq.request_id]
 
+    def release_cross(self, request_id: str) -> bool:
+        """Frees the cross blocks kept under ``request_id``; False when none are kept."""
+        kept = self.kept_cross.pop(request_id, None)
+        if kept is None:
+            return False
+        self.block_manager.cross_pool.free(kept[0])
+        return True
+
     def abort(self, request_id: str) -> bool:
-        """Frees every block of ``request_id`` in any state; False if it is not unfinished here."""
+        """Frees every block of ``request_id`` in any state, kept cross blocks included; False if it is
+        neither unfinished here nor keeps cross blocks."""
+        released = self.release_cross(request_id)
         seq = self.requests.get(request_id)
         if seq is None:
-            return False
+            return released
         self._finish(seq, SequenceStatus.FINISHED_ABORTED)
         return True
 

@@ -204,10 +204,14 @@ class Sessions:
         priority: int,
         arrival: float,
         deadline: float | None = None,
+        kind: type[RequestSession] | None = None,
     ) -> RequestSession:
         """The session of a request whose record ``create_record`` made; ``arrival``: monotonic time of its call;
-        ``deadline``: monotonic time its gRPC deadline passes (None: none), which bounds its Encode calls."""
-        session = self.active[request_id] = RequestSession(self, request_id, inp, params, priority, arrival)
+        ``deadline``: monotonic time its gRPC deadline passes (None: none), which bounds its Encode calls;
+        ``kind``: the session class (``decoder_svc.whisper_session.WhisperSession`` for Whisper jobs;
+        default ``RequestSession``)."""
+        kind = kind or RequestSession
+        session = self.active[request_id] = kind(self, request_id, inp, params, priority, arrival)
         session.deadline = deadline
         return session
 

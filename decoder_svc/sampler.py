@@ -12,7 +12,9 @@ Logits processors, on greedy and sampled rows alike:
    ``ForcedEOSTokenLogitsProcessor`` at ``cur_len == max_length - 1``, leaving
    only the forced token;
 5. Whisper's ``SuppressTokensLogitsProcessor`` (every step) and
-   ``SuppressTokensAtBeginLogitsProcessor`` (first generated token), ``-inf``.
+   ``SuppressTokensAtBeginLogitsProcessor`` (first generated token), ``-inf``;
+6. the row's own ``params.logits_rules`` (Whisper windows: HF's
+   ``WhisperTimeStampLogitsProcessor``, ``decoder_svc.whisper.timestamp_rules``).
 
 Then for sampled rows the warpers in HF order: temperature, top-k, top-p,
 min-p (``TemperatureLogitsWarper``, ``TopKLogitsWarper``, ``TopPLogitsWarper``,
@@ -91,7 +93,8 @@ class SamplingRow:
     def from_sequence(cls, seq) -> SamplingRow:
         """The row of a ``decoder_svc.sequence.Sequence`` about to sample its next token."""
         p = seq.sampling_params
-        history = seq.all_token_ids if (p.repetition_penalty != 1.0 or p.no_repeat_ngram_size) else ()
+        needs_history = p.repetition_penalty != 1.0 or p.no_repeat_ngram_size or p.logits_rules is not None
+        history = seq.all_token_ids if needs_history else ()
         first = seq.num_output_tokens == 0
         num_samples = p.n if (first and p.num_beams == 1 and seq.index == 0) else 1
         return cls(
@@ -192,6 +195,14 @@ class Sampler:
         if first and self.begin_suppress_tokens.numel():
             idx = torch.tensor(first, dtype=torch.long, device=logits.device)
             logits[idx[:, None], self.begin_suppress_tokens.to(logits.device)[None, :]] = NEG_INF
+        for i, r in enumerate(rows):
+            if r.params.logits_rules is not None and not (failed is not None and r.request_id in failed):
+                try:
+                    r.params.logits_rules.apply(logits[i], r.token_ids)
+                except Exception as exc:  # noqa: BLE001 - this row's own failure (decoder_svc.step_failures)
+                    if failed is None:
+                        raise
+                    failed[r.request_id] = exc
         return logits
 
     @staticmethod
@@ -258,7 +269,7 @@ class Sampler:
     def _pick(self, scores: torch.Tensor, argmax: int, row: SamplingRow, result: SamplerOutput) -> int:
         """Row ``row``'s token from its processed ``scores`` ``[V]`` (``argmax``: greedy's pick); fills its
         logprobs and extra samples into ``result``."""
-        token = argmax
+        token, processed = argmax, scores
         if not row.params.greedy:
             warped = self.warp(scores, row.params)
             probs = warped.softmax(dim=-1)  # [V]
@@ -272,7 +283,8 @@ class Sampler:
                     )
             # else: keeps the row's argmax (and reports the processed scores' logprobs)
         if row.params.logprobs:
-            result.logprobs[row.request_id] = token_logprobs(scores, token, row.params.top_logprobs)
+            picked_from = processed if row.params.logprobs_before_warpers else scores
+            result.logprobs[row.request_id] = token_logprobs(picked_from, token, row.params.top_logprobs)
         return token
 
     def _draw_extra_samples(

@@ -40,7 +40,7 @@ _REPETITION_PENALTY_FLOOR = _float32_floor(MIN_REPETITION_PENALTY)
 _INT_FIELDS = ("top_k", "min_tokens", "no_repeat_ngram_size", "top_logprobs", "n", "num_beams")
 _OPTIONAL_INT_FIELDS = ("seed", "max_tokens")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "length_penalty")
-_BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "logprobs", "early_stopping")
+_BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "logprobs", "early_stopping", "logprobs_before_warpers")
 
 
 def _finite(x: float) -> bool:
@@ -143,6 +143,18 @@ class SamplingParams:
             running beam, scored at its current length, cannot beat the worst
             finished one. HF's third mode "never" is not offered.
 
+    Set by the decoder service for Whisper windows (never from the wire):
+
+        logits_rules: an object with ``apply(scores [V] float32, token_ids) -> None`` run on
+            the row's scores after the checkpoint's suppressions, in place, with every
+            decoder token so far (e.g. ``decoder_svc.whisper.timestamp_rules.TimestampRules``,
+            HF's ``WhisperTimeStampLogitsProcessor``); None = none.
+        logprobs_before_warpers: logprobs are ``log_softmax`` of the processed scores before
+            temperature / top-k / top-p / min-p (what HF's Whisper fallback averages).
+        probe_position: a prompt position whose raw logits ``[V]`` (before any processor)
+            come with the sequence's first output (``RequestOutput.probe_logits``); Whisper
+            reads language and no-speech probabilities at ``<|startoftranscript|>``.
+
     Every field is type-checked too (an int field refuses a float, a bool field
     anything but True / False).
 
@@ -169,6 +181,9 @@ class SamplingParams:
     num_beams: int = 1
     length_penalty: float = 1.0
     early_stopping: bool = False
+    logits_rules: object | None = None
+    logprobs_before_warpers: bool = False
+    probe_position: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("stop", "stop_token_ids"):
@@ -225,6 +240,10 @@ class SamplingParams:
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
+        if self.probe_position is not None and (not _is_int(self.probe_position) or self.probe_position < 0):
+            raise ValueError(f"probe_position must be a prompt index >= 0, got {self.probe_position!r:.80}")
+        if self.logits_rules is not None and not callable(getattr(self.logits_rules, "apply", None)):
+            raise ValueError("logits_rules must have an apply(scores, token_ids) method")
         if not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
         if not 1 <= self.num_beams <= MAX_BEAMS:

@@ -22,8 +22,9 @@ from decoder_svc.encode_client import EncodeClient
 from decoder_svc.engine import DecoderEngine
 from decoder_svc.inputs import parse_input
 from decoder_svc.kv_budget import max_concurrent_requests
-from decoder_svc.request_session import Sessions
+from decoder_svc.request_session import RequestSession, Sessions
 from decoder_svc.request_state import RedisUnavailableError, RequestStateStore
+from decoder_svc.whisper_session import WhisperSession
 from shared.config import DecoderServiceConfig
 from shared.errors import InvalidRequestError, NotFoundError, UnavailableError
 from shared.metrics import DecoderMetrics
@@ -147,7 +148,8 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             self.parsing -= 1
         remaining_s = context.time_remaining()  # None without a client deadline
         deadline = None if remaining_s is None else time.monotonic() + remaining_s
-        session = self.sessions.open(request_id, inp, params, request.priority, arrival, deadline)
+        kind = WhisperSession if inp.whisper is not None else RequestSession  # language, task, long-form
+        session = self.sessions.open(request_id, inp, params, request.priority, arrival, deadline, kind)
         session.ticket = ticket
         ticket.bind(session.stream.put_nowait)  # displaced by a higher-priority request: it ends with that error
         # aclosing: a call closed while paused at our yield ends the session (its record, its blocks) at once.

@@ -132,12 +132,46 @@ def _print_results(paths: list[str], results, start: float) -> int:
     return 1 if failed else 0
 
 
+def _whisper_options(args: argparse.Namespace):
+    """``encdec transcribe``'s Whisper flags as ``decoder_pb2.WhisperOptions`` (None when all are defaults).
+
+    Raises:
+        ValueError: srt / vtt with ``--timestamps none`` (subtitles need segment times).
+    """
+    from shared.proto import decoder_pb2
+
+    timestamps = args.timestamps or ("none" if args.format == "text" else "segment")
+    if args.format in ("srt", "vtt") and timestamps == "none":
+        raise ValueError(f"--format {args.format} needs segment timestamps: drop --timestamps none")
+    fields = {
+        "language": args.language,
+        "task": args.task,
+        "prompt": args.prompt,
+        "timestamps": decoder_pb2.TimestampGranularity.Value(f"TIMESTAMP_GRANULARITY_{timestamps.upper()}"),
+        "condition_on_previous_text": args.condition_on_previous_text,
+        "temperatures": args.temperature,  # explicit: only these; unset: the server's fallback list
+        "compression_ratio_threshold": args.compression_ratio_threshold,
+        "logprob_threshold": args.logprob_threshold,
+        "no_speech_threshold": args.no_speech_threshold,
+        "vad_filter": args.vad or None,
+    }
+    options = decoder_pb2.WhisperOptions(**{k: v for k, v in fields.items() if v is not None})
+    return options if options != decoder_pb2.WhisperOptions() else None
+
+
 def _transcribe(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from encdec.client import transcribe_files
 
     start = time.perf_counter()
+    many = len(args.files) > 1
+    if many and args.format in ("srt", "vtt") and args.output_dir is None:
+        raise ValueError(f"--format {args.format} of several files needs --output-dir (one subtitle file each)")
+    stems = [Path(f).stem for f in args.files]
+    if args.output_dir is not None and len(set(stems)) < len(stems):
+        raise ValueError("--output-dir: two files have the same name stem; their outputs would overwrite each other")
     keys = (
-        "temperature",
         "top_k",
         "top_p",
         "min_p",
@@ -148,7 +182,19 @@ def _transcribe(args: argparse.Namespace) -> int:
         "no_repeat_ngram_size",
         "stop",
     )
-    results = asyncio.run(transcribe_files(args.address, args.files, **{k: getattr(args, k) for k in keys}))
+    sampling = {k: getattr(args, k) for k in keys}
+    # Short-form (one window, no fallback) decodes at the first temperature.
+    sampling["temperature"] = args.temperature[0] if args.temperature else None
+    results = asyncio.run(
+        transcribe_files(
+            args.address,
+            args.files,
+            whisper=_whisper_options(args),
+            output_format=args.format,
+            output_dir=args.output_dir,
+            **sampling,
+        )
+    )
     return _print_results(args.files, results, start)
 
 

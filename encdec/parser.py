@@ -55,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("files", nargs="+")
     p.add_argument("--address", default=os.environ.get("ENCDEC_DECODER_ADDRESS", DEFAULT_DECODER_ADDRESS))
     _add_sampling(p)
+    _add_whisper(p)
 
     p = sub.add_parser("demo", help="start everything, transcribe the bundled clip (or FILES), stop")
     p.add_argument("files", nargs="*")
@@ -64,8 +65,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def temperature_list(value: str) -> list[float]:
+    """``--temperature``: one number or a comma-separated fallback list (``0,0.2,0.4``), each in [0, 1]."""
+    try:
+        temps = [float(t) for t in value.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number or a comma-separated list of numbers: {value!r}") from None
+    if not temps or any(not 0.0 <= t <= 1.0 for t in temps):  # NaN fails both comparisons
+        raise argparse.ArgumentTypeError(f"each temperature must be in [0, 1], got {value!r}")
+    return temps
+
+
 def _add_sampling(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--temperature", type=float, default=None, help="0 (default) = greedy")
+    p.add_argument(
+        "--temperature",
+        type=temperature_list,
+        default=None,
+        help="one temperature (decoded at it only; 0 = greedy) or a fallback list 0,0.2,...: a long-form window "
+        "that fails the thresholds is decoded again at the next one. Default: greedy, falling back through "
+        "0.2 .. 1.0 (openai-whisper's transcribe())",
+    )
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
@@ -75,6 +94,46 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repetition-penalty", type=float, default=None, help="1 (default) = off")
     p.add_argument("--no-repeat-ngram-size", type=int, default=None)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+TIMESTAMPS = ("none", "segment", "word")
+FORMATS = ("text", "json", "srt", "vtt")
+
+
+def _add_whisper(p: argparse.ArgumentParser) -> None:
+    """``encdec transcribe``'s Whisper options (``WhisperOptions`` in proto/encdec/v1/decoder.proto) and output."""
+    p.add_argument("--language", default=None, help="ISO 639-1 code (en, de, ...); default: detected (multilingual)")
+    p.add_argument("--task", choices=("transcribe", "translate"), default=None, help="translate: to English")
+    p.add_argument("--prompt", default=None, help="initial prompt: spellings, names, style of the transcript")
+    p.add_argument(
+        "--timestamps",
+        choices=TIMESTAMPS,
+        default=None,
+        help="segment / word timestamps (long-form decoding); default: none for --format text, segment otherwise",
+    )
+    p.add_argument("--vad", action="store_true", help="drop silence (silero-vad) before transcribing")
+    p.add_argument(
+        "--no-condition-on-previous-text",
+        dest="condition_on_previous_text",
+        action="store_false",
+        default=None,
+        help="long-form: do not prompt each 30 s window with the previous window's text",
+    )
+    p.add_argument("--compression-ratio-threshold", type=float, default=None, help="default 2.4")
+    p.add_argument("--logprob-threshold", type=float, default=None, help="default -1.0")
+    p.add_argument("--no-speech-threshold", type=float, default=None, help="default 0.6")
+    p.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="text",
+        help="text: streamed as decoded; json: one object per file (text, language, duration, segments, words, "
+        "usage) on one line; srt / vtt: subtitles (segment timestamps)",
+    )
+    p.add_argument(
+        "--output-dir",
+        default=None,
+        help="write each file's result to DIR/<file stem>.<txt|json|srt|vtt> instead of standard output",
+    )
 
 
 def _add_services(

@@ -9,6 +9,7 @@ model, ``encoder_svc.embed.server.EmbedServicer`` (started by
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 
 import numpy as np
@@ -39,7 +40,13 @@ def _warm_up(model, device: torch.device) -> None:
     if getattr(model, "input_modality", "audio") != "audio":
         return
     with torch.inference_mode():
-        model.compute_cross_kv(model.encode(log_mel_spectrogram(np.zeros(16000, dtype=np.float32))[None].to(device)))
+        mels = _featurizer(model)(np.zeros(16000, dtype=np.float32))  # [num_mel_bins, 3000]
+        model.compute_cross_kv(model.encode(mels[None].to(device)))
+
+
+def _featurizer(model):
+    """The checkpoint's log-mel features (80 bins; 128 for large-v3 / turbo)."""
+    return functools.partial(log_mel_spectrogram, num_mel_bins=model.config.num_mel_bins)
 
 
 def run(config: EncoderServiceConfig) -> None:
@@ -87,7 +94,7 @@ def run(config: EncoderServiceConfig) -> None:
     )
     batcher = EncodeBatcher(
         model,
-        log_mel_spectrogram,
+        _featurizer(model) if getattr(model, "input_modality", "audio") == "audio" else log_mel_spectrogram,
         writer,
         max_batch_size,
         config.batch_wait_ms,

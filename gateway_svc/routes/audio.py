@@ -1,10 +1,13 @@
 """``POST /v1/audio/transcriptions`` and ``POST /v1/audio/translations`` (multipart, as OpenAI's API) over the
-speech decoder's Generate RPC.
+speech decoder's Generate RPC, its ``WhisperOptions`` filled from the form.
 
-What the decoder gives today: the transcript (English; the model's default language), its tokens and usage.
-Options that need more (another language, a prompt, translation, segment or word timestamps and the formats built
-on them, ``srt`` / ``vtt``) are refused with a 400 naming the option and what to send instead, never ignored.
-``verbose_json`` carries ``task``, ``language``, ``duration`` and ``text`` (no ``segments``: no timestamps yet).
+OpenAI's fields map onto ``WhisperOptions``: ``language`` (ISO code, or OpenAI-style name "german"), ``prompt``,
+``temperature`` (0 = the automatic fallback 0.0 .. 1.0; above 0: that temperature only), the endpoint's task
+(translations: "translate", language optional), and the timestamps the format needs: ``verbose_json`` / ``srt`` /
+``vtt`` ask for segments, ``timestamp_granularities[]`` "word" (``verbose_json`` only, as OpenAI) for words too.
+The bodies are OpenAI's: ``verbose_json`` ``{task, language (its English name), duration, text, segments, words,
+usage}``, ``srt`` / ``vtt`` as text (``shared.subtitles``). What the model cannot do (a language or translation on
+an English-only model) is the decoder's INVALID_ARGUMENT, answered as a 400 naming the field.
 
 The upload is read once into the Generate request (the body limit: ``gateway_svc.upload``); its duration is read
 from the file's header (soundfile), not by decoding it.
@@ -12,21 +15,25 @@ from the file's header (soundfile), not by decoding it.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import io
 import math
 
 import grpc
+import numpy as np
 import soundfile
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import PlainTextResponse
 from starlette.datastructures import UploadFile
 
 from gateway_svc.backends import Backends
 from gateway_svc.config import GatewayConfig
-from gateway_svc.errors import bad_request, from_rpc_error
-from gateway_svc.route_support import backends, config, error_event, sse, stream_messages, unless_disconnected
+from gateway_svc.errors import GatewayError, bad_request, building_request, from_rpc_error
+from gateway_svc.route_support import backends, config, json_response, sse, stream_messages, unless_disconnected
 from gateway_svc.schemas import MAX_MODEL_NAME_LEN
 from shared.proto import decoder_pb2
+from shared.subtitles import to_srt, to_vtt
 
 router = APIRouter()
 
@@ -43,8 +50,8 @@ FIELDS = {
     "include[]",
 }
 FORMATS = ("json", "text", "srt", "verbose_json", "vtt")
-NEED_TIMESTAMPS = ("srt", "vtt")
-ENGLISH = ("", "en", "english")
+TIMED_FORMATS = ("srt", "verbose_json", "vtt")  # answered from segments: long-form decoding with timestamps
+GRANULARITIES = ("segment", "word")
 ENDPOINTS = {"transcribe": "/v1/audio/transcriptions", "translate": "/v1/audio/translations"}
 # Media types an audio upload may carry (OpenAI takes flac, mp3, mp4, mpeg, mpga, m4a, ogg, wav, webm).
 AUDIO_TYPES = ("audio/", "video/mp4", "video/webm", "video/ogg", "application/ogg", "application/octet-stream")
@@ -67,11 +74,12 @@ def _bool(form, name: str) -> bool:
 
 
 async def parse_form(request: Request, task: str) -> dict:
-    """The checked fields of an audio request's multipart body.
+    """The checked fields of an audio request's multipart body, its options as ``WhisperOptions`` (``task``:
+    "transcribe" or "translate", the endpoint's).
 
     Raises:
         GatewayError: 400 naming the field: no file, an empty file, not an audio media type, an unknown field,
-            a value out of range, or an option the decoder cannot serve yet.
+            a value out of range, timestamp_granularities[] without verbose_json, stream with a timed format.
     """
     content_type = request.headers.get("content-type", "")
     if not content_type.startswith("multipart/form-data"):
@@ -98,26 +106,24 @@ async def parse_form(request: Request, task: str) -> dict:
         raise bad_request(
             f"response_format must be one of {', '.join(FORMATS)}; got {response_format!r}", "response_format"
         )
-    if response_format in NEED_TIMESTAMPS:
+    granularities = set(form.getlist("timestamp_granularities[]"))
+    if granularities - set(GRANULARITIES):
+        bad = sorted(str(g) for g in granularities - set(GRANULARITIES))
         raise bad_request(
-            f"response_format {response_format!r} needs segment timestamps, which this server does not produce yet; "
-            "use json, text or verbose_json",
-            "response_format",
+            f"timestamp_granularities[] takes segment and/or word, got {', '.join(bad)}", "timestamp_granularities[]"
         )
-    if form.getlist("timestamp_granularities[]"):
+    if granularities and response_format != "verbose_json":
         raise bad_request(
-            "timestamp_granularities[] (segment / word timestamps) is not supported by this server yet; omit it",
+            f"timestamp_granularities[] needs response_format verbose_json (got {response_format!r})",
             "timestamp_granularities[]",
         )
-    language = (_one(form, "language") or "").strip().lower()
-    if language not in ENGLISH:
+    stream = _bool(form, "stream")
+    if stream and response_format in TIMED_FORMATS:
         raise bad_request(
-            f"language {language!r} is not supported: the speech models served here transcribe English; "
-            "omit language or send 'en'",
-            "language",
+            f"stream answers transcript.text.delta events: it takes response_format json or text, not "
+            f"{response_format!r}",
+            "stream",
         )
-    if (_one(form, "prompt") or "").strip():
-        raise bad_request("prompt is not supported by this server yet; omit it", "prompt")
     if form.getlist("include[]"):
         raise bad_request("include[] (token logprobs of a transcription) is not supported; omit it", "include[]")
     if (_one(form, "chunking_strategy") or "auto") != "auto":
@@ -129,10 +135,21 @@ async def parse_form(request: Request, task: str) -> dict:
         raise bad_request(f"temperature must be a number, got {raw_temperature!r}", "temperature") from None
     if not 0.0 <= temperature <= 1.0 or math.isnan(temperature):
         raise bad_request(f"temperature must be in [0, 1], got {raw_temperature}", "temperature")
-    if task == "translate":
-        raise bad_request(
-            "translation is not supported: the speech models served here transcribe only; use /v1/audio/transcriptions",
-            "model",
+    if "word" in granularities:
+        timestamps = decoder_pb2.TIMESTAMP_GRANULARITY_WORD
+    elif response_format in TIMED_FORMATS:
+        timestamps = decoder_pb2.TIMESTAMP_GRANULARITY_SEGMENT
+    else:
+        timestamps = decoder_pb2.TIMESTAMP_GRANULARITY_NONE
+    language = (_one(form, "language") or "").strip().lower()
+    if language or response_format == "verbose_json":
+        await asyncio.to_thread(_languages)  # its first call imports HF's table (~1.4 s): off the event loop
+    with building_request("prompt"):
+        whisper = decoder_pb2.WhisperOptions(
+            language=language_code(language) if language else "",
+            task=task,
+            prompt=_one(form, "prompt") or "",
+            timestamps=timestamps,
         )
     data = await upload.read()
     await upload.close()
@@ -142,9 +159,54 @@ async def parse_form(request: Request, task: str) -> dict:
         "model": model,
         "data": data,
         "response_format": response_format,
+        # OpenAI's 0 = automatic fallback: no temperatures list and sampling 0 (the decoder's fallback list);
+        # above 0 the decoder decodes at that temperature only.
         "temperature": temperature,
-        "stream": _bool(form, "stream"),
+        "whisper": whisper,
+        "segments": response_format in TIMED_FORMATS and (not granularities or "segment" in granularities),
+        "words": "word" in granularities,
+        "stream": stream,
     }
+
+
+@functools.cache
+def _languages() -> tuple[dict[str, str], dict[str, str]]:
+    """Whisper's languages (HF ``tokenization_whisper``): ISO code -> English name, name or alias -> code."""
+    from transformers.models.whisper.tokenization_whisper import LANGUAGES, TO_LANGUAGE_CODE
+
+    return LANGUAGES, TO_LANGUAGE_CODE
+
+
+def language_code(language: str) -> str:
+    """The form's ``language`` as the ISO code the decoder takes: a code as given, a name ("German") as its code;
+    anything else is passed on for the decoder to refuse naming what the model knows."""
+    language = language.strip().lower()
+    return _languages()[1].get(language, language)
+
+
+def language_name(code: str) -> str:
+    """OpenAI's ``verbose_json`` ``language``: the English name ("english") of an ISO code (the code if unknown)."""
+    return _languages()[0].get(code, code)
+
+
+# Which form field a decoder INVALID_ARGUMENT is about, by the words of its message (decoder_svc.whisper.options).
+_PARAM_WORDS = (
+    ("translate", "model"),
+    ("language", "language"),
+    ("prompt", "prompt"),
+    ("temperature", "temperature"),
+    ("timestamps", "timestamp_granularities[]"),
+    ("audio", "file"),
+)
+
+
+def whisper_error(exc: grpc.RpcError) -> GatewayError:
+    """``from_rpc_error`` with the field a 400 is about named in ``param`` (OpenAI's error body)."""
+    err = from_rpc_error(exc)
+    if err.status == 400 and err.param is None:
+        message = err.message.lower()
+        err.param = next((param for word, param in _PARAM_WORDS if word in message), None)
+    return err
 
 
 def duration_s(data: bytes) -> float | None:
@@ -163,32 +225,69 @@ async def _transcribe(request: Request, b: Backends, cfg: GatewayConfig, task: s
         model=b.wire_name(fields.pop("model")),
         audio=fields.pop("data"),
         sampling=decoder_pb2.SamplingParams(temperature=fields["temperature"]),
+        whisper=fields["whisper"],
     )
     call = backend.decoder.Generate(generate, timeout=cfg.request_timeout_s)
     try:
         first = await unless_disconnected(request, call.read())
+    except grpc.RpcError as exc:  # refused before any output: the 400 names the field
+        call.cancel()
+        raise whisper_error(exc) from None
     except BaseException:
         call.cancel()
         raise
     if fields["stream"]:
         return sse(_events(call, first))
-    text = (await unless_disconnected(request, _collect(call, first))).strip()
-    if fields["response_format"] == "text":
+    messages = await unless_disconnected(request, _collect(call, first))
+    text = "".join(m.text for m in messages).strip()
+    segments = [s for m in messages for s in m.segments]
+    last = messages[-1] if messages else decoder_pb2.GenerateResponse()  # the final one: language, duration
+    if duration is None and last.duration > 0:
+        duration = last.duration
+    response_format = fields["response_format"]
+    if response_format == "text":
         return PlainTextResponse(text)
+    if response_format in ("srt", "vtt"):
+        return PlainTextResponse(to_srt(segments) if response_format == "srt" else to_vtt(segments))
     body: dict = {"text": text}
-    if fields["response_format"] == "verbose_json":
-        body = {"task": "transcribe", "language": "english", "duration": duration, "text": text}
+    if response_format == "verbose_json":
+        language = last.language or fields["whisper"].language or "en"
+        body = {"task": task, "language": language_name(language), "duration": duration, "text": text}
+        if fields["segments"]:
+            body["segments"] = [_segment(s) for s in segments]
+        if fields["words"]:
+            body["words"] = [
+                {"word": w.word.strip(), "start": np.float32(w.start), "end": np.float32(w.end)}
+                for s in segments
+                for w in s.words
+            ]
     if duration is not None:
         body["usage"] = {"type": "duration", "seconds": math.ceil(duration)}
-    return JSONResponse(body)
+    return json_response(body)
 
 
-async def _collect(call, first) -> str:
-    """The whole text of the stream (``first`` already read)."""
+def _segment(s: decoder_pb2.Segment) -> dict:
+    """One ``verbose_json`` segment (OpenAI's fields; float32 values written as their shortest decimal)."""
+    return {
+        "id": s.id,
+        "seek": s.seek,
+        "start": np.float32(s.start),
+        "end": np.float32(s.end),
+        "text": s.text,
+        "tokens": list(s.tokens),
+        "temperature": np.float32(s.temperature),
+        "avg_logprob": np.float32(s.avg_logprob),
+        "compression_ratio": np.float32(s.compression_ratio),
+        "no_speech_prob": np.float32(s.no_speech_prob),
+    }
+
+
+async def _collect(call, first) -> list[decoder_pb2.GenerateResponse]:
+    """Every message of the stream (``first`` already read)."""
     try:
-        return "".join([message.text async for message in stream_messages(call, first)])
+        return [message async for message in stream_messages(call, first)]
     except grpc.RpcError as exc:
-        raise from_rpc_error(exc) from None
+        raise whisper_error(exc) from None
     finally:
         call.cancel()
 
@@ -213,7 +312,7 @@ async def _events(call, first):
                 }
                 yield {"type": "transcript.text.done", "text": "".join(parts).rstrip(), "usage": tokens}
     except grpc.RpcError as exc:
-        yield error_event(exc)
+        yield whisper_error(exc).body()
     finally:
         call.cancel()
 

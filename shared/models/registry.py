@@ -112,6 +112,7 @@ _HF_ARCHITECTURES: dict[str, str] = {
     "BartForConditionalGeneration": "bart",
     "MBartForConditionalGeneration": "mbart",
     "MarianMTModel": "marian",
+    "WhisperForConditionalGeneration": "whisper",  # e.g. openai/whisper-*: shared.models.whisper_hf
 }
 
 

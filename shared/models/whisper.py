@@ -7,7 +7,8 @@ paged self-attention KV cache, cross-attention over the paged cross-attention
 KV cache (written by the encoder service from ``compute_cross_kv``), FFN; the
 output projection is tied to the token embedding.
 
-Weights come from a CTranslate2 ``model.bin`` (``WhisperSpec``); ``load_weights``
+Weights come from a CTranslate2 ``model.bin`` (``WhisperSpec``), or from an HF
+directory renamed to those names (``shared.models.whisper_hf``); ``load_weights``
 is the explicit name map. Over 300 lines: one model per file (encoder, decoder,
 cross-KV projection, weight map and decode-step packing together).
 """
@@ -226,17 +227,26 @@ class WhisperForConditionalGeneration(PackedDecodeWeights, nn.Module):
     def from_pretrained(
         cls, model_dir: str | Path, dtype: torch.dtype = torch.float32
     ) -> WhisperForConditionalGeneration:
-        """Load a CTranslate2 Whisper directory (``model.bin``, ``config.json``, ``tokenizer.json``).
+        """Load a CTranslate2 Whisper directory (``model.bin``, ``config.json``, ``tokenizer.json``)
+        or an HF-format one (``config.json`` naming ``WhisperForConditionalGeneration``: ``shared.models.whisper_hf``).
 
-        Weights (float16 on disk) are cast to ``dtype``. Returns the model in eval mode.
+        Weights (float16 on disk for CTranslate2) are cast to ``dtype``. Returns the model in eval mode.
 
         Raises:
-            FileNotFoundError: a file is missing. ValueError: not a WhisperSpec model.bin.
+            FileNotFoundError: a file is missing. ValueError: not a WhisperSpec model.bin, or an
+                unsupported HF variant (``shared.models.whisper_hf.read_hf_whisper``).
         """
         model_dir = Path(model_dir)
-        weights = load_ct2_weights(model_dir / "model.bin", expected_spec="WhisperSpec")
-        config = WhisperConfig.from_ct2_weights(weights)
-        model = cls(config, WhisperGenerationDefaults.from_model_dir(model_dir, config))
+        from shared.models import whisper_hf
+
+        if not (model_dir / "model.bin").is_file() and whisper_hf.is_hf_whisper_dir(model_dir):
+            config_fields, generation_fields, weights = whisper_hf.read_hf_whisper(model_dir)
+            config, generation = WhisperConfig(**config_fields), WhisperGenerationDefaults(**generation_fields)
+        else:
+            weights = load_ct2_weights(model_dir / "model.bin", expected_spec="WhisperSpec")
+            config = WhisperConfig.from_ct2_weights(weights)
+            generation = WhisperGenerationDefaults.from_model_dir(model_dir, config)
+        model = cls(config, generation)
         model.load_weights(weights)
         return model.to(dtype).eval()
 

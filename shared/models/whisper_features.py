@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -45,30 +46,114 @@ def log_mel_spectrogram(pcm: np.ndarray, num_mel_bins: int = 80) -> torch.Tensor
 
 
 def load_tokenizer(model_dir: str | Path):
-    """The Whisper tokenizer from ``model_dir/tokenizer.json``.
+    """The Whisper tokenizer of a CTranslate2 or HF-format directory.
+
+    Read from ``tokenizer.json``, else built from the BPE files ``vocab.json`` +
+    ``merges.txt`` with the added tokens of ``added_tokens.json`` (or
+    ``tokenizer_config.json``'s ``added_tokens_decoder``), as transformers 4
+    saved Whisper tokenizers. The BPE build is the one of HF ``WhisperTokenizer``
+    (byte-level BPE, no prefix space); it has no post-processor, so
+    ``encode(text)`` adds no prompt tokens (prompts come from ``WhisperSpecials``).
 
     Returns:
         ``transformers.PreTrainedTokenizerFast`` with ``<|endoftext|>`` as
         eos/bos/unk/pad token; special tokens (``<|...|>``) are marked special
-        so ``decode(ids, skip_special_tokens=True)`` drops them.
+        so ``decode(ids, skip_special_tokens=True)`` drops them (timestamp
+        tokens ``<|0.00|>`` .. ``<|30.00|>`` are not special, as in openai's ``tokenizer.json``).
 
     Raises:
-        FileNotFoundError: no ``tokenizer.json`` in ``model_dir``.
+        FileNotFoundError: neither ``tokenizer.json`` nor ``vocab.json`` + ``merges.txt`` in ``model_dir``.
+        ValueError: an added token does not get the id its file gives it.
     """
     from transformers import PreTrainedTokenizerFast
 
-    path = Path(model_dir) / "tokenizer.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"no tokenizer.json in {model_dir}")
+    model_dir = Path(model_dir)
     eot = "<|endoftext|>"
-    return PreTrainedTokenizerFast(tokenizer_file=str(path), eos_token=eot, bos_token=eot, unk_token=eot, pad_token=eot)
+    kwargs = dict(eos_token=eot, bos_token=eot, unk_token=eot, pad_token=eot)
+    path = model_dir / "tokenizer.json"
+    if path.is_file():
+        return PreTrainedTokenizerFast(tokenizer_file=str(path), **kwargs)
+    if not ((model_dir / "vocab.json").is_file() and (model_dir / "merges.txt").is_file()):
+        raise FileNotFoundError(f"no tokenizer.json (nor vocab.json + merges.txt) in {model_dir}")
+    return PreTrainedTokenizerFast(tokenizer_object=_bpe_tokenizer(model_dir), **kwargs)
+
+
+_TIMESTAMP = re.compile(r"<\|\d+\.\d+\|>")
+
+
+def _bpe_tokenizer(model_dir: Path):
+    """A ``tokenizers.Tokenizer`` from ``vocab.json`` + ``merges.txt`` + the added tokens (ids checked)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = _read_json(model_dir / "vocab.json")
+    lines = (model_dir / "merges.txt").read_text(encoding="utf-8").splitlines()
+    merges = [tuple(line.split(" ")) for line in lines if line and not line.startswith("#version")]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, continuing_subword_prefix="", end_of_word_suffix=""))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    for content, token_id in sorted(special_token_ids(model_dir).items(), key=lambda kv: kv[1]):
+        if _TIMESTAMP.fullmatch(content):
+            tok.add_tokens([AddedToken(content, special=False, normalized=True)])
+        else:
+            tok.add_special_tokens([AddedToken(content, special=True, normalized=False)])
+        if tok.token_to_id(content) != token_id:
+            raise ValueError(f"{model_dir}: added token {content!r} got id {tok.token_to_id(content)}, not {token_id}")
+    return tok
+
+
+def _read_json(path: Path):
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
 
 
 def special_token_ids(model_dir: str | Path) -> dict[str, int]:
-    """``content -> id`` of every added (special) token in ``tokenizer.json``.
+    """``content -> id`` of every added (special) token of the directory's tokenizer.
 
-    Reads the JSON only, without building a tokenizer.
+    Reads the JSON only, without building a tokenizer: ``tokenizer.json``'s
+    ``added_tokens``, else ``added_tokens.json``, else ``tokenizer_config.json``'s
+    ``added_tokens_decoder``; ``<|endoftext|>`` is taken from ``vocab.json`` when
+    only that file holds it (English-only checkpoints keep it at GPT-2's id 50256).
+
+    Raises:
+        FileNotFoundError: none of those files lists added tokens.
     """
-    with open(Path(model_dir) / "tokenizer.json", encoding="utf-8") as f:
-        added = json.load(f).get("added_tokens", [])
-    return {t["content"]: int(t["id"]) for t in added}
+    model_dir = Path(model_dir)
+    if (model_dir / "tokenizer.json").is_file():
+        added = _read_json(model_dir / "tokenizer.json").get("added_tokens", [])
+        return {t["content"]: int(t["id"]) for t in added}
+    ids: dict[str, int] = {}
+    if (model_dir / "added_tokens.json").is_file():
+        ids = {k: int(v) for k, v in _read_json(model_dir / "added_tokens.json").items()}
+    elif (model_dir / "tokenizer_config.json").is_file():
+        decoder = _read_json(model_dir / "tokenizer_config.json").get("added_tokens_decoder") or {}
+        ids = {t["content"]: int(i) for i, t in decoder.items()}
+    if not ids:
+        raise FileNotFoundError(
+            f"no added tokens in {model_dir}: expected tokenizer.json, added_tokens.json or tokenizer_config.json"
+        )
+    if "<|endoftext|>" not in ids and (model_dir / "vocab.json").is_file():
+        eot = _read_json(model_dir / "vocab.json").get("<|endoftext|>")
+        if eot is not None:
+            ids["<|endoftext|>"] = int(eot)
+    return ids
+
+
+# preprocessor_config.json settings our extractor fixes (transformers' WhisperFeatureExtractor defaults).
+_FIXED_FEATURES = {"sampling_rate": SAMPLE_RATE, "hop_length": 160, "n_fft": 400, "chunk_length": 30}
+
+
+def preprocessor_num_mel_bins(model_dir: str | Path) -> int | None:
+    """``feature_size`` of an HF directory's ``preprocessor_config.json`` (80, or 128 for large-v3); None without the file.
+
+    Raises:
+        ValueError: the file sets a sampling rate, hop, FFT size or window other than
+            the ones ``log_mel_spectrogram`` computes with (16 kHz, 160, 400, 30 s).
+    """
+    path = Path(model_dir) / "preprocessor_config.json"
+    if not path.is_file():
+        return None
+    cfg = _read_json(path)
+    for key, ours in _FIXED_FEATURES.items():
+        if key in cfg and cfg[key] != ours:
+            raise ValueError(f"{path}: {key}={cfg[key]} is not supported (log_mel_spectrogram uses {ours})")
+    return int(cfg["feature_size"]) if "feature_size" in cfg else None

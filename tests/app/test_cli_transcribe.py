@@ -1,22 +1,180 @@
-"""``encdec transcribe``: a file that fails is named in its error line (real CLI process)."""
+"""``encdec transcribe``: a file that fails is named in its error line; the Whisper flags become ``WhisperOptions``;
+``--format json / srt / vtt`` and ``--timestamps word`` through real services (Whisper tiny.en, real CLI
+processes), each output checked against the gRPC Generate of the same options.
+"""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
+import grpc
+import numpy as np
+import pytest
+
+from encdec import DATA_DIR
+from encdec.cli import _whisper_options
+from encdec.client import Transcript, render
+from encdec.parser import build_parser
+from shared.proto import decoder_pb2, decoder_pb2_grpc
+from shared.subtitles import to_srt, to_vtt
+
 ROOT = Path(__file__).resolve().parents[2]
+CLIP = DATA_DIR / "sample.wav"
+SEGMENT, WORD = decoder_pb2.TIMESTAMP_GRANULARITY_SEGMENT, decoder_pb2.TIMESTAMP_GRANULARITY_WORD
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "encdec.cli", "transcribe", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_a_file_that_cannot_be_read_is_named(tmp_path):
     missing = tmp_path / "missing.wav"
-    result = subprocess.run(
-        [sys.executable, "-m", "encdec.cli", "transcribe", "--address", "127.0.0.1:1", str(missing)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = cli("--address", "127.0.0.1:1", str(missing))
     assert result.returncode == 1
     assert f"error: {missing}: cannot read the file: No such file or directory" in result.stderr, result.stderr
+
+
+# --- flags -> WhisperOptions (no services) -----------------------------------------------------------------------
+
+
+def options(*argv: str) -> decoder_pb2.WhisperOptions | None:
+    return _whisper_options(build_parser().parse_args(["transcribe", "a.wav", *argv]))
+
+
+def test_no_whisper_flags_send_no_options():
+    assert options() is None
+    assert options("--temperature", "0.3") == decoder_pb2.WhisperOptions(temperatures=[0.3])
+
+
+def test_whisper_flags_map_onto_whisper_options():
+    got = options(
+        *("--language", "de", "--task", "translate", "--prompt", "Names: Ada."),
+        *("--timestamps", "word", "--vad", "--temperature", "0,0.5", "--no-condition-on-previous-text"),
+        *("--compression-ratio-threshold", "2.0", "--logprob-threshold", "-0.5", "--no-speech-threshold", "0.7"),
+    )
+    want = decoder_pb2.WhisperOptions(
+        language="de",
+        task="translate",
+        prompt="Names: Ada.",
+        timestamps=WORD,
+        vad_filter=True,
+        temperatures=[0.0, 0.5],
+        condition_on_previous_text=False,
+        compression_ratio_threshold=2.0,
+        logprob_threshold=-0.5,
+        no_speech_threshold=0.7,
+    )
+    assert got == want
+
+
+@pytest.mark.parametrize("fmt", ["json", "srt", "vtt"])
+def test_formats_other_than_text_ask_for_segments(fmt):
+    assert options("--format", fmt).timestamps == SEGMENT
+    assert options("--format", fmt, "--timestamps", "word").timestamps == WORD
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--format", "srt", "--timestamps", "none", "a.wav"], "needs segment timestamps"),
+        (["--format", "vtt", "a.wav", "b.wav"], "needs --output-dir"),
+        (["--format", "json", "--output-dir", "out", "x/a.wav", "y/a.flac"], "same name stem"),
+        (["--temperature", "0,1.5", "a.wav"], "each temperature must be in [0, 1]"),
+    ],
+)
+def test_contradictory_flags_exit_2(argv, message):
+    result = cli("--address", "127.0.0.1:1", *argv)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def test_render_writes_float32_fields_as_their_shortest_decimal():
+    word = decoder_pb2.Word(word=" Hello", start=0.1, end=0.42, probability=0.9)
+    segment = decoder_pb2.Segment(id=0, start=0.0, end=1.3, text=" Hello.", tokens=[1, 2], avg_logprob=-0.25)
+    segment.words.append(word)
+    t = Transcript("a.wav", "r", " Hello.", [1, 2], "stop", 2, 0.1, segments=[segment], language="en", duration=1.5)
+    body = json.loads(render(t, "json"))
+    assert body["text"] == "Hello." and body["language"] == "en" and body["duration"] == 1.5
+    assert body["segments"][0]["end"] == 1.3 and body["segments"][0]["words"] == [
+        {"word": " Hello", "start": 0.1, "end": 0.42, "probability": 0.9}
+    ]
+    assert render(t, "srt") == "1\n00:00:00,000 --> 00:00:01,300\nHello.\n\n"
+
+
+# --- through real services ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def whisper(redis_url, tmp_path_factory):
+    from encdec.launcher import Services
+
+    logs = tmp_path_factory.mktemp("cli-whisper-logs")
+    with Services(model="whisper-tiny.en", redis_url=redis_url, log_dir=str(logs), log_level="WARNING") as services:
+        yield services.decoder_address
+
+
+def grpc_segments(address: str, clip: Path, timestamps: int) -> tuple[list, decoder_pb2.GenerateResponse]:
+    request = decoder_pb2.GenerateRequest(
+        audio=clip.read_bytes(), whisper=decoder_pb2.WhisperOptions(timestamps=timestamps)
+    )
+    with grpc.insecure_channel(address) as channel:
+        messages = list(decoder_pb2_grpc.DecoderServiceStub(channel).Generate(request, timeout=120))
+    return [s for m in messages for s in m.segments], messages[-1]
+
+
+def test_json_with_word_timestamps_equals_grpc(whisper):
+    result = cli("--address", whisper, "--format", "json", "--timestamps", "word", str(CLIP))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == 1  # one JSON object per file, on one line
+    body = json.loads(lines[0])
+    want, last = grpc_segments(whisper, CLIP, WORD)
+    assert want and (body["file"], body["language"]) == (str(CLIP), "en")
+    assert body["duration"] == pytest.approx(last.duration) and body["duration"] > 7
+    assert body["text"] == "".join(s.text for s in want).strip()
+    assert body["usage"]["completion_tokens"] == last.usage.completion_tokens > 0
+    assert len(body["segments"]) == len(want)
+    for ours, s in zip(body["segments"], want):
+        assert (ours["text"], ours["tokens"], np.float32(ours["start"]), np.float32(ours["end"])) == (
+            s.text,
+            list(s.tokens),
+            np.float32(s.start),
+            np.float32(s.end),
+        )
+        assert ours["words"] and "".join(w["word"] for w in ours["words"]).strip() == ours["text"].strip()
+        assert all(ours["start"] - 0.02 <= w["start"] <= w["end"] <= ours["end"] + 0.02 for w in ours["words"])
+
+
+@pytest.mark.parametrize("fmt, writer", [("srt", to_srt), ("vtt", to_vtt)])
+def test_subtitles_equal_the_grpc_segments(whisper, fmt, writer):
+    result = cli("--address", whisper, "--format", fmt, str(CLIP))
+    assert result.returncode == 0, result.stderr
+    want, _ = grpc_segments(whisper, CLIP, SEGMENT)
+    assert want and result.stdout == writer(want)
+
+
+def test_word_timestamps_stream_the_same_text(whisper):
+    result = cli("--address", whisper, "--timestamps", "word", str(CLIP))
+    assert result.returncode == 0, result.stderr
+    want, _ = grpc_segments(whisper, CLIP, WORD)
+    assert result.stdout.strip() == "".join(s.text for s in want).strip()
+
+
+def test_output_dir_gets_one_subtitle_file_per_clip(whisper, tmp_path):
+    clips = [CLIP, DATA_DIR / "short.wav"]
+    result = cli("--address", whisper, "--format", "srt", "--output-dir", str(tmp_path), *map(str, clips))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == ""
+    for clip in clips:
+        assert (tmp_path / f"{clip.stem}.srt").read_text() == to_srt(grpc_segments(whisper, clip, SEGMENT)[0])
+
+
+@pytest.mark.parametrize("flag", [("--language", "de"), ("--task", "translate")])
+def test_what_tiny_en_cannot_do_is_the_servers_invalid_argument(whisper, flag):
+    result = cli("--address", whisper, *flag, str(DATA_DIR / "short.wav"))
+    assert result.returncode == 1
+    assert "INVALID_ARGUMENT" in result.stderr and "English-only" in result.stderr, result.stderr

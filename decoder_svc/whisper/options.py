@@ -1,0 +1,170 @@
+"""A Whisper request's options, validated: ``WhisperOptions`` proto -> ``WhisperJob``.
+
+Defaults are OpenAI's ``transcribe()`` / faster-whisper's (temperature
+fallback 0.0 .. 1.0 in steps of 0.2, compression ratio 2.4, logprob -1.0,
+no-speech 0.6, conditioning on the previous text). Short-form (one window,
+text streamed as decoded) is audio of at most 30 s with no timestamps and no
+VAD; anything else runs the long-form algorithm (``decoder_svc.whisper.longform``).
+The VAD runs here (the servicer parses on a worker thread), so the job holds
+the speech audio the encoder will see and the map back to the original time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from decoder_svc.whisper.quality import FallbackRules
+from shared.errors import InvalidRequestError
+from shared.models.whisper_specials import WhisperLanguageError, WhisperSpecials
+from shared.proto import decoder_pb2
+
+SAMPLE_RATE = 16_000
+WINDOW_SAMPLES = 30 * SAMPLE_RATE  # Whisper's 30 s input window
+DEFAULT_TEMPERATURES = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)  # openai-whisper transcribe() / HF long-form
+MAX_TEMPERATURES = 16
+MAX_PROMPT_CHARS = 4096
+TIMESTAMPS = {
+    decoder_pb2.TIMESTAMP_GRANULARITY_NONE: "none",
+    decoder_pb2.TIMESTAMP_GRANULARITY_SEGMENT: "segment",
+    decoder_pb2.TIMESTAMP_GRANULARITY_WORD: "word",
+}
+
+
+@dataclass
+class WhisperJob:
+    """What the Whisper session needs of one request.
+
+    Attributes:
+        specials: the checkpoint's special tokens.
+        language: ISO code, or None = detect on the first window.
+        task: ``"transcribe"`` / ``"translate"``.
+        prompt_ids: text tokens of the initial prompt (``" " + prompt.strip()``, HF ``get_prompt_ids``).
+        timestamps: ``"none"`` / ``"segment"`` / ``"word"``.
+        condition_on_previous_text: long-form: prompt each window with the previous text.
+        rules: temperatures and thresholds (``decoder_svc.whisper.quality.FallbackRules``).
+        pcm: ``[N]`` float32 16 kHz: the audio the model sees (the speech regions only with VAD).
+        duration_s: the original audio's length in seconds.
+        speech_map: VAD's map from ``pcm`` time to original time (``decoder_svc.whisper.vad.SpeechMap``), or None.
+    """
+
+    specials: WhisperSpecials
+    language: str | None
+    task: str
+    prompt_ids: list[int]
+    timestamps: str
+    condition_on_previous_text: bool
+    rules: FallbackRules
+    pcm: np.ndarray
+    duration_s: float
+    speech_map: object | None = None
+
+    @property
+    def long_form(self) -> bool:
+        return len(self.pcm) > WINDOW_SAMPLES or self.timestamps != "none" or self.speech_map is not None
+
+    def original_time(self, t: float) -> float:
+        """Seconds in ``pcm`` -> seconds in the original audio (identity without VAD), clipped to its length."""
+        if self.speech_map is not None:
+            t = self.speech_map.original_time(t)
+        return min(max(t, 0.0), self.duration_s)
+
+
+def parse_whisper_options(
+    pb: decoder_pb2.WhisperOptions,
+    specials: WhisperSpecials,
+    encode: Callable[[str], list[int]],
+    pcm: np.ndarray,
+    sampling_temperature: float,
+) -> WhisperJob:
+    """Validates ``pb`` for a checkpoint and builds the job (runs the VAD when asked).
+
+    Args:
+        pb: the request's ``whisper`` field (all defaults when unset).
+        encode: text -> token ids with the checkpoint's tokenizer, no special tokens (the prompt's).
+        pcm: ``[N]`` float32 16 kHz decoded audio.
+        sampling_temperature: ``SamplingParams.temperature``: with no ``temperatures`` list and a
+            temperature above 0 it is the only temperature tried (no fallback).
+
+    Raises:
+        InvalidRequestError: unknown language or task, a language / translate an English-only
+            model cannot do, a temperature outside [0, 1], a threshold that is not finite,
+            a prompt over ``MAX_PROMPT_CHARS`` characters, bad VAD options.
+    """
+    language = pb.language.strip().lower() or None
+    task = pb.task.strip().lower() or "transcribe"
+    try:
+        specials.check(language, task)
+    except WhisperLanguageError as exc:
+        raise InvalidRequestError(str(exc)) from None
+    if language is None and not specials.multilingual:
+        language = "en"
+    if pb.timestamps not in TIMESTAMPS:
+        raise InvalidRequestError(f"timestamps must be NONE, SEGMENT or WORD, got {pb.timestamps}")
+    timestamps = TIMESTAMPS[pb.timestamps]
+    if timestamps == "word" and not specials.alignment_heads:
+        raise InvalidRequestError("word timestamps need the checkpoint's alignment_heads, which this model lacks")
+    rules = _fallback_rules(pb, sampling_temperature)
+    prompt_ids: list[int] = []
+    if pb.prompt.strip():
+        if len(pb.prompt) > MAX_PROMPT_CHARS:
+            raise InvalidRequestError(f"prompt is {len(pb.prompt)} characters; the limit is {MAX_PROMPT_CHARS}")
+        prompt_ids = specials.text_tokens(encode(" " + pb.prompt.strip()))
+    duration_s = len(pcm) / SAMPLE_RATE
+    speech_map = None
+    if pb.vad_filter:
+        from decoder_svc.whisper.vad import SpeechMap, VadOptions, speech_regions
+
+        v = pb.vad
+        try:
+            vad = VadOptions(
+                **{
+                    name: getattr(v, name)
+                    for name in ("threshold", "min_silence_duration_ms", "speech_pad_ms")
+                    if v.HasField(name)
+                }
+            )
+        except ValueError as exc:
+            raise InvalidRequestError(f"vad: {exc}") from None
+        speech_map = SpeechMap(speech_regions(pcm, vad), len(pcm))
+        pcm = speech_map.speech_pcm(pcm)
+    return WhisperJob(
+        specials=specials,
+        language=language,
+        task=task,
+        prompt_ids=prompt_ids,
+        timestamps=timestamps,
+        condition_on_previous_text=pb.condition_on_previous_text if pb.HasField("condition_on_previous_text") else True,
+        rules=rules,
+        pcm=pcm,
+        duration_s=duration_s,
+        speech_map=speech_map,
+    )
+
+
+def _fallback_rules(pb: decoder_pb2.WhisperOptions, sampling_temperature: float) -> FallbackRules:
+    temps = tuple(float(t) for t in pb.temperatures)
+    if len(temps) > MAX_TEMPERATURES:
+        raise InvalidRequestError(f"temperatures has {len(temps)} entries; at most {MAX_TEMPERATURES} are allowed")
+    if any(not (math.isfinite(t) and 0.0 <= t <= 1.0) for t in temps):
+        raise InvalidRequestError(f"each temperature must be in [0, 1], got {list(temps)}")
+    if not temps:
+        temps = (sampling_temperature,) if sampling_temperature > 0 else DEFAULT_TEMPERATURES
+
+    def threshold(name: str, default: float) -> float | None:
+        if not pb.HasField(name):
+            return default
+        value = getattr(pb, name)
+        if not math.isfinite(value):
+            raise InvalidRequestError(f"{name} must be a finite number, got {value}")
+        return value
+
+    return FallbackRules(
+        temperatures=temps,
+        compression_ratio_threshold=threshold("compression_ratio_threshold", 2.4),
+        logprob_threshold=threshold("logprob_threshold", -1.0),
+        no_speech_threshold=threshold("no_speech_threshold", 0.6),
+    )

@@ -1,0 +1,118 @@
+"""An accepted long-form window -> its stream message: segments (text, times in the original audio), words.
+
+Times: ``LongFormState`` gives seconds in the audio the model saw; with VAD
+that is the speech regions joined, so every start / end goes through
+``WhisperJob.original_time`` (faster-whisper's ``SpeechTimestampsMap``).
+Words (``timestamps=word``): the window's tokens are aligned once over its
+kept cross-attention KV (``shared.models.whisper_alignment``), grouped into
+words (``decoder_svc.whisper.word_timing.find_words``) and handed to the
+segments in token order (a word belongs to the segment holding its first
+token).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from decoder_svc.whisper.segments import Segment
+from decoder_svc.whisper.word_timing import WordTiming, find_words
+from shared.models.whisper_alignment import alignment_weights
+from shared.proto import decoder_pb2
+
+
+def segment_messages(
+    request_id: str,
+    job,
+    tokenizer,
+    segments: list[Segment],
+    words: list[list[WordTiming]] | None,
+    first_id: int,
+    text_tail: str,
+) -> decoder_pb2.GenerateResponse:
+    """One ``GenerateResponse`` with the window's segments and their text as the text delta.
+
+    Args:
+        job: the request's ``decoder_svc.whisper.options.WhisperJob`` (specials, time map).
+        segments: the window's accepted segments (``LongFormState``), text not yet decoded.
+        words: per segment its words (``window_words``), or None.
+        first_id: the id of the first segment (segments are numbered over the request).
+        text_tail: the last character streamed before (unused: Whisper's segment texts carry
+            their own leading space, so HF's joined text is their concatenation).
+
+    Returns:
+        The message; segments with no text (a window of timestamps only) are left out.
+    """
+    del text_tail
+    specials = job.specials
+    message = decoder_pb2.GenerateResponse(request_id=request_id)
+    for i, seg in enumerate(segments):
+        text = tokenizer.decode(specials.text_tokens(seg.tokens), skip_special_tokens=True)
+        seg.text = text
+        if not text.strip():
+            continue
+        pb = message.segments.add(
+            id=first_id + len(message.segments),
+            seek=seg.seek,
+            start=job.original_time(seg.start),
+            end=job.original_time(seg.end),
+            text=text,
+            tokens=seg.tokens,
+            avg_logprob=_num(seg.avg_logprob),
+            compression_ratio=_num(seg.compression_ratio),
+            no_speech_prob=_num(seg.no_speech_prob),
+            temperature=_num(seg.temperature),
+        )
+        for w in words[i] if words is not None else ():
+            pb.words.add(
+                word=w.word, start=job.original_time(w.start), end=job.original_time(w.end), probability=w.probability
+            )
+        message.text += text
+    return message
+
+
+def window_words(
+    model, tokenizer, job, plan, segments, generated, logprobs, cross_kv, language: str | None
+) -> list[list[WordTiming]]:
+    """Per segment of an accepted window, its words (seconds in the audio the model saw).
+
+    Args:
+        model: the decoder's Whisper model. plan: the window's ``longform.WindowPlan``.
+        generated: the window's generated ids; logprobs: one per generated id (natural log).
+        cross_kv: ``[L, 2, 1500, H, Dh]`` the window's cross-attention KV (``DecoderEngine.cross_kv``).
+        language: the request's language (languages without spaces split per character).
+
+    Returns:
+        ``len(segments)`` lists of ``WordTiming``.
+    """
+    specials = job.specials
+    prompt = list(plan.prompt_ids)
+    token_ids = (prompt + list(generated))[: model.config.max_target_positions]
+    generated = token_ids[len(prompt) :]
+    weights = alignment_weights(model, token_ids, cross_kv.to(torch.float32), specials.alignment_heads)
+    probs = [math.exp(lp) for lp in logprobs[: len(generated)]]
+    found = find_words(
+        tokenizer,
+        specials,
+        token_ids,
+        len(prompt),
+        probs,
+        weights,
+        plan.num_frames,
+        plan.time_offset,
+        language,
+    )
+    per_segment: list[list[WordTiming]] = [[] for _ in segments]
+    counts = [len(specials.text_tokens(s.tokens)) for s in segments]
+    seg, used = 0, 0
+    for w in found:
+        while seg < len(segments) - 1 and used >= counts[seg]:
+            seg, used = seg + 1, 0
+        per_segment[seg].append(w)
+        used += len(w.tokens)
+    return per_segment
+
+
+def _num(x: float | None) -> float:
+    return 0.0 if x is None else float(x)
