@@ -109,18 +109,22 @@ class EncoderCache:
         return orphans
 
 
-def encoder_cache_key(model: str, *, pcm: bytes | None = None, input_ids: list[int] | None = None) -> str:
+def encoder_cache_key(
+    model: str, *, pcm: bytes | None = None, input_ids: list[int] | None = None, features: bytes | None = None
+) -> str:
     """SHA-256 content key of an encoder input: the model name plus either the
-    float32 PCM bytes (16 kHz mono, as sent to Encode) or the source token ids.
+    float32 PCM bytes (16 kHz mono, as sent to Encode), the log-mel feature bytes, or the source token ids.
 
     Raises:
-        ValueError: neither or both inputs given.
+        ValueError: not exactly one input given.
     """
-    if (pcm is None) == (input_ids is None):
-        raise ValueError("give exactly one of pcm and input_ids")
+    if sum(x is not None for x in (pcm, input_ids, features)) != 1:
+        raise ValueError("give exactly one of pcm, features and input_ids")
     h = hashlib.sha256()
     h.update(model.encode() + b"\0")
-    if pcm is not None:
+    if features is not None:
+        h.update(b"features\0" + features)
+    elif pcm is not None:
         h.update(b"pcm\0" + pcm)
     else:
         h.update(b"ids\0" + b",".join(str(int(t)).encode() for t in input_ids))

@@ -54,6 +54,7 @@ class RequestInput:
     prompt_token_ids: list[int] | None = None
     applied: list[str] = field(default_factory=list)
     whisper: WhisperJob | None = None  # Whisper with n = 1, num_beams = 1: language, task, long-form (its session)
+    features: np.ndarray | None = None  # [num_mel_bins, 3000] float32 sent instead of pcm (a long-form window)
 
     def windows(self) -> list[RequestInput]:
         """The consecutive inputs the decoder runs one after another for this request.
@@ -80,9 +81,12 @@ class RequestInput:
 
     def encoder_source(self) -> dict:
         """The encoder input as Encode sends it and the encoder cache keys it: ``{"input_ids": [...]}``
-        (source token ids), or ``{"pcm": bytes}`` (float32 little-endian samples at 16 kHz)."""
+        (source token ids), ``{"features": bytes}`` (``[num_mel_bins, 3000]`` float32 little-endian log-mel) or
+        ``{"pcm": bytes}`` (float32 little-endian samples at 16 kHz)."""
         if self.input_ids is not None:
             return {"input_ids": list(self.input_ids)}
+        if self.features is not None:
+            return {"features": self.features.astype("<f4").tobytes()}
         return {"pcm": self.pcm.astype("<f4").tobytes()}
 
 
@@ -132,6 +136,7 @@ def parse_input(request, model, tokenizer, max_audio_s: float) -> RequestInput:
                 lambda text: encode_text(tokenizer, text, add_special_tokens=False),
                 pcm,
                 sampling.temperature,
+                model.config.num_mel_bins,
             )
         elif request.HasField("whisper") and request.whisper != type(request.whisper)():
             raise InvalidRequestError(

@@ -55,9 +55,11 @@ from decoder_svc.whisper.quality import Verdict, avg_logprob
 from decoder_svc.whisper.timestamp_rules import TimestampRules
 from decoder_svc.whisper.vad import has_speech
 from shared.errors import ResourceExhaustedError
+from shared.models.whisper_features import window_features
 from shared.proto import decoder_pb2
 
 ENCODER_LEN = 1500  # cross-attention positions of one 30 s window
+HOP_LENGTH = 160  # samples per log-mel frame
 
 
 class _Aborted(Exception):
@@ -219,7 +221,12 @@ class WhisperSession(RequestSession):
             no_speech = no_speech_probability(probe, specials)
             if first:
                 self.no_speech_prob, first = no_speech, False
-            result = state.on_result(generated, logprobs, no_speech)
+            rules = job.rules
+            heard_no_speech = False
+            if rules.no_speech_threshold is not None and no_speech > rules.no_speech_threshold:
+                window_pcm = job.pcm[plan.start_sample : plan.start_sample + plan.num_samples]
+                heard_no_speech = not await asyncio.to_thread(has_speech, window_pcm)
+            result = state.on_result(generated, logprobs, no_speech, heard_no_speech)
             if result.verdict is Verdict.RETRY:
                 continue  # decoded again at the next temperature, over the kept cross KV
             segments = list(result.segments)
@@ -257,10 +264,14 @@ class WhisperSession(RequestSession):
                 await sessions.loop.call(sessions.engine.release_cross, self.request_id)
                 self.kept_start = None
             window = RequestInput(ENCODER_LEN, pcm=self.job.pcm[start : start + num_samples])
+            if self.job.features is not None:  # over 30 s: the window's slice of the whole clip's log-mel (HF)
+                window.features = window_features(
+                    self.job.features, start // HOP_LENGTH, min(num_samples // HOP_LENGTH, 3000)
+                )
             if self.windows_encoded:
                 progress.window += 1
             self.windows_encoded += 1
-            progress.input = dataclasses.replace(progress.input, pcm=window.pcm)
+            progress.input = dataclasses.replace(progress.input, pcm=window.pcm, features=window.features)
             progress.encoder_tokens += ENCODER_LEN
             if sessions.config.encoder_cache:
                 cache_key = await asyncio.to_thread(

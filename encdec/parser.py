@@ -210,9 +210,17 @@ def _add_bench(sub) -> None:
     _add_online_arguments(p)
     p.set_defaults(func=BenchEntry("online"))
 
-    p = benches.add_parser("whisper", help="Whisper tiny.en: our services vs HF vs CTranslate2")
+    p = benches.add_parser("whisper", help="Whisper: our services vs HF vs CTranslate2 (--long-form: faster-whisper)")
+    p.add_argument("--model", default="whisper-tiny.en", help="whisper-tiny.en (default) or whisper-base")
     p.add_argument("--clips", default=str(DATA_DIR), help="folder of .wav/.flac clips (default: the bundled ones)")
-    p.add_argument("--requests", type=int, default=16, help="requests per system (clips cycled)")
+    p.add_argument("--requests", type=int, default=16, help="requests per system (clips cycled); 0: no short-form")
+    p.add_argument(
+        "--long-form",
+        action="store_true",
+        help="also 2-5 min recordings joined from the clips: ours vs HF long-form vs faster-whisper, WER",
+    )
+    p.add_argument("--long-form-clips", type=positive_int, default=4, help="recordings of --long-form")
+    p.add_argument("--long-form-max-s", type=float, default=300.0, help="cap on each recording's seconds")
     p.add_argument("--concurrency", default="1,4,16", help="our services' client concurrency levels")
     p.add_argument(
         "--threads", type=int, default=2, help="torch / CTranslate2 threads per system (per service for ours)"

@@ -38,6 +38,7 @@ class EncodeItem:
         spec: where the cross KV goes.
         block_ids: the decoder's reserved cross blocks, in token order.
         input_ids: source token ids (text models; else None).
+        features: ``[num_mel_bins, 3000]`` float32 log-mel features sent instead of ``pcm`` (else None).
         transfer_id: the transfer the decoder announced (torch_dist; else 0).
         write_deadline: ``time.monotonic()`` after which the cross KV must not be
             written (None: no limit). Set from the Encode call's gRPC deadline
@@ -52,6 +53,7 @@ class EncodeItem:
     spec: KVTargetSpec
     block_ids: list[int]
     input_ids: list[int] | None = None
+    features: np.ndarray | None = None
     transfer_id: int = 0
     write_deadline: float | None = None
     future: Future = field(default_factory=Future)
@@ -196,9 +198,12 @@ class EncodeBatcher:
                 mask = (torch.arange(max(lens))[None, :] < torch.tensor(lens)[:, None]).long()  # [B, S]
                 encoder_out = self.model.encode(ids.to(self.device), mask.to(self.device))  # [B, S, d_model]
             else:
-                features = torch.stack([self.featurize(item.pcm) for item in batch]).to(
-                    self.device
-                )  # [B, n_mels, frames]
+                features = torch.stack(
+                    [
+                        self.featurize(item.pcm) if item.features is None else torch.from_numpy(item.features)
+                        for item in batch
+                    ]
+                ).to(self.device)  # [B, n_mels, frames]
                 encoder_out = self.model.encode(features)  # [B, S, d_model]
                 lens = [encoder_out.shape[1]] * len(batch)
             return self.model.compute_cross_kv(encoder_out), lens  # [L, 2, B, S, H, D]

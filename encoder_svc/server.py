@@ -27,6 +27,8 @@ from shared.metrics import EncoderMetrics
 from shared.models.registry import model_names
 from shared.proto import encoder_pb2, encoder_pb2_grpc
 
+FEATURE_FRAMES = 3000  # log-mel frames of Whisper's 30 s window (10 ms hop)
+
 
 class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
     """Thin servicer: validate and convert, submit to the batcher, convert back."""
@@ -54,6 +56,13 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             vocab = self.model.config.vocab_size
             if any(not 0 <= t < vocab for t in request.input_ids):
                 raise InvalidRequestError(f"input_ids must be in [0, {vocab})")
+        elif request.features:
+            want = self.model.config.num_mel_bins * FEATURE_FRAMES * 4
+            if len(request.features) != want or request.pcm:
+                raise InvalidRequestError(
+                    f"features must be [{self.model.config.num_mel_bins}, {FEATURE_FRAMES}] float32 ({want} bytes) "
+                    f"without pcm, got {len(request.features)} bytes"
+                )
         elif not request.pcm or len(request.pcm) % 4:
             raise InvalidRequestError(f"pcm must be non-empty float32 bytes, got {len(request.pcm)} bytes")
         target = request.target
@@ -87,6 +96,19 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
                 list(request.block_ids),
                 input_ids=list(request.input_ids),
                 transfer_id=request.transfer_id,
+            )
+        if request.features:
+            features = np.frombuffer(request.features, dtype="<f4").astype(np.float32)
+            features = features.reshape(self.model.config.num_mel_bins, FEATURE_FRAMES)
+            if not np.isfinite(features).all():
+                raise InvalidRequestError("features contain NaN or infinite values")
+            return EncodeItem(
+                request.request_id,
+                None,
+                spec,
+                list(request.block_ids),
+                transfer_id=request.transfer_id,
+                features=features,
             )
         pcm = np.frombuffer(request.pcm, dtype="<f4").astype(np.float32)
         return EncodeItem(request.request_id, pcm, spec, list(request.block_ids), transfer_id=request.transfer_id)

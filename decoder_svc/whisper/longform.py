@@ -86,6 +86,9 @@ class WindowPlan:
             The last window takes every remaining sample (up to 159 past its last whole frame).
             HF slices the full audio's features instead (``input_features[:, seek:seek + num_frames]``,
             zero-padded to 3000), which a caller that has them can do with ``seek`` / ``num_frames``.
+            The two differ most in a short last window: zeros in the log-mel are not the log-mel of
+            silent audio (on the test clip the last segment then ends at 68.64 s in HF, 64.88 s
+            from PCM, the audio ending at 66.84 s; every other segment is the same).
         prompt_ids: the whole decoder prompt; the first generated token is at ``len(prompt_ids)``
             (the timestamp rules' ``begin_index``).
         temperature: 0.0 = greedy, else sample at it. attempt: index into ``rules.temperatures``.
@@ -228,13 +231,16 @@ class LongFormState:
         )
         return self._pending
 
-    def on_result(self, generated: list[int], token_logprobs: list[float], no_speech_prob: float) -> WindowResult:
+    def on_result(
+        self, generated: list[int], token_logprobs: list[float], no_speech_prob: float, heard_no_speech: bool = False
+    ) -> WindowResult:
         """Takes the decode of the pending plan and moves the state on.
 
         Args:
             generated: ids after the prompt, the final ``<|endoftext|>`` included when produced.
             token_logprobs: one per generated id (see ``quality.avg_logprob``).
             no_speech_prob: ``<|nospeech|>`` probability at ``plan.sot_index`` (softmax of raw logits).
+            heard_no_speech: a VAD found no speech in the window (``quality.judge``).
 
         Returns:
             The decision; ``next_window()`` then gives the next plan.
@@ -248,7 +254,13 @@ class LongFormState:
         if plan is None:
             raise RuntimeError("on_result without a pending window: call next_window() first")
         verdict = judge(
-            generated, token_logprobs, no_speech_prob, plan.attempt, self.options.rules, self.specials.vocab_size
+            generated,
+            token_logprobs,
+            no_speech_prob,
+            plan.attempt,
+            self.options.rules,
+            self.specials.vocab_size,
+            heard_no_speech,
         )
         segments: list[Segment] = []
         advance = 0

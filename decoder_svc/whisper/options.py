@@ -19,6 +19,7 @@ import numpy as np
 
 from decoder_svc.whisper.quality import FallbackRules
 from shared.errors import InvalidRequestError
+from shared.models.whisper_features import log_mel_frames
 from shared.models.whisper_specials import WhisperLanguageError, WhisperSpecials
 from shared.proto import decoder_pb2
 
@@ -49,6 +50,8 @@ class WhisperJob:
         pcm: ``[N]`` float32 16 kHz: the audio the model sees (the speech regions only with VAD).
         duration_s: the original audio's length in seconds.
         speech_map: VAD's map from ``pcm`` time to original time (``decoder_svc.whisper.vad.SpeechMap``), or None.
+        features: ``[num_mel_bins, N // 160]`` log-mel of the whole ``pcm`` when it is over 30 s (HF long-form
+            feeds each window its slice of these, ``whisper_features.window_features``), else None.
     """
 
     specials: WhisperSpecials
@@ -61,6 +64,7 @@ class WhisperJob:
     pcm: np.ndarray
     duration_s: float
     speech_map: object | None = None
+    features: np.ndarray | None = None
 
     @property
     def long_form(self) -> bool:
@@ -79,6 +83,7 @@ def parse_whisper_options(
     encode: Callable[[str], list[int]],
     pcm: np.ndarray,
     sampling_temperature: float,
+    num_mel_bins: int = 80,
 ) -> WhisperJob:
     """Validates ``pb`` for a checkpoint and builds the job (runs the VAD when asked).
 
@@ -86,6 +91,7 @@ def parse_whisper_options(
         pb: the request's ``whisper`` field (all defaults when unset).
         encode: text -> token ids with the checkpoint's tokenizer, no special tokens (the prompt's).
         pcm: ``[N]`` float32 16 kHz decoded audio.
+        num_mel_bins: the checkpoint's log-mel bins (the whole clip's features are computed here).
         sampling_temperature: ``SamplingParams.temperature``: with no ``temperatures`` list and a
             temperature above 0 it is the only temperature tried (no fallback).
 
@@ -131,7 +137,9 @@ def parse_whisper_options(
             raise InvalidRequestError(f"vad: {exc}") from None
         speech_map = SpeechMap(speech_regions(pcm, vad), len(pcm))
         pcm = speech_map.speech_pcm(pcm)
+    features = log_mel_frames(pcm, num_mel_bins) if len(pcm) > WINDOW_SAMPLES else None
     return WhisperJob(
+        features=features,
         specials=specials,
         language=language,
         task=task,

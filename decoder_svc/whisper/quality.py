@@ -59,7 +59,8 @@ def avg_logprob(token_logprobs: Sequence[float]) -> float:
     Args:
         token_logprobs: ``[n]`` one per generated token: ``log_softmax`` of that step's processed
             scores (suppression and timestamp rules applied) before temperature scaling, at the
-            chosen id (HF: ``log_softmax(scores * temperature)``, the scores being divided by it).
+            chosen id (HF: ``log_softmax(scores * temperature)``, the scores being divided by it,
+            so HF's value can differ from the pre-temperature one in the last float32 bit).
 
     Returns:
         The mean, a float32 value as a Python float.
@@ -140,6 +141,7 @@ def judge(
     attempt: int,
     rules: FallbackRules,
     vocab_size: int,
+    heard_no_speech: bool = False,
 ) -> Judgement:
     """HF ``_need_fallback`` on one attempt, and what ``generate_with_fallback`` does with it.
 
@@ -151,6 +153,9 @@ def judge(
         attempt: index into ``rules.temperatures`` of this decode.
         rules: the thresholds.
         vocab_size: the model's vocabulary (for ``compression_ratio``).
+        heard_no_speech: a voice activity detector found no speech in the window either. Then the
+            no-speech rule skips the window whatever its logprob: Whisper says " you" over digital
+            silence with a confident logprob, which HF's rule (no_speech and low logprob) keeps.
 
     Returns:
         SKIP when the no-speech rule fires (it overrides a retry), else RETRY when a threshold
@@ -174,7 +179,7 @@ def judge(
         needs_fallback = True
     skip = (
         rules.no_speech_threshold is not None
-        and low_logprob
+        and (low_logprob or heard_no_speech)
         and np.float32(no_speech_prob) > np.float32(rules.no_speech_threshold)
     )
     if skip:

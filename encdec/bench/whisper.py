@@ -2,10 +2,15 @@
 
 Every system transcribes the same requests (the clips cycled up to
 ``--requests``) greedily from audio bytes, log-mel features included, with the
-same thread count. Columns: wall seconds, generated tokens per second,
-``x realtime`` (audio seconds transcribed per wall second: higher is better),
-and how many transcripts have exactly HF's tokens (HF sequential is the truth).
-CTranslate2 runs in its own process (see ``ct2_worker``).
+same thread count, in English (``--model`` multilingual: HF ``language="en",
+task="transcribe"``, our requests ``WhisperOptions(language="en")``, CTranslate2
+prompted with ``<|en|><|transcribe|>``: no language detection anywhere). Columns:
+wall seconds, generated tokens per second, ``x realtime`` (audio seconds
+transcribed per wall second: higher is better), and how many transcripts have
+exactly HF's text tokens (HF sequential is the truth). CTranslate2 runs in its
+own process (``faster_whisper_anchor``'s ``ct2`` system). ``--long-form`` adds
+the 2-5 minute recordings table of ``whisper_longform``; ``--requests 0`` leaves
+the short-form table out.
 
 Batched runs (HF batched, CTranslate2 batched, each of our concurrency levels)
 are timed ``--repeats`` times and the median is reported, as in ``encdec bench
@@ -17,9 +22,7 @@ docstrings); sequential runs once.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,23 +33,29 @@ import torch
 from decoder_svc.audio import decode_audio
 from encdec.bench.table import markdown_table, median_run, write_json
 from shared.models.registry import resolve_model
-from shared.models.whisper_features import log_mel_spectrogram
+from shared.models.whisper_features import log_mel_spectrogram, special_token_ids
 from shared.proto import decoder_pb2, decoder_pb2_grpc
 
 SAMPLE_RATE = 16000
-SPECIAL = {50256, 50257, 50362}
 COLUMNS = ["system", "mode", "requests", "wall s", "tokens/s", "x realtime", "same as HF"]
 
 
-def _strip(ids: list[int]) -> list[int]:
-    return [t for t in ids if t not in SPECIAL]
-
-
 def _row(
-    system: str, mode: str, audio_s: float, wall: float, tokens: list[list[int]], truth: list[list[int]] | None
+    system: str,
+    mode: str,
+    audio_s: float,
+    wall: float,
+    tokens: list[list[int]],
+    truth: list[list[int]] | None,
+    eot: int,
 ) -> dict:
-    n_tok = sum(len(_strip(t)) + 1 for t in tokens)  # + the end token each
-    same = None if truth is None else f"{sum(_strip(a) == _strip(b) for a, b in zip(tokens, truth))}/{len(tokens)}"
+    """One table row; ids from ``eot`` (``<|endoftext|>``) up are specials and timestamps, not text."""
+
+    def text(ids: list[int]) -> list[int]:
+        return [t for t in ids if t < eot]
+
+    n_tok = sum(len(text(t)) + 1 for t in tokens)  # + the end token each
+    same = None if truth is None else f"{sum(text(a) == text(b) for a, b in zip(tokens, truth))}/{len(tokens)}"
     return {
         "system": system,
         "mode": mode,
@@ -58,46 +67,41 @@ def _row(
     }
 
 
-def run_hf(audio: list, threads: int, repeats: int = 1) -> tuple[dict[str, float], dict[str, list[list[int]]]]:
-    """HF ``generate`` one request at a time and as one batch (the median of ``repeats`` batched runs)."""
+def run_hf(
+    audio: list, threads: int, repeats: int = 1, model_name: str = "whisper-tiny.en"
+) -> tuple[dict[str, float], dict[str, list[list[int]]]]:
+    """HF ``generate`` one request at a time and as one batch (the median of ``repeats`` batched runs); a
+    multilingual checkpoint with ``language="en", task="transcribe"``, no timestamps."""
     from encdec.bench.hf_whisper import build_hf_whisper
 
     torch.set_num_threads(threads)
-    model = build_hf_whisper(resolve_model("whisper-tiny.en")[1])
+    model = build_hf_whisper(resolve_model(model_name)[1])
+    # English-only checkpoints refuse a language argument; their prompt has no language.
+    kw = {"language": "en", "task": "transcribe"} if model.generation_config.is_multilingual else {}
     walls, tokens = {}, {}
     with torch.inference_mode():
-        model.generate(log_mel_spectrogram(audio[0])[None])  # warm-up
+        model.generate(log_mel_spectrogram(audio[0])[None], **kw)  # warm-up
         start = time.perf_counter()
-        tokens["sequential"] = [model.generate(log_mel_spectrogram(a)[None]).tolist()[0] for a in audio]
+        tokens["sequential"] = [model.generate(log_mel_spectrogram(a)[None], **kw).tolist()[0] for a in audio]
         walls["sequential"] = time.perf_counter() - start
         runs = []
         for _ in range(max(repeats, 1)):
             start = time.perf_counter()
             feats = torch.stack([log_mel_spectrogram(a) for a in audio])
-            batch_tokens = model.generate(feats).tolist()
+            batch_tokens = model.generate(feats, **kw).tolist()
             runs.append((time.perf_counter() - start, batch_tokens))
         walls["batched"], tokens["batched"] = median_run(runs)
     return walls, tokens
 
 
 def run_ct2(
-    files: list[str], compute_type: str, mode: str, threads: int, repeats: int = 1
+    files: list[str], compute_type: str, mode: str, threads: int, repeats: int = 1, model_name: str = "whisper-tiny.en"
 ) -> tuple[float, list[list[int]]]:
-    """CTranslate2 in a subprocess: ``(wall_s, tokens)``, the median of ``repeats`` runs."""
-    model_dir = str(resolve_model("whisper-tiny.en")[1])
-    cmd = [
-        sys.executable,
-        "-m",
-        "encdec.bench.ct2_worker",
-        model_dir,
-        compute_type,
-        mode,
-        str(threads),
-        str(repeats),
-        *files,
-    ]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
-    result = json.loads(out)
+    """CTranslate2 in a subprocess (``faster_whisper_anchor``'s ``ct2``, prompted in English): ``(wall_s, tokens)``,
+    the median of ``repeats`` runs."""
+    from encdec.bench.faster_whisper_anchor import run_anchor
+
+    result = run_anchor("ct2", str(resolve_model(model_name)[1]), compute_type, threads, mode, repeats, files)
     return result["wall_s"], result["tokens"]
 
 
@@ -110,7 +114,9 @@ async def _ours_once(address: str, files: list[str], concurrency: int) -> tuple[
         async def one(data: bytes) -> list[int]:
             async with sem:
                 ids: list[int] = []
-                async for m in stub.Generate(decoder_pb2.GenerateRequest(audio=data)):
+                # language given: a multilingual model detects none (English-only ones take "en" too)
+                request = decoder_pb2.GenerateRequest(audio=data, whisper=decoder_pb2.WhisperOptions(language="en"))
+                async for m in stub.Generate(request):
                     ids.extend(m.token_ids)
                 return ids
 
@@ -127,6 +133,7 @@ def run_ours(
     address: str | None,
     quantize: str = "none",
     repeats: int = 1,
+    model: str = "whisper-tiny.en",
 ) -> dict[int, tuple[float, list[list[int]]]]:
     """Our services end to end over gRPC (started here unless ``address`` is given): per concurrency level, the
     median of ``repeats`` runs against the same services."""
@@ -144,19 +151,65 @@ def run_ours(
     # Clips repeat across requests: turn the encoder-output cache off so every request is encoded, as
     # HF and CTranslate2 encode every one.
     with Services(
-        log_level="WARNING", extra_encoder_args=flags, extra_decoder_args=[*flags, "--encoder-cache", "0"]
+        model=model, log_level="WARNING", extra_encoder_args=flags, extra_decoder_args=[*flags, "--encoder-cache", "0"]
     ) as svc:
         for c in concurrencies:
             results[c] = median_of_runs(svc.decoder_address, c)
     return results
 
 
-def main(args) -> int:
-    clip_dir = Path(args.clips)
-    clips = sorted(str(p) for p in clip_dir.glob("*.wav")) + sorted(str(p) for p in clip_dir.glob("*.flac"))
-    if not clips:
-        print(f"no .wav/.flac clips in {clip_dir}", file=sys.stderr)
-        return 2
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a live process (/proc/PID/stat fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _ours_long_form_once(address: str, files: list[str], warmup: str) -> tuple[float, list[str], int]:
+    options = decoder_pb2.WhisperOptions(language="en", timestamps=decoder_pb2.TIMESTAMP_GRANULARITY_SEGMENT)
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = decoder_pb2_grpc.DecoderServiceStub(channel)
+
+        async def one(path: str) -> tuple[str, int]:
+            text, segments = [], 0
+            request = decoder_pb2.GenerateRequest(audio=Path(path).read_bytes(), whisper=options)
+            async for m in stub.Generate(request):
+                text.append(m.text)
+                segments += len(m.segments)
+            return "".join(text), segments
+
+        await one(warmup)
+        start = time.perf_counter()
+        results = await asyncio.gather(*(one(f) for f in files))
+        wall = time.perf_counter() - start
+    return wall, [t for t, _ in results], sum(s for _, s in results)
+
+
+def run_ours_long_form(model: str, files: list[str], warmup: str, threads: int, address: str | None) -> dict:
+    """Every file at once through our services (started here unless ``address``), long-form with segment
+    timestamps in English, after one untimed ``warmup`` file.
+
+    Returns:
+        ``{"wall_s", "texts", "segments"}`` and, with services started here, ``"cpu_s"``: the encoder's and
+        the decoder's CPU seconds over the timed run.
+    """
+    from encdec.launcher import Services
+
+    if address:
+        wall, texts, segments = asyncio.run(_ours_long_form_once(address, files, warmup))
+        return {"wall_s": wall, "texts": texts, "segments": segments}
+    flags = ["--num-threads", str(threads)]
+    with Services(
+        model=model, log_level="WARNING", extra_encoder_args=flags, extra_decoder_args=[*flags, "--encoder-cache", "0"]
+    ) as svc:
+        pids = {n: svc.process(n).pid for n in ("encoder", "decoder")}
+        before = {n: _cpu_s(p) for n, p in pids.items()}
+        wall, texts, segments = asyncio.run(_ours_long_form_once(svc.decoder_address, files, warmup))
+        cpu = {n: _cpu_s(p) - before[n] for n, p in pids.items()}
+    return {"wall_s": wall, "texts": texts, "segments": segments, "cpu_s": cpu}
+
+
+def short_form_rows(args, clips: list[str], eot: int) -> tuple[list[dict], float]:
+    """The short-form table's rows: ``--requests`` clips (cycled) through every system; and their audio seconds."""
     files = [clips[i % len(clips)] for i in range(args.requests)]
     audio = [decode_audio(Path(f).read_bytes()) for f in files]
     audio_s = sum(len(a) for a in audio) / SAMPLE_RATE
@@ -164,37 +217,63 @@ def main(args) -> int:
     print(f"{len(files)} requests, {audio_s:.1f} s of audio, {args.threads} threads per system", file=sys.stderr)
 
     rows = []
-    walls, hf_tokens = run_hf(audio, args.threads, args.repeats)
+    walls, hf_tokens = run_hf(audio, args.threads, args.repeats, args.model)
     truth = hf_tokens["sequential"]
     for mode in ("sequential", "batched"):
-        rows.append(_row("HF transformers fp32", mode, audio_s, walls[mode], hf_tokens[mode], truth))
+        rows.append(_row("HF transformers fp32", mode, audio_s, walls[mode], hf_tokens[mode], truth, eot))
     if not args.skip_ct2:
         for compute_type in ("float32", "int8"):
             for mode in ("sequential", "batched"):
-                wall, tokens = run_ct2(
-                    files, compute_type, mode, args.threads, args.repeats if mode == "batched" else 1
-                )
-                rows.append(_row(f"CTranslate2 {compute_type}", mode, audio_s, wall, tokens, truth))
+                repeats = args.repeats if mode == "batched" else 1
+                wall, tokens = run_ct2(files, compute_type, mode, args.threads, repeats, args.model)
+                rows.append(_row(f"CTranslate2 {compute_type}", mode, audio_s, wall, tokens, truth, eot))
     for quantize in ("none", "int8") if args.int8 else ("none",):
         name = "encdec-serve " + ("fp32" if quantize == "none" else "int8") + " (2 services, gRPC)"
         for c, (wall, tokens) in run_ours(
-            files, concurrencies, args.threads, args.address, quantize, args.repeats
+            files, concurrencies, args.threads, args.address, quantize, args.repeats, args.model
         ).items():
-            rows.append(_row(name, f"concurrency {c}", audio_s, wall, tokens, truth))
+            rows.append(_row(name, f"concurrency {c}", audio_s, wall, tokens, truth, eot))
         if args.address:
             break  # running services have their own settings
-    print(markdown_table(rows, COLUMNS))
+    return rows, audio_s
+
+
+def main(args) -> int:
+    from encdec.bench.http import machine
+
+    clip_dir = Path(args.clips)
+    clips = sorted(str(p) for p in clip_dir.glob("*.wav")) + sorted(str(p) for p in clip_dir.glob("*.flac"))
+    if not clips:
+        print(f"no .wav/.flac clips in {clip_dir}", file=sys.stderr)
+        return 2
+    line = f"{machine()}; torch {torch.__version__}"
+    print(f"Machine: {line}; model {args.model}; {args.threads} threads per system\n")
+    eot = special_token_ids(resolve_model(args.model)[1])["<|endoftext|>"]
+    rows, audio_s = short_form_rows(args, clips, eot) if args.requests > 0 else ([], 0.0)
+    if rows:
+        print(markdown_table(rows, COLUMNS), flush=True)
+    long_form = None
+    if args.long_form:
+        from encdec.bench.whisper_longform import render
+        from encdec.bench.whisper_longform import run as run_long_form
+
+        long_form = run_long_form(args, clips)
+        print(("\n" if rows else "") + render(long_form))
     if args.json:
         write_json(
             args.json,
             {
                 "bench": "whisper",
-                "requests": len(files),
+                "machine": line,
+                "model": args.model,
+                "requests": args.requests,
                 "audio_s": audio_s,
                 "threads": args.threads,
                 "repeats": args.repeats,
                 "cpu_count": os.cpu_count(),
+                "columns": COLUMNS,
                 "rows": rows,
+                "long_form": long_form,
             },
         )
     return 0

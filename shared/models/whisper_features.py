@@ -45,6 +45,40 @@ def log_mel_spectrogram(pcm: np.ndarray, num_mel_bins: int = 80) -> torch.Tensor
     return torch.from_numpy(np.ascontiguousarray(feats[0], dtype=np.float32))  # [num_mel_bins, 3000]
 
 
+def log_mel_frames(pcm: np.ndarray, num_mel_bins: int = 80) -> np.ndarray:
+    """Whisper's log-mel features of a whole clip of any length, unpadded (HF long-form's input).
+
+    ``WhisperFeatureExtractor(truncation=False, padding="longest")`` as HF's long-form
+    ``generate`` is fed: one normalisation (``max - 8`` floor) over the whole clip; a
+    window is then its slice ``[:, seek:seek + 3000]`` zero-padded to 3000 frames.
+
+    Args:
+        pcm: ``[N]`` float32 mono samples at 16 kHz.
+
+    Returns:
+        ``[num_mel_bins, N // 160]`` float32.
+
+    Raises:
+        ValueError: ``pcm`` is not one-dimensional.
+    """
+    pcm = np.asarray(pcm, dtype=np.float32)
+    if pcm.ndim != 1:
+        raise ValueError(f"expected mono pcm of shape [N], got shape {pcm.shape}")
+    out = _feature_extractor(num_mel_bins)(
+        pcm, sampling_rate=SAMPLE_RATE, return_tensors="np", truncation=False, padding="longest"
+    ).input_features
+    return np.ascontiguousarray(out[0, :, : len(pcm) // 160], dtype=np.float32)
+
+
+def window_features(frames: np.ndarray, seek: int, num_frames: int) -> np.ndarray:
+    """``[num_mel_bins, 3000]``: frames ``[seek, seek + num_frames)`` of ``log_mel_frames``, zero-padded (HF
+    ``_get_input_segment``)."""
+    out = np.zeros((frames.shape[0], N_FRAMES), dtype=np.float32)
+    piece = frames[:, seek : seek + min(num_frames, N_FRAMES)]
+    out[:, : piece.shape[1]] = piece
+    return out
+
+
 def load_tokenizer(model_dir: str | Path):
     """The Whisper tokenizer of a CTranslate2 or HF-format directory.
 

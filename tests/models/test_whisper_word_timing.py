@@ -147,6 +147,7 @@ def test_find_words(case):
     assert [w.word for w in words] == hf_words and [w.tokens for w in words] == hf_tokens
     starts = [w.start for w in words]
     assert starts[0] == 0.0 and starts == sorted(starts)
+    assert words[0].end > 0.0  # the <|notimestamps|> row kept (openai's rows): HF's first token time is 0.0
     assert all(w.start <= w.end <= case.seconds for w in words)
     assert [t + offset for w in words for t in (w.start, w.end)] == pytest.approx(
         [t for w in shifted for t in (w.start, w.end)]
