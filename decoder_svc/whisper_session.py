@@ -52,6 +52,7 @@ from decoder_svc.whisper import segment_output
 from decoder_svc.whisper.language import detect_language, no_speech_probability
 from decoder_svc.whisper.longform import LongFormOptions, LongFormState
 from decoder_svc.whisper.quality import Verdict, avg_logprob
+from decoder_svc.whisper.segments import split_window
 from decoder_svc.whisper.timestamp_rules import TimestampRules
 from decoder_svc.whisper.vad import has_speech
 from shared.errors import ResourceExhaustedError
@@ -79,6 +80,7 @@ class WhisperSession(RequestSession):
         self.windows_encoded = 0
         self.segments_sent = 0
         self.text_tail = ""
+        self.length_cut = False  # long-form: max_tokens ran out
 
     async def run(self):
         """Runs the request; yields its ``GenerateResponse`` messages (the last one carries usage,
@@ -107,6 +109,8 @@ class WhisperSession(RequestSession):
                             yield message
                 else:  # the VAD found no speech: nothing to decode
                     self.no_speech_prob = 1.0
+                if self.length_cut:
+                    final.finish_reason = decoder_pb2.FINISH_REASON_LENGTH
                 reason = "stop" if final.finish_reason == decoder_pb2.FINISH_REASON_STOP else "length"
             except _Aborted:
                 final.finish_reason, reason = decoder_pb2.FINISH_REASON_ABORT, "abort"
@@ -157,23 +161,21 @@ class WhisperSession(RequestSession):
                 self.request_id, shown, item.text, item.finish_reason if item.finished else None, sessions.token_texts
             )
             if item.finished:
-                final.MergeFrom(message)
-                final.text = message.text
-                if held is not None:
-                    held.append(final)
-                    final_text = "".join(m.text for m in held)
-                    if (logprobs and avg_logprob(logprobs) < rules.logprob_threshold) or not await asyncio.to_thread(
-                        has_speech, job.pcm
-                    ):
-                        final_text = ""  # silence: HF's skip rule, or the VAD hears no speech either
-                    final.text = final_text
-                    del final.token_ids[:]
-                    for m in held[:-1]:
-                        final.token_ids.extend(m.token_ids)
-                    final.token_ids.extend(message.token_ids)
-                    if not final.text:
+                if held is not None:  # the whole held window goes out in the final message, or nothing of it
+                    silent = (logprobs and avg_logprob(logprobs) < rules.logprob_threshold) or not (
+                        await asyncio.to_thread(has_speech, job.pcm)
+                    )  # HF's skip rule, or the VAD hears no speech either
+                    text = "" if silent else "".join(m.text for m in held) + message.text
+                    for m in [] if silent else held:
+                        final.MergeFrom(m)
+                    final.MergeFrom(message)
+                    final.text = text
+                    if silent:
                         del final.token_ids[:]
                         del final.logprobs[:]
+                else:
+                    final.MergeFrom(message)
+                    final.text = message.text
                 held_out = coalesce.held.pop(0, None)
                 if held_out is not None:  # what the coalescer held goes before the final message
                     yield held_out
@@ -197,9 +199,15 @@ class WhisperSession(RequestSession):
                 rules=job.rules,
             ),
         )
-        first = True
+        first, budget = True, self.params.max_tokens  # max_tokens: over the whole request, every attempt counted
         while (plan := state.next_window()) is not None:
             prompt = list(plan.prompt_ids)
+            max_new = plan.max_new_tokens
+            if budget is not None:
+                max_new = min(max_new, budget - self.progress.completion_tokens)
+                if max_new < 1:
+                    self.length_cut = True
+                    return
             params = SamplingParams(
                 temperature=plan.temperature,
                 seed=self.params.seed,
@@ -207,7 +215,7 @@ class WhisperSession(RequestSession):
                 logprobs_before_warpers=True,
                 probe_position=prompt.index(specials.sot),
                 logits_rules=TimestampRules(specials, begin_index=len(prompt)),
-                max_tokens=plan.max_new_tokens,
+                max_tokens=max_new,
             )
             generated: list[int] = []
             logprobs: list[float] = []
@@ -226,10 +234,15 @@ class WhisperSession(RequestSession):
             if rules.no_speech_threshold is not None and no_speech > rules.no_speech_threshold:
                 window_pcm = job.pcm[plan.start_sample : plan.start_sample + plan.num_samples]
                 heard_no_speech = not await asyncio.to_thread(has_speech, window_pcm)
-            result = state.on_result(generated, logprobs, no_speech, heard_no_speech)
-            if result.verdict is Verdict.RETRY:
-                continue  # decoded again at the next temperature, over the kept cross KV
-            segments = list(result.segments)
+            if budget is not None and self.progress.completion_tokens >= budget:
+                # max_tokens used up: this attempt's segments as they are (no retry), then "length"
+                segments = split_window(generated, specials, plan.seek, plan.num_frames)[0]
+                self.length_cut = True
+            else:
+                result = state.on_result(generated, logprobs, no_speech, heard_no_speech)
+                if result.verdict is Verdict.RETRY:
+                    continue  # decoded again at the next temperature, over the kept cross KV
+                segments = list(result.segments)
             words = None
             if segments and job.timestamps == "word":
                 words = await self._words(plan, segments, generated, logprobs)
@@ -241,6 +254,8 @@ class WhisperSession(RequestSession):
                 self.text_tail = messages.text[-1:] or self.text_tail
                 messages.token_ids.extend(generated)
                 yield messages
+            if self.length_cut:
+                return
 
     # -- plumbing -----------------------------------------------------------------
     def _window_len(self, start: int) -> int:

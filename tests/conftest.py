@@ -6,8 +6,15 @@ import os
 import uuid
 
 import pytest
+import torch
 
 from encdec import DATA_DIR
+
+# Without CUDA the Triton kernels run under the interpreter, and TRITON_INTERPRET must be set before anything
+# imports triton: test modules that import transformers' generation utilities pull in torch._inductor, which
+# imports triton at collection time. Set here, before any test module is collected; it affects only triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session", autouse=True)

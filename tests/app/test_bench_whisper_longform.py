@@ -156,7 +156,7 @@ def test_ct2_anchor_prompts_english_like_hf_on_base():
     from shared.models.whisper_features import log_mel_spectrogram
 
     model_dir = resolve_model("whisper-base")[1]
-    clip = str(DATA_DIR / "sample.wav")
+    clip = str(DATA_DIR / "short.wav")
     got = run_anchor("ct2", str(model_dir), "float32", 2, "batched", 1, [clip])["tokens"][0]
     hf = build_hf_whisper(model_dir)
     with torch.inference_mode():

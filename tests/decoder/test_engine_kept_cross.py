@@ -10,9 +10,21 @@ from __future__ import annotations
 
 import pytest
 import torch
+from decoder.test_engine_whisper import CLIPS, CROSS_PER_REQ, ENC_LEN, make_engine, write_cross
 
 from decoder_svc.sampling_params import SamplingParams
-from decoder.test_engine_whisper import CLIPS, CROSS_PER_REQ, ENC_LEN, make_engine, setup, write_cross  # noqa: F401
+from shared.models.registry import load_model
+from shared.models.whisper import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny(whisper_model_dir, whisper_features, hf_whisper_tokens):
+    """tiny.en, its tokenizer, each clip's cross KV ``[L, 2, 1500, H, Dh]`` and HF's greedy tokens per clip."""
+    model = load_model(whisper_model_dir)
+    feats = torch.stack([whisper_features[c] for c in CLIPS])  # [B, 80, 3000]
+    cross_kv = model.compute_cross_kv(model.encode(feats))  # [L, 2, B, 1500, H, Dh]
+    kvs = {c: cross_kv[:, :, i] for i, c in enumerate(CLIPS)}
+    return model, load_tokenizer(whisper_model_dir), kvs, hf_whisper_tokens
 
 
 def run(engine, cross, kv, rid, params, prompt=None, **add):
@@ -38,8 +50,8 @@ def free_counts(engine):
     return s["num_free_self_blocks"], s["num_free_cross_blocks"]
 
 
-def test_reuse_of_kept_cross_decodes_as_a_fresh_encode(setup):
-    model, tokenizer, kvs, ref = setup
+def test_reuse_of_kept_cross_decodes_as_a_fresh_encode(tiny):
+    model, tokenizer, kvs, ref = tiny
     clip = CLIPS[0]
     engine, cross = make_engine(model, tokenizer, 64, CROSS_PER_REQ * 2)
     baseline = free_counts(engine)
@@ -56,8 +68,8 @@ def test_reuse_of_kept_cross_decodes_as_a_fresh_encode(setup):
     assert free_counts(engine) == baseline
 
 
-def test_reuse_without_kept_cross_is_refused(setup):
-    model, tokenizer, _, _ = setup
+def test_reuse_without_kept_cross_is_refused(tiny):
+    model, tokenizer, _, _ = tiny
     engine, _ = make_engine(model, tokenizer, 64, CROSS_PER_REQ)
     with pytest.raises(ValueError, match="no kept cross KV"):
         engine.add_request("x", ENC_LEN, SamplingParams(), reuse_cross=True)
@@ -65,8 +77,8 @@ def test_reuse_without_kept_cross_is_refused(setup):
         engine.add_request("y", ENC_LEN, SamplingParams(n=2, temperature=1.0), keep_cross=True)
 
 
-def test_probe_logits_are_the_raw_logits_of_that_prompt_position(setup):
-    model, tokenizer, kvs, _ = setup
+def test_probe_logits_are_the_raw_logits_of_that_prompt_position(tiny):
+    model, tokenizer, kvs, _ = tiny
     clip = CLIPS[1]
     engine, cross = make_engine(model, tokenizer, 64, CROSS_PER_REQ)
     prompt = list(model.generation.decoder_prompt_ids)  # [sot, notimestamps]
@@ -89,8 +101,8 @@ class BanToken:
         scores[self.token] = float("-inf")
 
 
-def test_logits_rules_and_logprobs_before_warpers(setup):
-    model, tokenizer, kvs, ref = setup
+def test_logits_rules_and_logprobs_before_warpers(tiny):
+    model, tokenizer, kvs, ref = tiny
     clip = CLIPS[0]
     engine, cross = make_engine(model, tokenizer, 64, CROSS_PER_REQ)
     banned = ref[clip][0]  # greedy's first token

@@ -2,8 +2,10 @@
 
 Without a GPU the kernels run under ``TRITON_INTERPRET=1``, which must be set
 before ``@triton.jit`` builds them and stay set while they run: this module
-sets it before importing ``kernels.triton_paged_attention`` (nothing else
-imports triton; the variable affects nothing but triton). The
+sets it before importing ``kernels.triton_paged_attention``, and so does
+tests/conftest.py before any test module is collected (transformers' generation
+utilities import triton through torch._inductor; the variable affects nothing
+but triton). The
 interpreter's cost grows with program instances (one per query token and
 head) and key tiles, so shapes stay tiny. On a CUDA machine the same tests
 run the compiled kernels on the GPU.

@@ -1,0 +1,207 @@
+"""Whisper long-form end to end: HF parity, everything at once, abort, disconnect and a failing later window.
+
+Redis + encoder_svc + decoder_svc as separate processes (``encdec.launcher.Services``), one stack per model
+(whisper-tiny.en; whisper-base for the multilingual long-form and the concurrency check), real gRPC.
+
+- Parity: a 129 s clip (the bundled English clips four times, each round shuffled, 0.5-2 s of silence after
+  each clip; ``helpers.whisper_hf.joined_clip``) on tiny.en, and 45 s of another such clip on base with
+  ``language="en"``: every segment (seek, start, end, tokens) and the whole text equal HF's sequential
+  long-form ``generate`` (``HfWhisper.long_form``: openai-whisper's thresholds, temperature fallback,
+  conditioning on the previous text). The clip has no silence long enough for the server's extra VAD skip.
+- Concurrency: both long-form requests and every whisper-base short-form request of
+  ``test_e2e_whisper_options.BASE_CASES`` sent at once give exactly what each gives alone.
+- Abort (RPC) and disconnect after the first segment message, and the encoder killed then (a later window's
+  Encode fails): the stream ends with ABORT / CANCELLED / UNAVAILABLE, the Redis record is terminal, every KV
+  block is free, and the next request is served.
+"""
+
+from __future__ import annotations
+
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from helpers.whisper_hf import RATE, joined_clip, load_hf_whisper, read_clip
+from test_e2e_whisper import assert_all_blocks_free, wait_state
+from test_e2e_whisper_options import BASE, BASE_CASES, TINY, Result, pcm_request, run_case, stack, transcribe
+
+from shared.proto import decoder_pb2, decoder_pb2_grpc
+
+TINY_CLIP_ROUNDS, TINY_CLIP_SEED = 4, 0  # 129.2 s, 6 windows
+BASE_CLIP_SECONDS, BASE_CLIP_SEED = 45.0, 1  # 2 windows
+ENCODE_TIMEOUT_S = 10  # tiny.en's stack: a window whose encoder is gone fails within this
+
+
+@pytest.fixture(scope="module")
+def tiny_services(redis_url, tmp_path_factory):
+    decoder_args = ("--encode-timeout-s", str(ENCODE_TIMEOUT_S))
+    with stack(TINY, redis_url, tmp_path_factory.mktemp("tiny-longform-logs"), decoder_args) as svc:
+        yield svc
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_services):
+    with grpc.insecure_channel(tiny_services.decoder_address) as channel:
+        yield decoder_pb2_grpc.DecoderServiceStub(channel)
+
+
+@pytest.fixture(scope="module")
+def base(redis_url, tmp_path_factory):
+    with stack(BASE, redis_url, tmp_path_factory.mktemp("base-longform-logs")) as svc:
+        with grpc.insecure_channel(svc.decoder_address) as channel:
+            yield decoder_pb2_grpc.DecoderServiceStub(channel)
+
+
+@pytest.fixture(scope="module")
+def tiny_clip():
+    return joined_clip(TINY_CLIP_ROUNDS, TINY_CLIP_SEED)
+
+
+@pytest.fixture(scope="module")
+def base_clip():
+    return joined_clip(2, BASE_CLIP_SEED)[: int(BASE_CLIP_SECONDS * RATE)]
+
+
+@pytest.fixture(scope="module")
+def hf_tiny():
+    return load_hf_whisper(TINY)
+
+
+@pytest.fixture(scope="module")
+def hf_base():
+    return load_hf_whisper(BASE)
+
+
+@pytest.fixture(scope="module")
+def tiny_alone(tiny, tiny_clip) -> Result:
+    return transcribe(tiny, tiny_clip)
+
+
+@pytest.fixture(scope="module")
+def base_alone(base, base_clip) -> Result:
+    return transcribe(base, base_clip, language="en")
+
+
+def assert_matches_hf_longform(got: Result, hf, pcm, language: str | None = None) -> None:
+    """``got``'s segments and text equal HF long-form ``generate`` on ``pcm`` (HF segments without text, which
+    the server does not send, left out)."""
+    want = [
+        s
+        for s in hf.long_form(pcm, language=language)
+        if hf.tokenizer.decode(hf.specials.text_tokens(s.tokens)).strip()
+    ]
+    assert got.final.finish_reason == decoder_pb2.FINISH_REASON_STOP
+    assert len(got.segments) == len(want) and len({s.seek for s in want}) >= 2, [(s.seek, s.start) for s in want]
+    for i, (ours, theirs) in enumerate(zip(got.segments, want, strict=True)):
+        assert (ours.id, ours.seek, list(ours.tokens)) == (i, theirs.seek, theirs.tokens), (i, ours, theirs)
+        assert ours.start == pytest.approx(theirs.start, abs=1e-4), (i, ours, theirs)
+        assert ours.end == pytest.approx(min(theirs.end, len(pcm) / RATE), abs=1e-4), (i, ours, theirs)
+        assert ours.temperature == 0.0  # no sampled fallback: HF's and the server's random numbers differ
+    hf_text = hf.tokenizer.decode(hf.specials.text_tokens(t for s in want for t in s.tokens))
+    assert got.text == hf_text == "".join(s.text for s in got.segments)
+    assert got.final.duration == pytest.approx(len(pcm) / RATE, abs=1e-6)
+
+
+def test_tiny_longform_matches_hf(tiny, tiny_alone, tiny_clip, hf_tiny):
+    assert 120 <= len(tiny_clip) / RATE <= 180
+    assert_matches_hf_longform(tiny_alone, hf_tiny, tiny_clip)
+    assert tiny_alone.final.language == "en"
+    assert_all_blocks_free(tiny)
+
+
+def test_base_longform_in_english_matches_hf(base, base_alone, base_clip, hf_base):
+    assert_matches_hf_longform(base_alone, hf_base, base_clip, language="en")
+    assert (base_alone.final.language, base_alone.final.language_probability) == ("en", 1.0)
+    assert_all_blocks_free(base)
+
+
+def test_everything_at_once_matches_each_alone(tiny, base, tiny_clip, base_clip, tiny_alone, base_alone):
+    """Check 1's short-form requests (whisper-base, and tiny.en's English default) and both long-form ones at once:
+    each result is what it is alone."""
+    jobs = {name: (lambda name=name: run_case(base, name)) for name in BASE_CASES}
+    jobs["tiny_short"] = lambda: transcribe(tiny, read_clip("sample"))
+    alone = {name: job() for name, job in jobs.items()}
+    jobs["tiny_longform"] = lambda: transcribe(tiny, tiny_clip)
+    jobs["base_longform"] = lambda: transcribe(base, base_clip, language="en")
+    alone.update(tiny_longform=tiny_alone, base_longform=base_alone)
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        futures = {name: pool.submit(job) for name, job in jobs.items()}
+        together = {name: f.result() for name, f in futures.items()}
+    for name in jobs:
+        assert together[name].summary() == alone[name].summary(), name
+    assert_all_blocks_free(tiny)
+    assert_all_blocks_free(base)
+
+
+def _until_first_segment(call) -> list[decoder_pb2.GenerateResponse]:
+    """Reads ``call`` up to and including the first message that carries segments."""
+    read = []
+    for message in call:
+        read.append(message)
+        if message.segments:
+            return read
+    raise AssertionError(f"the stream ended before a segment: {read}")
+
+
+def _assert_keeps_serving(stub, hf_tiny) -> None:
+    pcm = read_clip("short")
+    got = transcribe(stub, pcm)
+    assert got.tokens[:-1] == hf_tiny.short_form(pcm) and got.final.finish_reason == decoder_pb2.FINISH_REASON_STOP
+    assert_all_blocks_free(stub)
+
+
+def test_abort_after_first_segment(tiny, tiny_clip, tiny_alone, hf_tiny):
+    request_id = f"lf-abort-{uuid.uuid4().hex[:8]}"
+    call = tiny.Generate(pcm_request(tiny_clip, request_id), timeout=300)
+    read = _until_first_segment(call)
+    assert stub_abort(tiny, request_id)
+    read += list(call)
+    final = read[-1]
+    assert final.finish_reason == decoder_pb2.FINISH_REASON_ABORT
+    segments = [s for m in read for s in m.segments]
+    assert 0 < len(segments) < len(tiny_alone.segments)
+    assert [list(s.tokens) for s in segments] == [list(s.tokens) for s in tiny_alone.segments[: len(segments)]]
+    record = wait_state(tiny, request_id, decoder_pb2.REQUEST_STATE_ABORTED)
+    assert record.finish_reason == "abort"
+    assert_all_blocks_free(tiny)
+    _assert_keeps_serving(tiny, hf_tiny)
+
+
+def stub_abort(stub, request_id: str) -> bool:
+    return stub.Abort(decoder_pb2.AbortRequest(request_id=request_id)).aborted
+
+
+def test_disconnect_after_first_segment(tiny, tiny_clip, hf_tiny):
+    request_id = f"lf-cancel-{uuid.uuid4().hex[:8]}"
+    call = tiny.Generate(pcm_request(tiny_clip, request_id), timeout=300)
+    _until_first_segment(call)
+    call.cancel()
+    with pytest.raises(grpc.RpcError) as info:
+        list(call)
+    assert info.value.code() == grpc.StatusCode.CANCELLED
+    record = wait_state(tiny, request_id, decoder_pb2.REQUEST_STATE_ABORTED)
+    assert record.finish_reason == "abort"
+    assert_all_blocks_free(tiny)
+    _assert_keeps_serving(tiny, hf_tiny)
+
+
+def test_encoder_killed_after_first_segment_fails_the_request(tiny_services, tiny, hf_tiny):
+    """A later window's Encode finds no encoder: UNAVAILABLE naming it, FAILED in Redis, blocks free; the
+    encoder restarted, the next request is served."""
+    pcm = joined_clip(TINY_CLIP_ROUNDS, seed=7)  # samples no other request has: every window is encoded anew
+    request_id = f"lf-encoder-{uuid.uuid4().hex[:8]}"
+    call = tiny.Generate(pcm_request(pcm, request_id), timeout=300)
+    _until_first_segment(call)
+    tiny_services.kill("encoder")
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            list(call)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
+        assert "encoder" in info.value.details(), info.value.details()
+        record = wait_state(tiny, request_id, decoder_pb2.REQUEST_STATE_FAILED)
+        assert "encoder" in record.error, record.error
+        assert_all_blocks_free(tiny)
+    finally:
+        tiny_services.restart("encoder")
+    _assert_keeps_serving(tiny, hf_tiny)
