@@ -351,7 +351,8 @@ class WhisperSession(RequestSession):
         progress = self.progress
         convert.add_usage(final, progress.usage(), progress.encoder_tokens, self.applied)
         final.language = self.language or ""
-        final.language_probability = self.language_probability
+        # 1 when given; the detection's softmax when detected; 0 when nothing was decoded to detect it on (VAD).
+        final.language_probability = self.language_probability if self.language is not None else 0.0
         final.duration = self.job.duration_s
         final.no_speech_prob = self.no_speech_prob
 

@@ -257,7 +257,7 @@ def main(args) -> int:
         from encdec.bench.whisper_longform import render
         from encdec.bench.whisper_longform import run as run_long_form
 
-        long_form = run_long_form(args, clips)
+        long_form = run_long_form(args, clips, run_ours_long_form)
         print(("\n" if rows else "") + render(long_form))
     if args.json:
         write_json(

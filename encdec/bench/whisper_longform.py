@@ -173,12 +173,12 @@ def _run_hf(model_dir: str, threads: int, mode: str, files: list[str]) -> dict:
 
 
 # ---- the bench -----------------------------------------------------------------------------------------------
-def run(args, clip_files: list[str]) -> dict:
+def run(args, clip_files: list[str], run_ours_long_form) -> dict:
     """Builds the recordings, runs every system (``args``: ``encdec bench whisper``'s), returns
-    ``{"audio_s", "lengths_s", "columns", "rows", "ours_cpu_s"}``."""
+    ``{"audio_s", "lengths_s", "columns", "rows", "ours_cpu_s"}``. ``run_ours_long_form``: our services' run
+    (``encdec.bench.whisper.run_ours_long_form``, passed in so the two modules do not import each other)."""
     from decoder_svc.audio import decode_audio
     from encdec.bench.faster_whisper_anchor import run_anchor
-    from encdec.bench.whisper import run_ours_long_form
     from shared.models.registry import resolve_model
 
     model_dir = str(resolve_model(args.model)[1])

@@ -7,9 +7,8 @@ The truth is HF transformers on the same weights (``helpers.whisper_hf``): ``det
 the request asks for. Clips: espeak-ng weather reports in German, Spanish and French, the bundled English
 ``sample.wav``, and numpy-made silence, low noise and a 0.8 s cut.
 
-Word times follow ``decoder_svc/whisper/word_timing.py``: a word starts at the time of the token before its
-first token and ends at the time of its last token, punctuation merged into a word keeping the word's own
-times (openai-whisper ``merge_punctuations``); HF's ``token_timestamps`` give those token times.
+Word times follow ``decoder_svc/whisper/word_timing.py`` (``helpers.whisper_hf.hf_word_times`` builds them
+from HF's ``token_timestamps``).
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ import grpc
 import numpy as np
 import pytest
 import soundfile as sf
-from helpers.whisper_hf import RATE, load_hf_whisper, noise, read_clip
+from helpers.whisper_hf import RATE, hf_word_times, load_hf_whisper, noise, read_clip
 from test_e2e_whisper import assert_all_blocks_free
 
 from encdec.launcher import Services
@@ -35,9 +34,6 @@ STOP = decoder_pb2.FINISH_REASON_STOP
 LANG_CLIPS = ("weather_de", "weather_es", "weather_fr")
 PROMPT = "  Quarterly budget meeting of the board.  "
 WORD_TOLERANCE_S = 0.02 + 1e-4  # one DTW frame, plus float32 rounding of the proto's times
-# openai-whisper transcribe() defaults: marks merged into the previous / next word (word_timing.py's constants).
-APPEND_PUNCTUATIONS = "\"'.。,，!！?？:：”)]}、"
-PREPEND_PUNCTUATIONS = "\"'“¿([{-"
 
 # Check 1's requests on whisper-base: name -> (clip, WhisperOptions fields). test_e2e_whisper_longform.py sends
 # them all at once beside its long-form requests.
@@ -78,17 +74,6 @@ class Result:
         self.tokens = [t for m in self.messages for t in m.token_ids]
         self.text = "".join(m.text for m in self.messages)
         self.segments = [s for m in self.messages for s in m.segments]
-
-    def summary(self) -> tuple:
-        """Everything a request's outcome is judged by, comparable with ``==`` (concurrency tests)."""
-        f = self.final
-        segments = [
-            (s.id, s.seek, s.start, s.end, s.text, list(s.tokens), s.avg_logprob, s.temperature, s.no_speech_prob)
-            + tuple((w.word, w.start, w.end, w.probability) for w in s.words)
-            for s in self.segments
-        ]
-        final = (f.finish_reason, f.language, f.language_probability, f.duration, f.no_speech_prob)
-        return self.tokens, self.text, segments, final, f.usage.completion_tokens, f.usage.prompt_tokens
 
 
 def pcm_request(pcm: np.ndarray, request_id: str = "", **options) -> decoder_pb2.GenerateRequest:
@@ -227,34 +212,6 @@ def test_segment_timestamps_match_hf(base_stub, hf_base):
     assert_all_blocks_free(base_stub)
 
 
-def _word_spans(tokenizer, text_tokens: list[int], words: list[str]) -> list[tuple[int, int]]:
-    """``[start, end)`` indices into ``text_tokens`` of each word: the shortest prefix decoding to the words so far."""
-    spans, begin, joined = [], 0, ""
-    for word in words:
-        joined += word
-        end = begin + 1
-        while tokenizer.decode(text_tokens[:end]) != joined:
-            end += 1
-            assert end <= len(text_tokens), (words, joined, tokenizer.decode(text_tokens))
-        spans.append((begin, end))
-        begin = end
-    assert begin == len(text_tokens), (words, text_tokens)
-    return spans
-
-
-def _core(tokenizer, ids: list[int]) -> tuple[int, int]:
-    """Offsets of a word's own tokens once punctuation merged into it is set aside (its times are the word's)."""
-    first, last = 0, len(ids) - 1
-    while last > first and tokenizer.decode(ids[last : last + 1]) in APPEND_PUNCTUATIONS:
-        last -= 1
-    while first < last:
-        piece = tokenizer.decode(ids[first : first + 1])
-        if not (piece.startswith(" ") and piece.strip() in PREPEND_PUNCTUATIONS):
-            break
-        first += 1
-    return first, last
-
-
 @pytest.mark.parametrize("case", ["words", "words_late_start"])
 def test_word_timestamps_match_hf_token_timestamps(base_stub, hf_base, case):
     """(f) timestamps=WORD: the segments equal HF's; each word's start / end is within one DTW frame (0.02 s) of
@@ -270,20 +227,13 @@ def test_word_timestamps_match_hf_token_timestamps(base_stub, hf_base, case):
     got = run_case(base_stub, case)
     assert got.final.finish_reason == STOP
     assert [list(s.tokens) for s in got.segments] == [s.tokens for s in want]
-    eot, tok = hf_base.specials.eot, hf_base.tokenizer
     checked = 0
-    for ours, theirs in zip(got.segments, want, strict=True):
-        assert theirs.tokens[0] >= hf_base.specials.timestamp_begin  # a token before every word
-        positions = [i for i, t in enumerate(theirs.tokens) if t < eot]
-        words = [w.word for w in ours.words]
-        assert "".join(words) == ours.text
-        for w, (a, b) in zip(ours.words, _word_spans(tok, [theirs.tokens[i] for i in positions], words)):
-            first, last = _core(tok, [theirs.tokens[i] for i in positions[a:b]])
-            start_at, end_at = positions[a + first] - 1, positions[a + last]
-            window_first = checked == 0 and start_at == 0
-            start_times = theirs.openai_token_times if window_first else theirs.token_times
-            assert w.start == pytest.approx(start_times[start_at], abs=WORD_TOLERANCE_S), (w, theirs)
-            assert w.end == pytest.approx(theirs.token_times[end_at], abs=WORD_TOLERANCE_S), (w, theirs)
+    for i, (ours, theirs) in enumerate(zip(got.segments, want, strict=True)):
+        assert "".join(w.word for w in ours.words) == ours.text
+        expected = hf_word_times(hf_base, theirs, [w.word for w in ours.words], window_first=i == 0)
+        for w, (start, end) in zip(ours.words, expected, strict=True):
+            assert w.start == pytest.approx(start, abs=WORD_TOLERANCE_S), (w, theirs)
+            assert w.end == pytest.approx(end, abs=WORD_TOLERANCE_S), (w, theirs)
             assert 0.0 <= w.start <= w.end <= got.final.duration, w
             assert 0.0 < w.probability <= 1.0
             checked += 1

@@ -5,8 +5,12 @@
 generation config HF's own checkpoints ship and the server follows: ``prev_sot_token_id``
 (``<|startofprev|>``), ``max_initial_timestamp_index`` 50, ``alignment_heads``, and for
 multilingual checkpoints every language in ``lang_to_id`` and both tasks in ``task_to_id``.
-Every method runs HF's public ``generate`` / ``detect_language`` (greedy, float32, CPU) on
-a deep copy of that config, so calls never leak settings into each other.
+Every method runs HF's ``generate`` / ``detect_language`` (greedy, float32, CPU) on a deep copy
+of that config, so calls never leak settings into each other.
+
+Word times (``hf_word_times``) follow ``decoder_svc/whisper/word_timing.py``: a word starts at the
+time of the token before its first token and ends at the time of its last token; punctuation merged
+into a word leaves the word's own times (openai-whisper ``merge_punctuations``).
 
 Clips are 16 kHz float32 mono: the bundled English ones (``encdec/data``), the espeak-ng
 weather reports (``tests/data/speech``), and clips built from them with numpy only.
@@ -30,6 +34,9 @@ RATE = 16_000
 SPEECH_DIR = Path(__file__).resolve().parents[1] / "data" / "speech"
 ENGLISH_CLIPS = ("sample", "meeting", "weather", "numbers", "short")
 LONGFORM_TEMPERATURES = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)  # openai-whisper transcribe() / the server's defaults
+# openai-whisper transcribe() defaults: marks merged into the previous / next word (as word_timing.py's).
+APPEND_PUNCTUATIONS = "\"'.。,，!！?？:：”)]}、"
+PREPEND_PUNCTUATIONS = "\"'“¿([{-"
 
 
 def read_clip(name: str) -> np.ndarray:
@@ -278,6 +285,42 @@ def _feature_extractor():
     from transformers import WhisperFeatureExtractor
 
     return WhisperFeatureExtractor(feature_size=80, sampling_rate=RATE)
+
+
+def hf_word_times(hf: HfWhisper, segment: HfSegment, words: list[str], window_first: bool) -> list[tuple[float, float]]:
+    """Each word's ``(start, end)`` seconds from HF's token times of ``segment`` (``segments(words=True)``).
+
+    Args:
+        words: the segment's words in order, their texts concatenating to its text (leading spaces kept).
+        window_first: the segment opens its window: its first word starts at the window's first generated token,
+            which HF's ``token_timestamps`` always give 0.0; that start is read from ``openai_token_times``.
+
+    Raises:
+        AssertionError: the words do not spell the segment's text tokens, or the segment opens without a timestamp.
+    """
+    tok, ids = hf.tokenizer, segment.tokens
+    assert ids and ids[0] >= hf.specials.timestamp_begin, ids  # a token before every word
+    positions = [i for i, t in enumerate(ids) if t < hf.specials.eot]  # the text tokens
+    out, begin, joined = [], 0, ""
+    for k, word in enumerate(words):
+        joined += word
+        end = begin + 1  # the shortest run of tokens that spells the words so far
+        while tok.decode([ids[i] for i in positions[:end]]) != joined:
+            end += 1
+            assert end <= len(positions), (words, tok.decode([ids[i] for i in positions]))
+        first, last = begin, end - 1
+        while last > first and tok.decode([ids[positions[last]]]) in APPEND_PUNCTUATIONS:
+            last -= 1  # a trailing mark merged into the word
+        while first < last and (piece := tok.decode([ids[positions[first]]])).startswith(" "):
+            if piece.strip() not in PREPEND_PUNCTUATIONS:
+                break
+            first += 1  # a leading mark merged into the word
+        start_at = positions[first] - 1
+        starts = segment.openai_token_times if window_first and k == 0 else segment.token_times
+        out.append((starts[start_at], segment.token_times[positions[last]]))
+        begin = end
+    assert begin == len(positions), (words, ids)
+    return out
 
 
 def load_hf_whisper(model_name: str) -> HfWhisper:
