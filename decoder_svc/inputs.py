@@ -1,10 +1,10 @@
 """Turns a ``GenerateRequest``'s input into what the engine and the encoder need.
 
-Audio models (Whisper): decoded / resampled PCM, a fixed ``encoder_len``, the
-model's default decoder prompt. Audio longer than Whisper's 30 s input is
-split into consecutive 30 s windows (``RequestInput.windows``), each decoded
-as its own sequence one after another within the request
-(``decoder_svc.request_session``); up to ``max_audio_s`` is accepted, never cut.
+Audio models (Whisper): decoded / resampled PCM, a fixed ``encoder_len``, and for
+a request with one sample and one beam its ``WhisperJob`` (language, task,
+prompt, timestamps, long-form rules: ``decoder_svc.whisper.options``), which
+``decoder_svc.whisper_session`` runs; up to ``max_audio_s`` is accepted, never
+cut. Audio over 30 s takes n = 1 and num_beams = 1 only.
 
 Text models (T5, BART, mBART, Marian): source token ids (from ``text``
 through the checkpoint's tokenizer, or ``input_ids`` as given),
@@ -41,8 +41,8 @@ class RequestInput:
     Attributes:
         encoder_len: cross-attention KV length of one window (source tokens, or
             Whisper's 1500 positions per 30 s window).
-        pcm: ``[N]`` float32 at 16 kHz (audio models), else None; the whole
-            clip, or one window's samples for an input from ``windows()``.
+        pcm: ``[N]`` float32 at 16 kHz (audio models), else None: the whole clip,
+            or one long-form window's samples (``decoder_svc.whisper_session``).
         input_ids: source token ids (text models), else None.
         prompt_token_ids: decoder prompt; None = the model's default.
         applied: generation defaults in effect, reported on the last response.
@@ -55,29 +55,6 @@ class RequestInput:
     applied: list[str] = field(default_factory=list)
     whisper: WhisperJob | None = None  # Whisper with n = 1, num_beams = 1: language, task, long-form (its session)
     features: np.ndarray | None = None  # [num_mel_bins, 3000] float32 sent instead of pcm (a long-form window)
-
-    def windows(self) -> list[RequestInput]:
-        """The consecutive inputs the decoder runs one after another for this request.
-
-        Audio: ``ceil(N / WINDOW_SAMPLES)`` windows of ``WINDOW_SAMPLES``
-        (30 s) samples each, the last one shorter (the encoder's feature
-        extractor pads it to 30 s, as for any short clip); each with the same
-        ``encoder_len`` and prompt, its ``pcm`` a ``[<= 480000]`` float32 view.
-        No overlap and no search for silence: a word cut by a window edge is
-        heard in pieces, as with HF's pipeline at ``chunk_length_s=30`` and no
-        stride. Text: ``[self]``.
-        """
-        if self.pcm is None or len(self.pcm) <= WINDOW_SAMPLES or self.whisper is not None:
-            return [self]
-        return [
-            RequestInput(
-                self.encoder_len,
-                pcm=self.pcm[start : start + WINDOW_SAMPLES],
-                prompt_token_ids=self.prompt_token_ids,
-                applied=self.applied,
-            )
-            for start in range(0, len(self.pcm), WINDOW_SAMPLES)
-        ]
 
     def encoder_source(self) -> dict:
         """The encoder input as Encode sends it and the encoder cache keys it: ``{"input_ids": [...]}``
@@ -128,6 +105,11 @@ def parse_input(request, model, tokenizer, max_audio_s: float) -> RequestInput:
         if seconds > max_audio_s:
             raise InvalidRequestError(f"audio is {seconds:.2f} s long; this server accepts at most {max_audio_s:.2f} s")
         sampling = request.sampling
+        if max(sampling.n, sampling.num_beams) > 1 and len(pcm) > WINDOW_SAMPLES:
+            raise InvalidRequestError(
+                "sampling.n > 1 / num_beams > 1 are not supported for audio over 30 s "
+                "(decoded long-form, window by window); send n=1 and num_beams=1, or a shorter clip"
+            )
         job = None
         if max(sampling.n, sampling.num_beams, 1) == 1:
             job = parse_whisper_options(

@@ -1,5 +1,5 @@
-"""A Generate request's bookkeeping, without I/O: token counts over windows and samples, the streamed text's
-join across windows, and ``--stream-interval`` merging of its stream messages.
+"""A Generate request's bookkeeping, without I/O: token counts over its samples (and a Whisper request's
+windows), and ``--stream-interval`` merging of its stream messages.
 
 ``decoder_svc.request_session.RequestSession`` owns one ``RequestProgress``
 and one ``StreamCoalescer`` per request (the rules they follow are in that
@@ -8,12 +8,10 @@ module's docstring).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 from decoder_svc.engine import RequestOutput
 from decoder_svc.inputs import RequestInput
-from decoder_svc.sampling_params import SamplingParams
 from shared.proto import decoder_pb2
 
 
@@ -21,10 +19,10 @@ from shared.proto import decoder_pb2
 class RequestProgress:
     """Where a request stands: its current window and its token counts.
 
-    Long audio: ``input`` is the window being decoded (its Encode and
-    encoder-cache key read it), ``window`` its index, ``base_*`` the tokens
-    of the windows before it; ``prompt_tokens`` / ``completion_tokens`` /
-    ``encoder_tokens`` are the request's totals.
+    ``input`` is what Encode sends (a Whisper session's current window);
+    ``window`` counts the windows encoded before it and ``base_*`` the tokens
+    of the sequences before the current one (``decoder_svc.whisper_session``);
+    ``prompt_tokens`` / ``completion_tokens`` / ``encoder_tokens`` are the request's totals.
     """
 
     input: RequestInput
@@ -34,8 +32,6 @@ class RequestProgress:
     base_prompt_tokens: int = 0
     base_completion_tokens: int = 0
     encoder_tokens: int = 0
-    text_tail: str = ""  # last streamed character
-    window_text_started: bool = False
     sample_completion: dict[int, int] = field(default_factory=dict)  # n > 1 / beams: completion tokens per index
 
     def usage(self) -> dict[str, int]:
@@ -48,41 +44,6 @@ class RequestProgress:
             self.sample_completion[item.index] = item.completion_tokens  # n > 1: summed over the samples
             self.prompt_tokens = self.base_prompt_tokens + item.prompt_tokens
             self.completion_tokens = self.base_completion_tokens + sum(self.sample_completion.values())
-
-    def stream_text(self, text: str) -> str:
-        """``text`` as streamed: a later window's first text gets a leading space when
-        neither it nor the text before it has one, so words of two windows never run together."""
-        if text:
-            if (
-                self.window
-                and not self.window_text_started
-                and self.text_tail
-                and not self.text_tail.isspace()
-                and not text[0].isspace()
-            ):
-                text = " " + text
-            self.window_text_started = True
-            self.text_tail = text[-1]
-        return text
-
-    def start_window(self, window: RequestInput, params: SamplingParams) -> SamplingParams:
-        """Moves to ``window`` (the first one, or the next after a window finished); returns its sampling params.
-
-        A later window gets what is left of ``max_tokens`` / ``min_tokens``.
-        """
-        if self.encoder_tokens:  # not the first window
-            self.window += 1
-            self.base_prompt_tokens, self.base_completion_tokens = self.prompt_tokens, self.completion_tokens
-            self.window_text_started = False
-            done = self.completion_tokens
-            params = dataclasses.replace(
-                params,
-                max_tokens=None if params.max_tokens is None else params.max_tokens - done,
-                min_tokens=max(params.min_tokens - done, 0),
-            )
-        self.input = window
-        self.encoder_tokens += window.encoder_len
-        return params
 
 
 class StreamCoalescer:

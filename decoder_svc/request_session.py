@@ -1,4 +1,4 @@
-"""One Generate request's life on this replica: windows, samples, usage, Redis states, the coalesced stream.
+"""One Generate request's life on this replica: samples, usage, Redis states, the coalesced stream.
 
 ``RequestSession.run`` drives a request after the servicer parsed it and
 created its Redis record (QUEUED): it adds the request to the engine (through
@@ -11,25 +11,10 @@ holds the running sessions by request id: the engine loop's deliveries (an
 encode to start, an output, a failed step) go to it and on to the session.
 Redis sees a handful of writes per request, never one per token.
 
-Long audio (over Whisper's 30 s window, up to ``max_audio_s``): the request
-runs its windows (``RequestInput.windows``) one after another, each added to
-the engine as a fresh sequence under the request's id with the same prompt
-and suppressions, so scheduling, batching, preemption and the encoder cache
-treat it like any 30 s request; it queues behind requests already waiting, so
-a long transcript does not hold back short ones. A window ends on its end
-token (or the model max length) and the next one is added only then: its
-cross blocks are reserved after the previous window's self and cross blocks
-were freed (never one ahead, so a long request holds at most one window's KV;
-the price is that window i+1's Encode does not overlap window i's decode).
-One Redis record, one stream: each window's tokens end with its end token
-(so ``token_ids`` split per window), its text continues the previous window's
-(a space inserted only when neither side has one), ``usage`` sums prompt,
-completion and encoder tokens over the windows. ``max_tokens`` / ``min_tokens``
-count over the whole request (a window gets what is left; ``max_tokens`` used
-up with windows left ends the request with "length"); a stop string or stop
-token id ends the request (stop strings are matched within a window); a seed
-restarts each window's generator. Abort / disconnect mid-window frees that
-window's blocks and records ABORTED with the tokens streamed so far.
+Whisper requests with one sample and one beam (language detection, timestamps,
+long-form audio over 30 s) run as ``decoder_svc.whisper_session.WhisperSession``,
+a subclass whose ``run`` drives several sequences per request; everything else
+here is one sequence group per request.
 
 Several outputs per request (``SamplingParams.n`` > 1, ``num_beams`` > 1;
 ``decoder_svc.engine``): every message carries its ``index``; n samples stream
@@ -39,10 +24,10 @@ tokens once, completion tokens summed over the samples); Redis records the
 finish reason of the index that finished last. Beam search streams nothing
 while the beams run, then one message per returned beam (index 0 = best) with
 all its tokens, text, finish_reason and ``score``. Abort frees every sequence
-of the request. Audio over 30 s (windows) takes n = 1 and num_beams = 1 only.
+of the request.
 
-The bookkeeping without I/O (token counts, window text joins, message
-merging) is ``decoder_svc.request_progress``.
+The bookkeeping without I/O (token counts, message merging) is
+``decoder_svc.request_progress``.
 
 Why over ~300 lines: a third is this docstring (the request rules); the session and the registry that routes
 the engine loop's deliveries to it share the replica's state (running ids, open records, the shutdown cut), and
@@ -249,10 +234,10 @@ class RequestSession:
     """One request this replica is serving, from its engine admission to its recorded end.
 
     Attributes:
-        progress: token counts, the current window, the streamed text's join (``RequestProgress``).
+        progress: token counts (``RequestProgress``; a Whisper session's windows too).
         stream: what ``run`` consumes: ``RequestOutput``s, or an exception that ends the request.
-        encoding: the current window's Encode task, once the engine asked for it.
-        abort_requested: Abort RPC or end of the call: no Encode is started, no next window added.
+        encoding: the (current window's) Encode task, once the engine asked for it.
+        abort_requested: Abort RPC or end of the call: no Encode is started (no next window added).
         decoding_recorded: the Redis record moved to DECODING (after the Encode, or on an
             encoder-cache hit's first output).
     """
@@ -270,7 +255,6 @@ class RequestSession:
         self.request_id = request_id
         self.params = params
         self.priority = priority
-        self.windows = inp.windows()
         self.applied = inp.applied
         self.progress = RequestProgress(inp)
         self.stream: asyncio.Queue = asyncio.Queue()
@@ -288,7 +272,7 @@ class RequestSession:
         self.stream.put_nowait(RequestOutput(self.request_id, [], "", True, "abort", **self.progress.usage()))
 
     def start_encode(self, block_ids: list[int]) -> None:
-        """The engine reserved the current window's cross blocks: have the encoder fill them."""
+        """The engine reserved the request's (current window's) cross blocks: have the encoder fill them."""
         # An aborting request's engine.abort is queued behind the step that reserved these blocks: no Encode into them.
         if not self.abort_requested:
             # Displaced by a higher-priority request, or its deadline passes before it could start: not encoded.
@@ -301,7 +285,7 @@ class RequestSession:
         """Runs the request to its end; yields its ``GenerateResponse`` messages.
 
         Raises:
-            ResourceExhaustedError: a window can never fit this decoder's KV pools.
+            ResourceExhaustedError: the request can never fit this decoder's KV pools.
             UnavailableError: the encoder failed or stayed unreachable, Redis was unreachable for one of the
                 request's state writes (``RedisUnavailableError``), or the decoder shut down first.
             Exception: whatever failed the request's engine step (recorded FAILED, blocks freed, before it is raised).
@@ -312,7 +296,7 @@ class RequestSession:
         try:
             if sessions.cutting:  # its input was parsed after the grace ran out
                 raise sessions.shutdown_error(self)
-            await self._start_window(self.windows[0])
+            await self._start(self.progress.input)
             finished_indices: set[int] = set()  # n > 1 / beams: the request ends with its last index (or an abort)
             coalesce = StreamCoalescer(sessions.config.stream_interval if params.num_beams == 1 else 1)
             while True:
@@ -328,9 +312,9 @@ class RequestSession:
                         await asyncio.to_thread(sessions.store.set_state, self.request_id, RequestState.DECODING)
                     progress.count(item)
                     self._observe_tokens(len(item.new_token_ids))
-                    text = progress.stream_text(item.text)
-                    reason = self._finish_reason(item) if item.finished else None
-                    final = item.finished and reason is not None  # this index's last message
+                    text = item.text
+                    reason = item.finish_reason if item.finished else None
+                    final = item.finished  # this index's last message
                     if final:
                         finished_indices.add(item.index)
                     request_done = final and len(finished_indices) >= params.n
@@ -347,10 +331,6 @@ class RequestSession:
                             yield out
                     if request_done:
                         return
-                    if (
-                        item.finished and reason is None and not self.abort_requested
-                    ):  # the next window follows (unless the Abort RPC's output is queued next)
-                        await self._start_window(self.windows[progress.window + 1])
         except (
             asyncio.CancelledError,
             GeneratorExit,
@@ -364,52 +344,31 @@ class RequestSession:
         finally:  # an error is recorded (FAILED) and the blocks freed before the client sees its status
             await self._release(state, fields, redis_down)
 
-    async def _start_window(self, window: RequestInput) -> None:
-        """Adds the request's first or next window to the engine as a new sequence (its cross blocks are
-        reserved at a later step; the previous window's sequence has finished and freed its blocks).
-
-        A later window gets what is left of ``max_tokens`` / ``min_tokens``.
+    async def _start(self, inp: RequestInput) -> None:
+        """Adds the request to the engine (its cross blocks are reserved at a later step).
 
         Raises:
-            ResourceExhaustedError: the window can never fit this decoder's KV pools.
+            ResourceExhaustedError: it can never fit this decoder's KV pools.
         """
         sessions = self._sessions
-        params = self.progress.start_window(window, self.params)
+        self.progress.encoder_tokens += inp.encoder_len
         cache_key = None
         if sessions.config.encoder_cache:  # the content key of the PCM bytes Encode would get, or of the source ids
             cache_key = await asyncio.to_thread(
-                lambda: encoder_cache_key(sessions.config.model, **window.encoder_source())
+                lambda: encoder_cache_key(sessions.config.model, **inp.encoder_source())
             )
         try:
             await sessions.loop.call(
                 sessions.engine.add_request,
                 self.request_id,
-                window.encoder_len,
-                params,
-                window.prompt_token_ids,
+                inp.encoder_len,
+                self.params,
+                inp.prompt_token_ids,
                 self.priority,
                 cache_key,
             )
         except CapacityError as exc:
             raise ResourceExhaustedError(str(exc)) from exc
-
-    def _finish_reason(self, item: RequestOutput) -> str | None:
-        """The request's finish reason once a window's sequence finished, or None when the next window follows.
-
-        The next window follows a window that ended on the end token (or the
-        model max length) while windows and ``max_tokens`` are left; a stop
-        string / stop token id / abort ends the request, and so does
-        ``max_tokens`` used up ("length").
-        """
-        params, reason = self.params, item.finish_reason
-        window_end = reason == "length" or (
-            item.stop_reason == self._sessions.engine.eos_token_id and not params.ignore_eos
-        )
-        if reason == "abort" or not window_end or self.progress.window + 1 >= len(self.windows):
-            return reason
-        if params.max_tokens is not None and self.progress.completion_tokens >= params.max_tokens:
-            return "length"
-        return None
 
     async def _encode(self, block_ids: list[int]) -> None:
         """Has the encoder fill ``block_ids``; marks the request runnable, or fails its stream.

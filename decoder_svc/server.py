@@ -135,11 +135,6 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             inp = await asyncio.to_thread(
                 parse_input, request, self.model, self.engine.tokenizer, self.config.max_audio_s
             )
-            if max(params.n, params.num_beams) > 1 and len(inp.windows()) > 1:
-                raise InvalidRequestError(
-                    "sampling.n > 1 / num_beams > 1 are not supported for audio over 30 s "
-                    "(decoded window by window); send n=1 and num_beams=1, or a shorter clip"
-                )
             await self.sessions.create_record(request_id)  # Redis: QUEUED
         except BaseException:
             self.sessions.admission.leave(ticket)

@@ -79,7 +79,6 @@ class WhisperSession(RequestSession):
         self.no_speech_prob = 0.0
         self.windows_encoded = 0
         self.segments_sent = 0
-        self.text_tail = ""
         self.length_cut = False  # long-form: max_tokens ran out
 
     async def run(self):
@@ -247,11 +246,10 @@ class WhisperSession(RequestSession):
             if segments and job.timestamps == "word":
                 words = await self._words(plan, segments, generated, logprobs)
             messages = segment_output.segment_messages(
-                self.request_id, job, sessions.engine.tokenizer, segments, words, self.segments_sent, self.text_tail
+                self.request_id, job, sessions.engine.tokenizer, segments, words, self.segments_sent
             )
             if messages.segments:
                 self.segments_sent += len(messages.segments)
-                self.text_tail = messages.text[-1:] or self.text_tail
                 messages.token_ids.extend(generated)
                 yield messages
             if self.length_cut:

@@ -29,7 +29,6 @@ def segment_messages(
     segments: list[Segment],
     words: list[list[WordTiming]] | None,
     first_id: int,
-    text_tail: str,
 ) -> decoder_pb2.GenerateResponse:
     """One ``GenerateResponse`` with the window's segments and their text as the text delta.
 
@@ -37,14 +36,12 @@ def segment_messages(
         job: the request's ``decoder_svc.whisper.options.WhisperJob`` (specials, time map).
         segments: the window's accepted segments (``LongFormState``), text not yet decoded.
         words: per segment its words (``window_words``), or None.
-        first_id: the id of the first segment (segments are numbered over the request).
-        text_tail: the last character streamed before (unused: Whisper's segment texts carry
-            their own leading space, so HF's joined text is their concatenation).
+        first_id: the id of the first segment (segments are numbered over the request). The text delta is
+            the segments' texts concatenated: each carries its own leading space, as HF joins them.
 
     Returns:
         The message; segments with no text (a window of timestamps only) are left out.
     """
-    del text_tail
     specials = job.specials
     message = decoder_pb2.GenerateResponse(request_id=request_id)
     for i, seg in enumerate(segments):

@@ -62,9 +62,9 @@ class DecoderServiceConfig(ServiceConfig):
             (Redis ``completion_tokens``), as everything generated does.
         max_audio_s: longest accepted audio (seconds); longer audio gets
             INVALID_ARGUMENT naming both lengths. Audio over Whisper's 30 s
-            window is decoded as consecutive 30 s windows in one request
-            (``decoder_svc.inputs.RequestInput.windows``). Default 600 s (10 min,
-            20 windows; 38 MB of float32 PCM, within the 64 MiB gRPC message limit).
+            window is decoded long-form, window by window, in one request
+            (``decoder_svc.whisper_session``). Default 600 s (10 min, 20 or more
+            windows; 38 MB of float32 PCM, within the 64 MiB gRPC message limit).
         quantize: ``none`` or ``int8`` (opt-in int8 decoder weights and output
             projection with per-token activation scales, Whisper models; see
             ``shared.models.quantize``).
