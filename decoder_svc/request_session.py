@@ -350,22 +350,35 @@ class RequestSession:
         Raises:
             ResourceExhaustedError: it can never fit this decoder's KV pools.
         """
-        sessions = self._sessions
         self.progress.encoder_tokens += inp.encoder_len
+        await self._add_sequence(inp.encoder_len, self.params, inp.prompt_token_ids, inp)
+
+    async def _add_sequence(
+        self, encoder_len: int, params: SamplingParams, prompt: list[int] | None, encoded: RequestInput | None, **add
+    ) -> None:
+        """One ``engine.add_request`` for this request; ``encoded``: the input Encode will get (its content keys
+        the encoder cache when ``--encoder-cache`` is on), None when the sequence reads kept cross KV; ``add``:
+        ``keep_cross`` / ``reuse_cross``.
+
+        Raises:
+            ResourceExhaustedError: the sequence can never fit this decoder's KV pools.
+        """
+        sessions = self._sessions
         cache_key = None
-        if sessions.config.encoder_cache:  # the content key of the PCM bytes Encode would get, or of the source ids
+        if encoded is not None and sessions.config.encoder_cache:  # the content key of what Encode would get
             cache_key = await asyncio.to_thread(
-                lambda: encoder_cache_key(sessions.config.model, **inp.encoder_source())
+                lambda: encoder_cache_key(sessions.config.model, **encoded.encoder_source())
             )
         try:
             await sessions.loop.call(
                 sessions.engine.add_request,
                 self.request_id,
-                inp.encoder_len,
-                self.params,
-                inp.prompt_token_ids,
+                encoder_len,
+                params,
+                prompt,
                 self.priority,
                 cache_key,
+                **add,
             )
         except CapacityError as exc:
             raise ResourceExhaustedError(str(exc)) from exc

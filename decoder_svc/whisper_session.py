@@ -41,8 +41,7 @@ import asyncio
 import dataclasses
 
 from decoder_svc import convert
-from decoder_svc.encoder_cache import encoder_cache_key
-from decoder_svc.engine import CapacityError, RequestOutput
+from decoder_svc.engine import RequestOutput
 from decoder_svc.inputs import RequestInput
 from decoder_svc.request_progress import StreamCoalescer
 from decoder_svc.request_session import RequestSession
@@ -55,7 +54,6 @@ from decoder_svc.whisper.quality import Verdict, avg_logprob
 from decoder_svc.whisper.segments import split_window
 from decoder_svc.whisper.timestamp_rules import TimestampRules
 from decoder_svc.whisper.vad import has_speech
-from shared.errors import ResourceExhaustedError
 from shared.models.whisper_features import window_features
 from shared.proto import decoder_pb2
 
@@ -271,7 +269,6 @@ class WhisperSession(RequestSession):
         """
         sessions, progress = self._sessions, self.progress
         reuse = self.kept_start == start
-        cache_key = None
         if not reuse:
             if self.kept_start is not None:
                 await sessions.loop.call(sessions.engine.release_cross, self.request_id)
@@ -286,24 +283,9 @@ class WhisperSession(RequestSession):
             self.windows_encoded += 1
             progress.input = dataclasses.replace(progress.input, pcm=window.pcm, features=window.features)
             progress.encoder_tokens += ENCODER_LEN
-            if sessions.config.encoder_cache:
-                cache_key = await asyncio.to_thread(
-                    lambda: encoder_cache_key(sessions.config.model, **window.encoder_source())
-                )
-        try:
-            await sessions.loop.call(
-                sessions.engine.add_request,
-                self.request_id,
-                ENCODER_LEN,
-                params,
-                prompt,
-                self.priority,
-                cache_key,
-                keep_cross=True,
-                reuse_cross=reuse,
-            )
-        except CapacityError as exc:
-            raise ResourceExhaustedError(str(exc)) from exc
+        await self._add_sequence(
+            ENCODER_LEN, params, prompt, None if reuse else progress.input, keep_cross=True, reuse_cross=reuse
+        )
         self.kept_start = start
         progress.sample_completion.clear()
         while True:

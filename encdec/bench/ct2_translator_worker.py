@@ -1,7 +1,7 @@
 """CTranslate2 ``Translator`` runs for ``encdec bench seq2seq``, in their own process.
 
-Like ``ct2_worker`` (Whisper): CTranslate2 and torch each ship an OpenMP
-runtime and CT2 slows next to multi-threaded torch (see ``ct2_worker``), so the bench
+Like ``faster_whisper_anchor`` (Whisper): CTranslate2 and torch each ship an OpenMP
+runtime and CT2 slows next to multi-threaded torch (notes/facts.md), so the bench
 runs this module as a subprocess. It reads one JSON job on stdin and prints one
 JSON line.
 

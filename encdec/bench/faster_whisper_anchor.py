@@ -1,7 +1,8 @@
 """CTranslate2-backed Whisper anchors of ``encdec bench whisper``, each run in its own process.
 
 CTranslate2 and torch each ship an OpenMP runtime and CTranslate2 decodes slower beside multi-threaded torch
-(see ``ct2_worker``), so the bench starts this module as a subprocess per system and reads one JSON line back.
+(notes/facts.md; measured: docs/benchmarks.md), so the bench starts this module as a subprocess per system and
+reads one JSON line back.
 
 Three systems, on the CPU with ``THREADS`` intra-op threads and weights in COMPUTE_TYPE (``float32``, ``int8``):
 
