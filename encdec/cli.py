@@ -115,8 +115,9 @@ def _print_results(paths: list[str], results, start: float) -> int:
     failed = 0
     for path, r in zip(paths, results):
         if isinstance(r, Transcript):
+            language = f", language {r.language} ({r.language_probability:.2f})" if r.language else ""
             print(
-                f"{r.path}: {r.completion_tokens} tokens, finish_reason={r.finish_reason}, {r.seconds:.2f} s",
+                f"{r.path}: {r.completion_tokens} tokens, finish_reason={r.finish_reason}, {r.seconds:.2f} s{language}",
                 file=sys.stderr,
             )
         else:

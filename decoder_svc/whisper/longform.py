@@ -23,9 +23,10 @@ timestamps.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
-from decoder_svc.whisper.quality import FallbackRules, Judgement, Verdict, judge
+from decoder_svc.whisper.quality import FallbackRules, Judgement, Verdict, best_attempt, judge
 from decoder_svc.whisper.segments import HOP_LENGTH, N_FRAMES, Segment, split_window, time_offset
 from shared.models.whisper_specials import WhisperSpecials
 
@@ -119,15 +120,19 @@ class WindowResult:
     """What one ``on_result`` decided.
 
     Attributes:
-        plan: the attempt it answers. judgement: verdict and quality numbers (``quality.Judgement``).
+        plan: the attempt it answers. judgement: verdict and quality numbers (``quality.Judgement``)
+            of the attempt taken (an earlier one when ``rules.keep_best_attempt`` picked it).
         segments: the window's new segments (ACCEPT only; quality fields filled).
         seek_advance: mel frames ``seek`` moved by (0 on RETRY).
+        generated, token_logprobs: the ids and logprobs of the attempt taken (its segments' source).
     """
 
     plan: WindowPlan
     judgement: Judgement
     segments: list[Segment]
     seek_advance: int
+    generated: list[int] = field(default_factory=list)
+    token_logprobs: list[float] = field(default_factory=list)
 
     @property
     def verdict(self) -> Verdict:
@@ -164,6 +169,7 @@ class LongFormState:
         self._prompt = prompt
         self._condition = options.condition_on_previous_text  # HF do_condition_on_prev_tokens
         self._attempt = 0
+        self._tries: list[tuple[list[int], list[float], Judgement]] = []  # the pending window's attempts so far
         self._pending: WindowPlan | None = None
         keep, init = specials.max_target_positions // 2 - 1, len(self._init_tokens)
         if options.prompt_condition_type == "all-segments":
@@ -264,9 +270,15 @@ class LongFormState:
         )
         segments: list[Segment] = []
         advance = 0
+        self._tries.append((list(generated), list(token_logprobs), verdict))
+        if verdict.verdict is Verdict.ACCEPT and verdict.needs_fallback and self.options.rules.keep_best_attempt:
+            chosen = best_attempt([t[2] for t in self._tries], self.options.rules)
+            generated, token_logprobs, best = self._tries[chosen]
+            verdict = dataclasses.replace(best, verdict=Verdict.ACCEPT, needs_fallback=True)
         if verdict.verdict is Verdict.RETRY:
             self._attempt += 1
         else:
+            self._tries = []
             if verdict.verdict is Verdict.SKIP:
                 advance = plan.num_frames
             else:
@@ -279,8 +291,8 @@ class LongFormState:
                 self.segments += segments
             self.seek += advance
             self._attempt = 0
-            self._condition = self.options.condition_on_previous_text and plan.temperature < LOW_TEMPERATURE
+            self._condition = self.options.condition_on_previous_text and verdict.temperature < LOW_TEMPERATURE
         self._pending = None
-        result = WindowResult(plan, verdict, segments, advance)
+        result = WindowResult(plan, verdict, segments, advance, list(generated), list(token_logprobs))
         self.results.append(result)
         return result

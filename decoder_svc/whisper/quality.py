@@ -82,7 +82,7 @@ class FallbackRules:
 
     Attributes:
         temperatures: tried in order; attempt ``k`` decodes at ``temperatures[k]`` (0.0 = greedy).
-            After the last one the window is taken whatever its quality (HF, openai-whisper).
+            When the last one fails too, see ``keep_best_attempt``.
         compression_ratio_threshold: retry when ``compression_ratio > threshold`` (None: never).
         logprob_threshold: retry when ``avg_logprob < threshold`` (None: never).
         no_speech_threshold: skip the window (no segments, seek past it) when
@@ -91,12 +91,17 @@ class FallbackRules:
     Raises:
         ValueError: no temperatures, a negative one, or ``no_speech_threshold`` without
             ``logprob_threshold`` (HF's ``_need_fallback`` reads an unset variable there and fails).
+        keep_best_attempt: when every temperature failed, take the attempt with the highest average
+            logprob among those under the compression-ratio threshold (all of them if none is), as
+            faster-whisper does; False takes the last attempt, as HF and openai-whisper do (a
+            temperature-1.0 sample is often gibberish).
     """
 
     temperatures: tuple[float, ...] = DEFAULT_TEMPERATURES
     compression_ratio_threshold: float | None = 2.4
     logprob_threshold: float | None = -1.0
     no_speech_threshold: float | None = 0.6
+    keep_best_attempt: bool = True
 
     def __post_init__(self) -> None:
         if not self.temperatures or any(t < 0.0 for t in self.temperatures):
@@ -132,6 +137,15 @@ class Judgement:
     avg_logprob: float
     no_speech_prob: float
     needs_fallback: bool
+
+
+def best_attempt(judgements: Sequence[Judgement], rules: FallbackRules) -> int:
+    """Index of the attempt to keep when every temperature failed (``FallbackRules.keep_best_attempt``):
+    the highest ``avg_logprob`` among attempts whose compression ratio is within the threshold, else among all."""
+    limit = rules.compression_ratio_threshold
+    fine = [i for i, j in enumerate(judgements) if limit is None or j.compression_ratio <= limit]
+    pool = fine or list(range(len(judgements)))
+    return max(pool, key=lambda i: judgements[i].avg_logprob)
 
 
 def judge(

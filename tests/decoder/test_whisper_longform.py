@@ -9,6 +9,7 @@ HF's long-form ``generate`` on tiny.en over a 67 s clip (the bundled clips twice
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
 from types import SimpleNamespace
 
@@ -201,7 +202,10 @@ def _hf_prompt(specials, segments, initial, condition_type, condition):
 def test_prompts_and_fallback_flow_match_hf(specials, initial, condition_type, condition):
     rng = random.Random(3)
     options = LongFormOptions(
-        condition_on_previous_text=condition, initial_prompt_ids=initial, prompt_condition_type=condition_type
+        condition_on_previous_text=condition,
+        initial_prompt_ids=initial,
+        prompt_condition_type=condition_type,
+        rules=FallbackRules(keep_best_attempt=False),  # HF's flow: the last attempt is taken when all fail
     )
     st = LongFormState(specials, 16000 * 200, options)
     # window k is accepted at attempt accept_at[k]; attempt 3 (0.6) leaves the next window unconditioned
@@ -317,7 +321,8 @@ def test_longform_matches_hf_generate(
     """OpenAI's thresholds; a stricter logprob one (a sampled retry, taken at the last temperature 0.6,
     then a window without previous text); one that skips windows as silence."""
     pcm, feats = long_clip
-    rules = FallbackRules(temperatures, 2.4, logprob_threshold, no_speech_threshold)
+    # HF takes the last attempt when every temperature fails (keep_best_attempt=False; tested on its own below)
+    rules = FallbackRules(temperatures, 2.4, logprob_threshold, no_speech_threshold, keep_best_attempt=False)
     want, want_sequence = _hf_longform(hf_whisper, feats, rules)
 
     st = LongFormState(specials, len(pcm), LongFormOptions(rules=rules))
@@ -337,3 +342,28 @@ def test_longform_matches_hf_generate(
         assert accepted_hot and st.results[accepted_hot[0] + 1].plan.prompt_ids[0] == specials.sot
     else:
         assert any(v is Verdict.SKIP for v, _ in verdicts) and st.segments
+
+
+def test_when_every_temperature_fails_the_best_attempt_is_kept(specials):
+    """faster-whisper's choice: the highest average logprob among attempts within the compression threshold."""
+    rules = FallbackRules((0.0, 0.5, 1.0), 2.4, logprob_threshold=-0.1, no_speech_threshold=None)
+    st = LongFormState(specials, 16000 * 10, LongFormOptions(rules=rules))
+    ts = specials.timestamp_begin
+    attempts = [
+        ([ts, 100, 101, ts + 50, specials.eot], [-0.5] * 5),  # avg -0.5: the best
+        ([ts, 200, 201, ts + 50, specials.eot], [-2.0] * 5),
+        ([ts, 300, 301, ts + 50, specials.eot], [-3.0] * 5),  # the last: HF would keep this one
+    ]
+    for i, (ids, lps) in enumerate(attempts):
+        plan = st.next_window()
+        assert plan.attempt == i and plan.temperature == rules.temperatures[i]
+        result = st.on_result(ids, lps, 0.0)
+    assert result.verdict is Verdict.ACCEPT and result.generated == attempts[0][0]
+    assert result.judgement.temperature == 0.0 and [s.tokens[1:3] for s in st.segments] == [[100, 101]]
+    last = LongFormState(
+        specials, 16000 * 10, LongFormOptions(rules=dataclasses.replace(rules, keep_best_attempt=False))
+    )
+    for ids, lps in attempts:
+        last.next_window()
+        result = last.on_result(ids, lps, 0.0)
+    assert result.generated == attempts[2][0] and [s.tokens[1:3] for s in last.segments] == [[300, 301]]
