@@ -117,7 +117,7 @@ def parse_input(request, model, tokenizer, max_audio_s: float) -> RequestInput:
                 model.generation.specials,
                 lambda text: encode_text(tokenizer, text, add_special_tokens=False),
                 pcm,
-                sampling.temperature,
+                sampling,
                 model.config.num_mel_bins,
             )
         elif request.HasField("whisper") and request.whisper != type(request.whisper)():

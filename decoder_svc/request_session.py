@@ -181,6 +181,16 @@ class Sessions:
                 self.open_records.discard(request_id)
             raise
 
+    async def end_record(self, request_id: str, state: RequestState, **fields) -> None:
+        """Records the end of a request whose session never ran (or Redis missed it: written later)."""
+        try:
+            await asyncio.to_thread(self.store.set_state, request_id, state, **fields)
+        except RedisUnavailableError:
+            self.record_later(request_id, state, fields)
+        except Exception:  # noqa: BLE001 - the status goes out regardless; log the lost record
+            log.exception("could not record %s for %s", state.name, request_id)
+        self.open_records.discard(request_id)
+
     def open(
         self,
         request_id: str,

@@ -23,7 +23,7 @@ from decoder_svc.engine import DecoderEngine
 from decoder_svc.inputs import parse_input
 from decoder_svc.kv_budget import max_concurrent_requests
 from decoder_svc.request_session import RequestSession, Sessions
-from decoder_svc.request_state import RedisUnavailableError, RequestStateStore
+from decoder_svc.request_state import RedisUnavailableError, RequestState, RequestStateStore
 from decoder_svc.whisper_session import WhisperSession
 from shared.config import DecoderServiceConfig
 from shared.errors import InvalidRequestError, NotFoundError, UnavailableError
@@ -144,7 +144,13 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         remaining_s = context.time_remaining()  # None without a client deadline
         deadline = None if remaining_s is None else time.monotonic() + remaining_s
         kind = WhisperSession if inp.whisper is not None else RequestSession  # language, task, long-form
-        session = self.sessions.open(request_id, inp, params, request.priority, arrival, deadline, kind)
+        try:
+            session = self.sessions.open(request_id, inp, params, request.priority, arrival, deadline, kind)
+        except Exception as exc:  # its record exists: end it (FAILED) before the status goes out
+            self.sessions.admission.leave(ticket)
+            self.sessions.active.pop(request_id, None)
+            await self.sessions.end_record(request_id, RequestState.FAILED, error=str(exc))
+            raise
         session.ticket = ticket
         ticket.bind(session.stream.put_nowait)  # displaced by a higher-priority request: it ends with that error
         # aclosing: a call closed while paused at our yield ends the session (its record, its blocks) at once.

@@ -113,6 +113,9 @@ class WhisperSession(RequestSession):
                 final.finish_reason, reason = decoder_pb2.FINISH_REASON_ABORT, "abort"
             self._finish_message(final)
             state = RequestState.ABORTED if reason == "abort" else RequestState.FINISHED
+            if state is RequestState.FINISHED and not self.decoding_recorded:  # nothing to decode (VAD: no speech)
+                await asyncio.to_thread(sessions.store.set_state, self.request_id, RequestState.DECODING)
+                self.decoding_recorded = True
             fields = {"finish_reason": reason, **progress.usage()}
             yield final
         except (asyncio.CancelledError, GeneratorExit):

@@ -82,7 +82,7 @@ def parse_whisper_options(
     specials: WhisperSpecials,
     encode: Callable[[str], list[int]],
     pcm: np.ndarray,
-    sampling_temperature: float,
+    sampling: decoder_pb2.SamplingParams,
     num_mel_bins: int = 80,
 ) -> WhisperJob:
     """Validates ``pb`` for a checkpoint and builds the job (runs the VAD when asked).
@@ -92,15 +92,17 @@ def parse_whisper_options(
         encode: text -> token ids with the checkpoint's tokenizer, no special tokens (the prompt's).
         pcm: ``[N]`` float32 16 kHz decoded audio.
         num_mel_bins: the checkpoint's log-mel bins (the whole clip's features are computed here).
-        sampling_temperature: ``SamplingParams.temperature``: with no ``temperatures`` list and a
-            temperature above 0 it is the only temperature tried (no fallback).
+        sampling: the request's sampling params: with no ``temperatures`` list, a ``temperature``
+            above 0 is the only temperature tried (no fallback); long-form decoding refuses the
+            token-level settings it cannot honour (``LONG_FORM_REFUSED``).
 
     Raises:
         InvalidRequestError: unknown language or task, a language / translate an English-only
             model cannot do, a temperature outside [0, 1], a threshold that is not finite,
-            a prompt over ``MAX_PROMPT_CHARS`` characters, bad VAD options.
+            a prompt over ``MAX_PROMPT_CHARS`` characters, bad VAD options, a sampling setting
+            long-form decoding does not take.
     """
-    language = pb.language.strip().lower() or None
+    language = _language_code(pb.language)
     task = pb.task.strip().lower() or "transcribe"
     try:
         specials.check(language, task)
@@ -113,12 +115,13 @@ def parse_whisper_options(
     timestamps = TIMESTAMPS[pb.timestamps]
     if timestamps == "word" and not specials.alignment_heads:
         raise InvalidRequestError("word timestamps need the checkpoint's alignment_heads, which this model lacks")
-    rules = _fallback_rules(pb, sampling_temperature)
+    rules = _fallback_rules(pb, sampling.temperature)
     prompt_ids: list[int] = []
     if pb.prompt.strip():
         if len(pb.prompt) > MAX_PROMPT_CHARS:
             raise InvalidRequestError(f"prompt is {len(pb.prompt)} characters; the limit is {MAX_PROMPT_CHARS}")
-        prompt_ids = specials.text_tokens(encode(" " + pb.prompt.strip()))
+        # HF keeps the last max_target_positions // 2 - 1 (223) ids of the previous text: so does every window.
+        prompt_ids = specials.text_tokens(encode(" " + pb.prompt.strip()))[-(specials.max_target_positions // 2 - 1) :]
     duration_s = len(pcm) / SAMPLE_RATE
     speech_map = None
     if pb.vad_filter:
@@ -138,7 +141,7 @@ def parse_whisper_options(
         speech_map = SpeechMap(speech_regions(pcm, vad), len(pcm))
         pcm = speech_map.speech_pcm(pcm)
     features = log_mel_frames(pcm, num_mel_bins) if len(pcm) > WINDOW_SAMPLES else None
-    return WhisperJob(
+    job = WhisperJob(
         features=features,
         specials=specials,
         language=language,
@@ -151,6 +154,50 @@ def parse_whisper_options(
         duration_s=duration_s,
         speech_map=speech_map,
     )
+    if job.long_form:
+        _check_long_form_sampling(sampling)
+    return job
+
+
+# Token-level sampling settings long-form decoding cannot honour: each window is decoded with Whisper's own rules
+# (timestamps, fallback temperatures) and judged whole.
+LONG_FORM_REFUSED = (
+    "top_k",
+    "top_p",
+    "min_p",
+    "min_tokens",
+    "ignore_eos",
+    "repetition_penalty",
+    "no_repeat_ngram_size",
+    "include_stop_str_in_output",
+    "logprobs",
+    "top_logprobs",
+)
+MAX_LANGUAGE_CHARS = 32  # the longest language name Whisper knows is 16 characters
+
+
+def _check_long_form_sampling(sampling: decoder_pb2.SamplingParams) -> None:
+    set_fields = [name for name in LONG_FORM_REFUSED if sampling.HasField(name)]
+    set_fields += [name for name in ("stop", "stop_token_ids") if len(getattr(sampling, name))]
+    if set_fields:
+        raise InvalidRequestError(
+            f"sampling.{set_fields[0]} is not supported with long-form Whisper decoding (audio over 30 s, "
+            "timestamps or vad_filter): each window is decoded with Whisper's own rules; leave it unset"
+        )
+
+
+def _language_code(language: str) -> str | None:
+    """An ISO code from a code or an English language name (``"German"`` -> ``"de"``), or None when empty."""
+    language = language.strip().lower()
+    if len(language) > MAX_LANGUAGE_CHARS:
+        raise InvalidRequestError(
+            f"language is {len(language)} characters long; send an ISO 639-1 code ('en', 'de') or a language name"
+        )
+    if not language:
+        return None
+    from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
+
+    return TO_LANGUAGE_CODE.get(language, language)
 
 
 def _fallback_rules(pb: decoder_pb2.WhisperOptions, sampling_temperature: float) -> FallbackRules:

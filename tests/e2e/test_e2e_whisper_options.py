@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 from helpers.whisper_hf import RATE, hf_word_times, load_hf_whisper, noise, read_clip
-from test_e2e_whisper import assert_all_blocks_free
+from test_e2e_whisper import assert_all_blocks_free, wait_state
 
 from encdec.launcher import Services
 from shared.proto import decoder_pb2, decoder_pb2_grpc
@@ -285,8 +285,11 @@ SILENCE = {"zeros": lambda: np.zeros(20 * RATE, np.float32), "noise_-60dBFS": la
 @pytest.mark.parametrize("model", [TINY, BASE])
 def test_silence_gives_no_text(request, model, clip, vad_filter):
     stub = stub_of(request, model)
-    got = transcribe(stub, SILENCE[clip](), vad_filter=vad_filter)
+    request_id = f"silence-{uuid.uuid4().hex[:8]}"
+    got = transcribe(stub, SILENCE[clip](), request_id, vad_filter=vad_filter)
     assert got.final.finish_reason == STOP
+    # With the VAD nothing is decoded at all: the record still ends FINISHED (QUEUED -> DECODING -> FINISHED).
+    assert wait_state(stub, request_id, decoder_pb2.REQUEST_STATE_FINISHED).finish_reason == "stop"
     assert got.text == "" and not got.segments, (got.text, got.segments)
     assert not [t for t in got.tokens if t < EOT[model]], got.tokens  # no text token
     assert got.final.no_speech_prob > 0.6, got.final.no_speech_prob
