@@ -243,10 +243,8 @@ class WhisperSession(RequestSession):
                 if result.verdict is Verdict.RETRY:
                     continue  # decoded again at the next temperature, over the kept cross KV
                 segments = list(result.segments)
-                generated, logprobs = (
-                    result.generated,
-                    result.token_logprobs,
-                )  # the attempt taken            words = None
+                generated, logprobs = result.generated, result.token_logprobs  # the attempt taken
+            words = None
             if segments and job.timestamps == "word":
                 words = await self._words(plan, segments, generated, logprobs)
             messages = segment_output.segment_messages(
