@@ -115,7 +115,7 @@ def test_requests_cut_while_parsing_or_encoding_get_the_shutdown_status(redis_ur
         request = decoder_pb2.GenerateRequest(
             request_id=request_id,
             pcm=decoder_pb2.PcmAudio(samples=pcm.tobytes(), sample_rate=16000),
-            sampling=decoder_pb2.SamplingParams(max_tokens=400, ignore_eos=True),
+            sampling=decoder_pb2.SamplingParams(max_tokens=400),  # long-form: ignore_eos is refused there
         )
         try:
             list(stub.Generate(request, timeout=120))
