@@ -36,9 +36,12 @@ log = logging.getLogger(__name__)
 
 def _warm_up(model, device: torch.device) -> None:
     """One encoder forward before reporting healthy, so the first request does not pay for it
-    (nor, on a GPU, for CUDA context and kernel setup)."""
+    (nor, on a GPU, for CUDA context and kernel setup). On the batcher thread, with its torch threads:
+    there the encoder's linears also measure oneDNN against ``F.linear`` (``use_onednn_encoder``)."""
     if getattr(model, "input_modality", "audio") != "audio":
         return
+    if hasattr(model, "use_onednn_encoder"):
+        log.info("encoder linears on oneDNN's packed product: %d", model.use_onednn_encoder())
     with torch.inference_mode():
         mels = _featurizer(model)(np.zeros(16000, dtype=np.float32))  # [num_mel_bins, 3000]
         model.compute_cross_kv(model.encode(mels[None].to(device)))

@@ -32,6 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.onednn_linear import linear as onednn_linear
+from kernels.onednn_linear import pack as onednn_pack
+from kernels.onednn_linear import prefer_onednn
 from kernels.packed_linear import ACTIVATIONS, PackedWeight, activate, is_available, packed_linear
 
 __all__ = [
@@ -96,6 +99,15 @@ class Linear(nn.Linear):
     """
 
     packed: PackedWeight | None = None  # set by pack()
+    onednn: torch.Tensor | None = None  # set by use_onednn(): oneDNN's packed weight for many-row inputs
+
+    def use_onednn(self, rows: int) -> bool:
+        """Packs the weight for oneDNN when it beats ``F.linear`` on ``rows``-row products here
+        (``kernels.onednn_linear.prefer_onednn``: measured once per shape); inputs of more than
+        ``SMALL_ROWS`` float32 CPU rows then use it. Returns whether it does."""
+        if prefer_onednn(self.weight, self.bias, rows):
+            self.onednn = onednn_pack(self.weight, rows)
+        return self.onednn is not None
 
     def pack(self) -> int:
         """Packs the weight for decode steps (``pack_projection``); returns the bytes that added (0: not packed)."""
@@ -114,6 +126,9 @@ class Linear(nn.Linear):
             and (residual is None or residual.shape == (*x.shape[:-1], self.out_features))
         ):
             return packed_linear(x, self.packed, self.bias, activation=activation, residual=residual)
+        if self.onednn is not None and x.numel() > SMALL_ROWS * x.shape[-1] and packed_rows(x):
+            y = activate(onednn_linear(x, self.onednn, self.bias, self.out_features), activation)
+            return y if residual is None else residual + y
         y = activate(linear(x, self.weight, self.bias), activation)  # a residual of another shape broadcasts here
         return y if residual is None else residual + y
 

@@ -384,6 +384,18 @@ class WhisperForConditionalGeneration(PackedDecodeWeights, nn.Module):
             x = layer(x, attn_metadata, self_kv_cache[i], cross_kv_cache[i])
         return self.decoder_norm(x)
 
+    def use_onednn_encoder(self) -> int:
+        """The encoder layers' linears use oneDNN's packed product where it beats ``F.linear`` on a
+        window's ``max_source_positions`` rows here (``Linear.use_onednn``; float32 CPU only). Returns
+        how many do."""
+        rows = self.config.max_source_positions
+        return sum(
+            lin.use_onednn(rows)
+            for layer in self.encoder_layers
+            for lin in (layer.qkv, layer.attn_out, layer.fc1, layer.fc2)
+            if isinstance(lin, Linear)
+        )
+
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, d_model]`` -> ``[N, vocab_size]`` float32 (tied output projection).
