@@ -292,7 +292,11 @@ class RequestSession:
             self.encoding = asyncio.create_task(self._encode(block_ids))
 
     async def run(self):
-        """Runs the request to its end; yields its ``GenerateResponse`` messages.
+        """Runs the request to its end; yields its ``GenerateResponse`` messages (``_messages``).
+
+        Whatever ends it, its blocks are freed and its end recorded (``_release``) before the client sees the
+        last message or the status: ``self.end`` as ``_messages`` set it, ABORTED when the client went away,
+        FAILED with the error otherwise.
 
         Raises:
             ResourceExhaustedError: the request can never fit this decoder's KV pools.
@@ -300,59 +304,67 @@ class RequestSession:
                 request's state writes (``RedisUnavailableError``), or the decoder shut down first.
             Exception: whatever failed the request's engine step (recorded FAILED, blocks freed, before it is raised).
         """
-        sessions, params, progress = self._sessions, self.params, self.progress
-        state, fields = RequestState.FAILED, {}
+        sessions, progress = self._sessions, self.progress
+        self.end: tuple[RequestState, dict] = (RequestState.FAILED, {})  # set by _messages before its last message
         redis_down = False  # a state write found Redis unreachable: the end is recorded once it answers
         try:
             if sessions.cutting:  # its input was parsed after the grace ran out
                 raise sessions.shutdown_error(self)
-            await self._start(self.progress.input)
-            finished_indices: set[int] = set()  # n > 1 / beams: the request ends with its last index (or an abort)
-            coalesce = StreamCoalescer(sessions.config.stream_interval if params.num_beams == 1 else 1)
-            while True:
-                got = await self.stream.get()
-                if isinstance(got, BaseException):
-                    raise got
-                if got.error is not None:  # it alone failed inside a step (decoder_svc.step_failures)
-                    raise got.error
-                for item in _each_unfinished_sample(got, params.n, finished_indices):
-                    if not self.decoding_recorded and self.encoding is None and item.finish_reason != "abort":
-                        # An encoder-cache hit decodes over another request's cross KV without an Encode of its own.
-                        self.decoding_recorded = True
-                        await asyncio.to_thread(sessions.store.set_state, self.request_id, RequestState.DECODING)
-                    progress.count(item)
-                    self._observe_tokens(len(item.new_token_ids))
-                    text = item.text
-                    reason = item.finish_reason if item.finished else None
-                    final = item.finished  # this index's last message
-                    if final:
-                        finished_indices.add(item.index)
-                    request_done = final and len(finished_indices) >= params.n
-                    message = convert.generate_response(
-                        self.request_id, item, text, reason if final else None, sessions.token_texts
-                    )
-                    if request_done:
-                        convert.add_usage(message, progress.usage(), progress.encoder_tokens, self.applied)
-                        state = RequestState.ABORTED if reason == "abort" else RequestState.FINISHED
-                        fields = {"finish_reason": reason, **progress.usage()}
-                    # Every sample's final message flushes what the coalescer held for it (an abort ends each one).
-                    if text or item.new_token_ids or final:
-                        if (out := coalesce.add(message, len(item.new_token_ids), final)) is not None:
-                            yield out
-                    if request_done:
-                        return
+            async for message in self._messages():
+                yield message
         except (
             asyncio.CancelledError,
             GeneratorExit,
         ):  # client went away (GeneratorExit: cancelled while paused at a yield)
-            state, fields = RequestState.ABORTED, {"finish_reason": "abort", **progress.usage()}
+            self.end = (RequestState.ABORTED, {"finish_reason": "abort", **progress.usage()})
             raise
         except Exception as exc:  # noqa: BLE001 - recorded, then mapped to a status code by the server's interceptor
-            fields = {"error": str(exc), **progress.usage()}
+            self.end = (RequestState.FAILED, {"error": str(exc), **progress.usage()})
             redis_down = isinstance(exc, RedisUnavailableError)
             raise
         finally:  # an error is recorded (FAILED) and the blocks freed before the client sees its status
-            await self._release(state, fields, redis_down)
+            await self._release(*self.end, redis_down)
+
+    async def _messages(self):
+        """One sequence group: its stream messages, merged per ``--stream-interval``; sets ``self.end``."""
+        sessions, params, progress = self._sessions, self.params, self.progress
+        await self._start(self.progress.input)
+        finished_indices: set[int] = set()  # n > 1 / beams: the request ends with its last index (or an abort)
+        coalesce = StreamCoalescer(sessions.config.stream_interval if params.num_beams == 1 else 1)
+        while True:
+            got = await self.stream.get()
+            if isinstance(got, BaseException):
+                raise got
+            if got.error is not None:  # it alone failed inside a step (decoder_svc.step_failures)
+                raise got.error
+            for item in _each_unfinished_sample(got, params.n, finished_indices):
+                if not self.decoding_recorded and self.encoding is None and item.finish_reason != "abort":
+                    # An encoder-cache hit decodes over another request's cross KV without an Encode of its own.
+                    self.decoding_recorded = True
+                    await asyncio.to_thread(sessions.store.set_state, self.request_id, RequestState.DECODING)
+                progress.count(item)
+                self._observe_tokens(len(item.new_token_ids))
+                text = item.text
+                reason = item.finish_reason if item.finished else None
+                final = item.finished  # this index's last message
+                if final:
+                    finished_indices.add(item.index)
+                request_done = final and len(finished_indices) >= params.n
+                message = convert.generate_response(
+                    self.request_id, item, text, reason if final else None, sessions.token_texts
+                )
+                if request_done:
+                    convert.add_usage(message, progress.usage(), progress.encoder_tokens, self.applied)
+                    self.end = (
+                        RequestState.ABORTED if reason == "abort" else RequestState.FINISHED,
+                        {"finish_reason": reason, **progress.usage()},
+                    )
+                # Every sample's final message flushes what the coalescer held for it (an abort ends each one).
+                if text or item.new_token_ids or final:
+                    if (out := coalesce.add(message, len(item.new_token_ids), final)) is not None:
+                        yield out
+                if request_done:
+                    return
 
     async def _start(self, inp: RequestInput) -> None:
         """Adds the request to the engine (its cross blocks are reserved at a later step).

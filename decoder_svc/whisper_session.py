@@ -41,11 +41,10 @@ import asyncio
 import dataclasses
 
 from decoder_svc import convert
-from decoder_svc.engine import RequestOutput
 from decoder_svc.inputs import RequestInput
 from decoder_svc.request_progress import StreamCoalescer
 from decoder_svc.request_session import RequestSession
-from decoder_svc.request_state import RedisUnavailableError, RequestState
+from decoder_svc.request_state import RequestState
 from decoder_svc.sampling_params import SamplingParams
 from decoder_svc.whisper import segment_output
 from decoder_svc.whisper.language import detect_language, no_speech_probability
@@ -75,58 +74,38 @@ class WhisperSession(RequestSession):
         self.language: str | None = self.job.language
         self.language_probability = 1.0
         self.no_speech_prob = 0.0
-        self.windows_encoded = 0
         self.segments_sent = 0
         self.length_cut = False  # long-form: max_tokens ran out
 
-    async def run(self):
-        """Runs the request; yields its ``GenerateResponse`` messages (the last one carries usage,
-        language, language_probability, duration and no_speech_prob).
-
-        Raises:
-            ResourceExhaustedError / UnavailableError / Exception: as ``RequestSession.run``.
-        """
+    async def _messages(self):
+        """The request's messages (``RequestSession.run`` records its end): the last one carries usage,
+        language, language_probability, duration and no_speech_prob; sets ``self.end``."""
         sessions, progress, job = self._sessions, self.progress, self.job
-        state, fields, redis_down = RequestState.FAILED, {}, False
+        final = decoder_pb2.GenerateResponse(request_id=self.request_id, finish_reason=decoder_pb2.FINISH_REASON_STOP)
         try:
-            if sessions.cutting:
-                raise sessions.shutdown_error(self)
-            final = decoder_pb2.GenerateResponse(
-                request_id=self.request_id, finish_reason=decoder_pb2.FINISH_REASON_STOP
-            )
-            try:
-                if len(job.pcm):
-                    if self.language is None:
-                        await self._detect_language()
-                    if job.long_form:
-                        async for message in self._long_form():
-                            yield message
-                    else:
-                        async for message in self._short_form(final):
-                            yield message
-                else:  # the VAD found no speech: nothing to decode
-                    self.no_speech_prob = 1.0
-                if self.length_cut:
-                    final.finish_reason = decoder_pb2.FINISH_REASON_LENGTH
-                reason = "stop" if final.finish_reason == decoder_pb2.FINISH_REASON_STOP else "length"
-            except _Aborted:
-                final.finish_reason, reason = decoder_pb2.FINISH_REASON_ABORT, "abort"
-            self._finish_message(final)
-            state = RequestState.ABORTED if reason == "abort" else RequestState.FINISHED
-            if state is RequestState.FINISHED and not self.decoding_recorded:  # nothing to decode (VAD: no speech)
-                await asyncio.to_thread(sessions.store.set_state, self.request_id, RequestState.DECODING)
-                self.decoding_recorded = True
-            fields = {"finish_reason": reason, **progress.usage()}
-            yield final
-        except (asyncio.CancelledError, GeneratorExit):
-            state, fields = RequestState.ABORTED, {"finish_reason": "abort", **progress.usage()}
-            raise
-        except Exception as exc:  # noqa: BLE001 - recorded, then mapped to a status code by the server's interceptor
-            fields = {"error": str(exc), **progress.usage()}
-            redis_down = isinstance(exc, RedisUnavailableError)
-            raise
-        finally:
-            await self._release(state, fields, redis_down)
+            if len(job.pcm):
+                if self.language is None:
+                    await self._detect_language()
+                if job.long_form:
+                    async for message in self._long_form():
+                        yield message
+                else:
+                    async for message in self._short_form(final):
+                        yield message
+            else:  # the VAD found no speech: nothing to decode
+                self.no_speech_prob = 1.0
+            if self.length_cut:
+                final.finish_reason = decoder_pb2.FINISH_REASON_LENGTH
+            reason = "stop" if final.finish_reason == decoder_pb2.FINISH_REASON_STOP else "length"
+        except _Aborted:
+            final.finish_reason, reason = decoder_pb2.FINISH_REASON_ABORT, "abort"
+        self._finish_message(final)
+        state = RequestState.ABORTED if reason == "abort" else RequestState.FINISHED
+        if state is RequestState.FINISHED and not self.decoding_recorded:  # nothing to decode (VAD: no speech)
+            await asyncio.to_thread(sessions.store.set_state, self.request_id, RequestState.DECODING)
+            self.decoding_recorded = True
+        self.end = (state, {"finish_reason": reason, **progress.usage()})
+        yield final
 
     # -- the three kinds of sequence ------------------------------------------
     async def _detect_language(self) -> None:
@@ -282,9 +261,8 @@ class WhisperSession(RequestSession):
                 window.features = window_features(
                     self.job.features, start // HOP_LENGTH, min(num_samples // HOP_LENGTH, 3000)
                 )
-            if self.windows_encoded:
+            if progress.encoder_tokens:  # a window was encoded before this one
                 progress.window += 1
-            self.windows_encoded += 1
             progress.input = dataclasses.replace(progress.input, pcm=window.pcm, features=window.features)
             progress.encoder_tokens += ENCODER_LEN
         await self._add_sequence(
@@ -339,11 +317,3 @@ class WhisperSession(RequestSession):
         final.language_probability = self.language_probability if self.language is not None else 0.0
         final.duration = self.job.duration_s
         final.no_speech_prob = self.no_speech_prob
-
-
-def is_whisper_job(inp: RequestInput) -> bool:
-    """Whether ``inp`` runs as a ``WhisperSession``."""
-    return inp.whisper is not None
-
-
-_ = RequestOutput  # re-exported for type checkers reading the stream items

@@ -20,7 +20,7 @@ import numpy as np
 from decoder_svc.whisper.quality import FallbackRules
 from shared.errors import InvalidRequestError
 from shared.models.whisper_features import log_mel_frames
-from shared.models.whisper_specials import WhisperLanguageError, WhisperSpecials
+from shared.models.whisper_specials import WhisperLanguageError, WhisperSpecials, language_code
 from shared.proto import decoder_pb2
 
 SAMPLE_RATE = 16_000
@@ -188,16 +188,12 @@ def _check_long_form_sampling(sampling: decoder_pb2.SamplingParams) -> None:
 
 def _language_code(language: str) -> str | None:
     """An ISO code from a code or an English language name (``"German"`` -> ``"de"``), or None when empty."""
-    language = language.strip().lower()
+    language = language.strip()
     if len(language) > MAX_LANGUAGE_CHARS:
         raise InvalidRequestError(
             f"language is {len(language)} characters long; send an ISO 639-1 code ('en', 'de') or a language name"
         )
-    if not language:
-        return None
-    from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
-
-    return TO_LANGUAGE_CODE.get(language, language)
+    return language_code(language) or None
 
 
 def _fallback_rules(pb: decoder_pb2.WhisperOptions, sampling_temperature: float) -> FallbackRules:

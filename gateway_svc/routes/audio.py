@@ -32,6 +32,7 @@ from gateway_svc.config import GatewayConfig
 from gateway_svc.errors import GatewayError, bad_request, building_request, from_rpc_error
 from gateway_svc.route_support import backends, config, json_response, sse, stream_messages, unless_disconnected
 from gateway_svc.schemas import MAX_MODEL_NAME_LEN
+from shared.models.whisper_specials import language_code
 from shared.proto import decoder_pb2
 from shared.subtitles import to_srt, to_vtt
 
@@ -146,7 +147,7 @@ async def parse_form(request: Request, task: str) -> dict:
         await asyncio.to_thread(_languages)  # its first call imports HF's table (~1.4 s): off the event loop
     with building_request("prompt"):
         whisper = decoder_pb2.WhisperOptions(
-            language=language_code(language) if language else "",
+            language=language_code(language),  # a name ("German") as its code, as the decoder would read it
             task=task,
             prompt=_one(form, "prompt") or "",
             timestamps=timestamps,
@@ -170,23 +171,16 @@ async def parse_form(request: Request, task: str) -> dict:
 
 
 @functools.cache
-def _languages() -> tuple[dict[str, str], dict[str, str]]:
-    """Whisper's languages (HF ``tokenization_whisper``): ISO code -> English name, name or alias -> code."""
-    from transformers.models.whisper.tokenization_whisper import LANGUAGES, TO_LANGUAGE_CODE
+def _languages() -> dict[str, str]:
+    """Whisper's languages (HF ``tokenization_whisper``): ISO code -> English name."""
+    from transformers.models.whisper.tokenization_whisper import LANGUAGES
 
-    return LANGUAGES, TO_LANGUAGE_CODE
-
-
-def language_code(language: str) -> str:
-    """The form's ``language`` as the ISO code the decoder takes: a code as given, a name ("German") as its code;
-    anything else is passed on for the decoder to refuse naming what the model knows."""
-    language = language.strip().lower()
-    return _languages()[1].get(language, language)
+    return LANGUAGES
 
 
 def language_name(code: str) -> str:
     """OpenAI's ``verbose_json`` ``language``: the English name ("english") of an ISO code (the code if unknown)."""
-    return _languages()[0].get(code, code)
+    return _languages().get(code, code)
 
 
 # Which form field a decoder INVALID_ARGUMENT is about, by the words of its message (decoder_svc.whisper.options).

@@ -27,6 +27,18 @@ MAX_INITIAL_TIMESTAMP_INDEX = 50
 MULTILINGUAL_MIN_VOCAB = 51865  # HF: is_multilingual = vocab_size >= 51865
 
 
+def language_code(language: str) -> str:
+    """An ISO code from what a user sends: a code as given (``" DE "`` -> ``"de"``), an English name or alias
+    as its code (``"German"`` -> ``"de"``, HF ``tokenization_whisper.TO_LANGUAGE_CODE``); anything else lower-cased
+    as is, for ``WhisperSpecials.check`` to refuse naming what the model knows; ``""`` stays ``""``."""
+    language = language.strip().lower()
+    if not language:
+        return ""
+    from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
+
+    return TO_LANGUAGE_CODE.get(language, language)
+
+
 class WhisperLanguageError(ValueError):
     """A language or task the checkpoint cannot do; the message lists what it can."""
 
