@@ -20,8 +20,9 @@ FROM ${BASE_IMAGE}
 # gcc: Triton compiles its launcher at run time; libsndfile1: audio decoding.
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libsndfile1 \
  && rm -rf /var/lib/apt/lists/*
-# /secrets: mount point of compose's internal-token volume (a new named volume takes this owner).
-RUN useradd --create-home --uid 1000 encdec && mkdir /models /app /secrets && chown encdec:encdec /models /app /secrets
+# /secrets, /run/encdec: mount points of compose's internal-token and redis-secret volumes (a new named volume
+# takes this owner).
+RUN useradd --create-home --uid 1000 encdec && mkdir -p /models /app /secrets /run/encdec && chown encdec:encdec /models /app /secrets /run/encdec
 USER encdec
 WORKDIR /app
 COPY --chown=encdec:encdec . /app

@@ -213,6 +213,7 @@ def request_record_pb(record: RequestRecord) -> decoder_pb2.RequestRecord:
         completion_tokens=record.completion_tokens or 0,
         finish_reason=record.finish_reason or "",
         error=record.error or "",
+        owner=record.owner or "",
     )
 
 

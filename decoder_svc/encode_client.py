@@ -12,8 +12,15 @@ within the request's remaining time, so a request sent while the encoder
 restarts, or while the channel sits in its reconnect backoff, waits for the
 connection instead of failing fast; a call that still fails to connect is
 retried (bounded, jittered). The channel's reconnect backoff is kept short
-(``RECONNECT_OPTIONS``). ``probe`` asks the encoder's standard gRPC health
+(``decoder_svc.encoder_pool.RECONNECT_OPTIONS``). ``probe`` asks the encoder's standard gRPC health
 (the decoder's readiness, ``decoder_svc.readiness``).
+
+With ``--encoder-address registry`` each Encode goes to an encoder replica
+``decoder_svc.encoder_pool.EncoderPool`` picks from the Redis registry, without
+wait-for-ready: a call that fails to connect (nothing was sent) marks that
+encoder failed and goes to the next candidate at once; one that fails mid-way
+(UNAVAILABLE: the encoder died) fails the request, naming the encoder. ``probe``
+then says whether some candidate is left.
 """
 
 from __future__ import annotations
@@ -25,36 +32,27 @@ import random
 import time
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from decoder_svc.encoder_pool import EncoderPool, EncoderTarget, health_reason
 from decoder_svc.inputs import RequestInput
 from shared.config import DecoderServiceConfig
 from shared.errors import UnavailableError
-from shared.grpc_server import GRPC_OPTIONS
 from shared.internal_auth import InternalAuth
 from shared.metrics import DecoderMetrics
-from shared.proto import encoder_pb2, encoder_pb2_grpc
+from shared.proto import encoder_pb2
 
 log = logging.getLogger(__name__)
 
-ENCODER_SERVICE = "encdec.v1.EncoderService"  # the name an encoder's health reports SERVING
-PROBE_TIMEOUT_S = 1.0  # the readiness probe's health Check
-# gRPC's default reconnect backoff grows to 120 s (1 s initial, x1.6, jittered): after an encoder restart the
-# channel could stay in TRANSIENT_FAILURE for seconds after the encoder is back. A local peer is cheap to retry.
-RECONNECT_OPTIONS = [
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-]
 CONNECT_RETRIES = 4  # Encode calls retried after a connect failure (with wait-for-ready this is rare)
 RETRY_BASE_S = 0.1  # first retry after 0.05-0.1 s, doubling, jittered
 
 
 class EncodeClient:
-    """One channel to ``config.encoder_address``; names each request's cross-KV transfer.
+    """Encode calls to ``config.encoder_address`` (or the registry's encoders); names each request's cross-KV transfer.
 
     Args:
-        config: ``encoder_address``, ``model``, ``encode_timeout_s``, ``kv_transfer_timeout_s``.
+        config: ``encoder_address``, ``model``, ``encode_timeout_s``, ``kv_transfer_timeout_s``; registry mode:
+            ``redis_url``, ``redis_password_file``, ``lease_ttl_s``, ``kv_transport`` (``EncoderPool``).
         pool: this decoder's cross-KV pool (``shared.kv_transport.create_pool``): its ``spec`` is the
             transfer target, ``expect`` / ``cancel`` announce and retire a transfer.
         metrics: Encode round trip and transfer size / time are observed here.
@@ -65,32 +63,21 @@ class EncodeClient:
         self.pool = pool
         self.metrics = metrics
         self.transfer_ids = itertools.count(1)  # names each request's cross-KV transfer (torch_dist)
-        self.channel = grpc.aio.insecure_channel(config.encoder_address, options=GRPC_OPTIONS + RECONNECT_OPTIONS)
-        self.stub = encoder_pb2_grpc.EncoderServiceStub(self.channel)
-        self.health = health_pb2_grpc.HealthStub(self.channel)
+        self.encoders = EncoderPool(config)  # the static address, or the registry's replicas (started lazily)
         # The deployment's internal token: sent with every Encode, and signs each reserved KV target (never logged).
         self.auth = InternalAuth.from_file(config.internal_token_file, "decoder")
 
     async def probe(self) -> str | None:
-        """Asks the encoder's gRPC health for ``ENCODER_SERVICE`` within ``PROBE_TIMEOUT_S`` seconds.
+        """Static: asks the encoder's gRPC health for ``encdec.v1.EncoderService`` within a second. Registry: whether
+        some encoder replica can be picked (``EncoderPool.probe``).
 
         Returns:
-            None when the encoder reports SERVING, else why this decoder cannot use it (unreachable, not
-            serving, or not an encoder), naming its address.
+            None when an encoder can serve, else why not (unreachable, not serving, not an encoder, none
+            registered), naming its address.
         """
-        address = self.config.encoder_address
-        try:
-            response = await self.health.Check(
-                health_pb2.HealthCheckRequest(service=ENCODER_SERVICE), timeout=PROBE_TIMEOUT_S
-            )
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.NOT_FOUND:
-                return f"the service at {address} is not an encoder (its health does not know {ENCODER_SERVICE})"
-            return f"encoder at {address} is unreachable ({exc.code().name}: {exc.details()})"
-        if response.status != health_pb2.HealthCheckResponse.SERVING:
-            name = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
-            return f"encoder at {address} reports {name}"
-        return None
+        if self.encoders.static:
+            return await health_reason(self.encoders.static_target)
+        return await self.encoders.probe()
 
     async def encode(
         self, request_id: str, inp: RequestInput, block_ids: list[int], deadline: float | None = None
@@ -172,18 +159,21 @@ class EncodeClient:
         end, limit = time.monotonic() + timeout_s, f"encode_timeout_s={timeout_s:g} s"
         if deadline is not None and deadline < end:
             end, limit = deadline, "the request's deadline"
-        address = self.config.encoder_address
+        if not self.encoders.static:
+            return await self._call_picked(request, end, limit, **call_options)
+        target = self.encoders.static_target
+        address = target.address
         for attempt in range(CONNECT_RETRIES + 1):
             remaining = end - time.monotonic()
             if remaining <= 0:
                 break
             try:
-                return await self.stub.Encode(request, timeout=remaining, wait_for_ready=True, **call_options)
+                return await target.stub.Encode(request, timeout=remaining, wait_for_ready=True, **call_options)
             except grpc.aio.AioRpcError as exc:
                 code, details = exc.code(), exc.details() or ""
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                     break
-                if code == grpc.StatusCode.UNAVAILABLE and "failed to connect" in details.lower():
+                if code == grpc.StatusCode.UNAVAILABLE and _not_sent(details):
                     if attempt < CONNECT_RETRIES:  # nothing was sent: the same call may go again
                         delay = RETRY_BASE_S * 2**attempt * random.uniform(0.5, 1.0)
                         await asyncio.sleep(max(min(delay, end - time.monotonic()), 0.0))
@@ -194,12 +184,53 @@ class EncodeClient:
                     ) from None
                 raise UnavailableError(f"encoder failed: {code.name}: {details}") from None
         # Out of time. Name the limit, not gRPC's "Deadline Exceeded"; say whether a connection was ever there.
-        if self.channel.get_state() != grpc.ChannelConnectivity.READY:
+        if target.channel.get_state() != grpc.ChannelConnectivity.READY:
             raise UnavailableError(
                 f"encoder at {address} is unreachable: no connection within {limit}; retry later or send the "
                 "request to another replica"
             )
         raise UnavailableError(f"encoder failed: no answer within {limit} (encoder overloaded or hung)")
 
+    async def _call_picked(self, request: encoder_pb2.EncodeRequest, end: float, limit: str, **call_options):
+        """Registry mode: Encode on a picked encoder, without wait-for-ready; one that fails to connect is marked
+        failed and the call goes to the next candidate at once.
+
+        Raises:
+            UnavailableError: no candidate is left, the encoder failed mid-call (named: id and address) or did not
+                answer before ``end`` (``limit`` names it).
+        """
+        tried: set[str] = set()
+        while (remaining := end - time.monotonic()) > 0:
+            try:  # the first pick waits for the first read of the registry
+                target: EncoderTarget = await asyncio.wait_for(self.encoders.pick(exclude=tried), remaining)
+            except TimeoutError:
+                break
+            try:
+                with self.encoders.calling(target):
+                    timeout = max(end - time.monotonic(), 0.001)
+                    return await target.stub.Encode(request, timeout=timeout, wait_for_ready=False, **call_options)
+            except grpc.aio.AioRpcError as exc:
+                code, details = exc.code(), exc.details() or ""
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise UnavailableError(
+                        f"{target.name} gave no answer within {limit} (encoder overloaded or hung); retry the request"
+                    ) from None
+                if code != grpc.StatusCode.UNAVAILABLE:
+                    raise UnavailableError(f"{target.name} failed: {code.name}: {details}") from None
+                if _not_sent(details):
+                    self.encoders.mark_failed(target, details)
+                    tried.add(target.replica_id)
+                    continue
+                # Mid-call: the encoder died, or answered UNAVAILABLE itself; only a dead one is skipped from now on.
+                if (reason := await health_reason(target)) is not None:
+                    self.encoders.mark_failed(target, reason)
+                raise UnavailableError(f"{target.name} failed: {details}; retry the request") from None
+        raise UnavailableError(f"no encoder answered within {limit}; retry the request")
+
     async def close(self) -> None:
-        await self.channel.close()
+        await self.encoders.close()
+
+
+def _not_sent(details: str) -> bool:
+    """True for gRPC's UNAVAILABLE of a call that never reached the peer (no connection: nothing was sent)."""
+    return "failed to connect" in details.lower()

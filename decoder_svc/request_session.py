@@ -29,6 +29,13 @@ of the request.
 The bookkeeping without I/O (token counts, message merging) is
 ``decoder_svc.request_progress``.
 
+Ownership (``decoder_svc.lost_replicas``): records are created with this replica's id as their owner. Should
+this replica's lease expire (it stalled, or lost Redis for longer than the lease), another replica fails its
+requests in Redis; a state write of such a request is then refused (``InvalidTransitionError`` from a terminal
+state) and the request ends here with UNAVAILABLE saying so (``RecordEndedElsewhereError``), its blocks freed.
+A final state Redis lost the record of (restarted without persistence) is written whole
+(``RequestStateStore.set_state``'s ``created``), now or once Redis is back.
+
 Why over ~300 lines: a third is this docstring (the request rules); the session and the registry that routes
 the engine loop's deliveries to it share the replica's state (running ids, open records, the shutdown cut), and
 apart they would import each other.
@@ -50,11 +57,14 @@ from decoder_svc.engine_loop import EngineLoop
 from decoder_svc.inputs import RequestInput
 from decoder_svc.request_progress import RequestProgress, StreamCoalescer
 from decoder_svc.request_state import (
+    InvalidTransitionError,
     RedisUnavailableError,
     RequestExistsError,
+    RequestRecord,
     RequestState,
     RequestStateError,
     RequestStateStore,
+    UnknownRequestError,
 )
 from decoder_svc.sampling_params import SamplingParams
 from shared.config import DecoderServiceConfig
@@ -64,6 +74,15 @@ from shared.metrics import DecoderMetrics
 log = logging.getLogger(__name__)
 
 MAX_UNRECORDED = 10_000  # final states kept for Redis while it is down (the oldest dropped beyond)
+
+
+class RecordEndedElsewhereError(UnavailableError):
+    """Another replica ended the request's record (failed it after this decoder's lease expired): UNAVAILABLE."""
+
+
+def ended_elsewhere(exc: BaseException) -> bool:
+    """True for a state write refused because the record is already terminal: another replica ended it."""
+    return isinstance(exc, InvalidTransitionError) and exc.current is not None and exc.current.is_terminal
 
 
 class Sessions:
@@ -97,7 +116,11 @@ class Sessions:
         self.token_texts = convert.TokenTexts(engine.tokenizer)  # logprobs' token texts, cached by id
         self.active: dict[str, RequestSession] = {}
         self.admission = AdmissionQueue(config.max_waiting_requests, config.max_queue_time_s)
+        self.replica_id = ""  # this decoder's registry id: the owner of the records it creates (set by start-up)
         self.open_records: set[str] = set()  # Redis records this replica created and has not yet ended
+        # The records as created, until their final state is written: a final write that finds the record gone
+        # (Redis restarted without persistence) writes it whole from these.
+        self.created: dict[str, RequestRecord] = {}
         # Final states Redis missed (it was unreachable): written when it answers again (flush_unrecorded).
         self.unrecorded: dict[str, tuple[RequestState, dict]] = {}
         self.cutting = False  # the shutdown grace ran out: every running request ends with UNAVAILABLE
@@ -132,6 +155,7 @@ class Sessions:
             dropped = next(iter(self.unrecorded))
             log.warning("dropping the unrecorded final state of %s (over %d kept)", dropped, MAX_UNRECORDED)
             del self.unrecorded[dropped]
+            self.created.pop(dropped, None)
 
     async def flush_unrecorded(self) -> None:
         """Writes the final states Redis missed, in one round trip; kept for the next try if Redis still fails."""
@@ -140,21 +164,25 @@ class Sessions:
         pending = dict(self.unrecorded)
         updates = [(request_id, state, fields) for request_id, (state, fields) in pending.items()]
         try:
-            await asyncio.to_thread(self.store.set_state_many, updates)
+            await asyncio.to_thread(self.store.set_state_many, updates, dict(self.created))
         except RedisUnavailableError:
             return
-        except RequestStateError as exc:  # e.g. a record that expired meanwhile: the others were written
+        except RequestStateError as exc:  # e.g. failed by another replica meanwhile: the others were written
             log.warning("some late final states could not be recorded: %s", exc)
         for request_id in pending:
             if self.unrecorded.get(request_id) == pending[request_id]:
                 del self.unrecorded[request_id]
+                self.created.pop(request_id, None)
         log.info("recorded %d final states that Redis missed while it was unreachable", len(pending))
 
     def _record_shutdown(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             try:
                 self.store.set_state(
-                    request_id, RequestState.FAILED, error="the decoder shut down before the request finished"
+                    request_id,
+                    RequestState.FAILED,
+                    self.created.pop(request_id, None),
+                    error="the decoder shut down before the request finished",
                 )
             except Exception:  # noqa: BLE001 - ended meanwhile (terminal), or Redis gone: nothing more to do
                 log.warning("could not record the shutdown of %s", request_id, exc_info=True)
@@ -171,7 +199,7 @@ class Sessions:
         ours = request_id not in self.open_records  # else a call with this id is still parsing here
         self.open_records.add(request_id)  # before the await: a cancel during it still leaves it to close()
         try:
-            await asyncio.to_thread(self.store.create, request_id, self.config.model)
+            record = await asyncio.to_thread(self.store.create, request_id, self.config.model, self.replica_id)
         except RequestExistsError as exc:
             if ours:
                 self.open_records.discard(request_id)  # another replica's (or an earlier) record
@@ -180,16 +208,36 @@ class Sessions:
             if ours:
                 self.open_records.discard(request_id)
             raise
+        self.created[request_id] = record
 
     async def end_record(self, request_id: str, state: RequestState, **fields) -> None:
         """Records the end of a request whose session never ran (or Redis missed it: written later)."""
-        try:
-            await asyncio.to_thread(self.store.set_state, request_id, state, **fields)
-        except RedisUnavailableError:
-            self.record_later(request_id, state, fields)
-        except Exception:  # noqa: BLE001 - the status goes out regardless; log the lost record
-            log.exception("could not record %s for %s", state.name, request_id)
+        await self.write_end(request_id, state, fields)
         self.open_records.discard(request_id)
+
+    async def write_end(self, request_id: str, state: RequestState, fields: dict) -> None:
+        """Writes a request's final state (the whole record if Redis lost it); kept for ``flush_unrecorded`` while
+        Redis is unreachable; a record another replica ended already is left as it is (logged)."""
+        try:
+            await asyncio.to_thread(self.store.set_state, request_id, state, self.created.get(request_id), **fields)
+        except RedisUnavailableError as exc:  # the stream's outcome stands; recorded once Redis answers again
+            log.warning("could not record %s for %s yet: %s", state.name, request_id, exc)
+            self.record_later(request_id, state, fields)
+            return
+        except InvalidTransitionError as exc:  # failed by another replica after this one's lease expired
+            log.warning("request %s was not recorded %s: %s", request_id, state.name, exc)
+        except Exception:  # noqa: BLE001 - the stream's outcome stands; log the lost record
+            log.exception("could not record %s for %s", state.name, request_id)
+        self.created.pop(request_id, None)
+
+    def abort(self, request_id: str) -> bool:
+        """The Abort RPC for a request running here (called on the event loop, also for an Abort another replica
+        forwarded: ``decoder_svc.replica_control``): True if it runs here and now ends with "abort"."""
+        session = self.active.get(request_id)
+        if session is None:
+            return False
+        session.abort()
+        return True
 
     def open(
         self,
@@ -301,11 +349,13 @@ class RequestSession:
         Raises:
             ResourceExhaustedError: the request can never fit this decoder's KV pools.
             UnavailableError: the encoder failed or stayed unreachable, Redis was unreachable for one of the
-                request's state writes (``RedisUnavailableError``), or the decoder shut down first.
+                request's state writes (``RedisUnavailableError``), the decoder shut down first, or another replica
+                failed the record after this decoder's lease expired (``RecordEndedElsewhereError``).
             Exception: whatever failed the request's engine step (recorded FAILED, blocks freed, before it is raised).
         """
         sessions, progress = self._sessions, self.progress
-        self.end: tuple[RequestState, dict] = (RequestState.FAILED, {})  # set by _messages before its last message
+        # Set by _messages before its last message; None: another replica ended the record (nothing to record).
+        self.end: tuple[RequestState, dict] | None = (RequestState.FAILED, {})
         redis_down = False  # a state write found Redis unreachable: the end is recorded once it answers
         try:
             if sessions.cutting:  # its input was parsed after the grace ran out
@@ -321,9 +371,28 @@ class RequestSession:
         except Exception as exc:  # noqa: BLE001 - recorded, then mapped to a status code by the server's interceptor
             self.end = (RequestState.FAILED, {"error": str(exc), **progress.usage()})
             redis_down = isinstance(exc, RedisUnavailableError)
+            if ended_elsewhere(exc):  # its record is FAILED already: nothing more to record
+                log.warning(
+                    "request %s was ended by another replica while this decoder's lease had expired: %s",
+                    self.request_id,
+                    exc,
+                )
+                self.end = None
+                raise RecordEndedElsewhereError(
+                    f"request {self.request_id!r} was failed by another replica after this decoder's lease "
+                    f"expired ({exc}); send it again"
+                ) from exc
+            if isinstance(exc, UnknownRequestError):  # its final FAILED is written whole (Sessions.created)
+                raise UnavailableError(
+                    f"the record of request {self.request_id!r} vanished from Redis (restarted without "
+                    "persistence?); send it again"
+                ) from exc
             raise
         finally:  # an error is recorded (FAILED) and the blocks freed before the client sees its status
-            await self._release(*self.end, redis_down)
+            if self.end is None:
+                await self._release(RequestState.FAILED, {}, record=False)
+            else:
+                await self._release(*self.end, redis_down)
 
     async def _messages(self):
         """One sequence group: its stream messages, merged per ``--stream-interval``; sets ``self.end``."""
@@ -442,10 +511,10 @@ class RequestSession:
                 metrics.tpot.observe((now - self.last_token_at) / num_tokens)
         self.last_token_at = now
 
-    async def _release(self, state: RequestState, fields: dict, redis_down: bool = False) -> None:
+    async def _release(self, state: RequestState, fields: dict, redis_down: bool = False, record: bool = True) -> None:
         """Frees the request's blocks (after any in-flight Encode wrote them) and records its end; ``redis_down``:
         Redis just failed this request, so its end waits for Redis's return (``Sessions.flush_unrecorded``)
-        instead of costing the client another timeout now."""
+        instead of costing the client another timeout now; ``record`` False: another replica ended the record."""
         sessions = self._sessions
         sessions.admission.leave(self.ticket)
         sessions.metrics.requests.labels(state=state.name.lower(), finish_reason=fields.get("finish_reason", "")).inc()
@@ -458,16 +527,12 @@ class RequestSession:
             await asyncio.wait([self.encoding])
         await sessions.loop.call(sessions.engine.abort, self.request_id)
         sessions.active.pop(self.request_id, None)
-        if redis_down:
+        if not record:
+            sessions.created.pop(self.request_id, None)
+        elif redis_down:
             sessions.record_later(self.request_id, state, fields)
         else:
-            try:
-                await asyncio.to_thread(sessions.store.set_state, self.request_id, state, **fields)
-            except RedisUnavailableError as exc:  # the stream's outcome stands; recorded once Redis answers again
-                log.warning("could not record %s for %s yet: %s", state.name, self.request_id, exc)
-                sessions.record_later(self.request_id, state, fields)
-            except Exception:  # noqa: BLE001 - the stream's outcome stands; log the lost record
-                log.exception("could not record %s for %s", state.name, self.request_id)
+            await sessions.write_end(self.request_id, state, fields)
         sessions.open_records.discard(self.request_id)
 
 

@@ -2,8 +2,15 @@
 
 Any decoder replica can answer ``GetRequest`` from here. Each request is the
 hash ``{key_prefix}:request:{request_id}`` with the fields of the proto
-``RequestRecord``: request_id, state, model, created_at, updated_at (unix
+``RequestRecord``: request_id, state, model, owner (the id of the decoder
+replica running it, ``shared.registry``), created_at, updated_at (unix
 seconds, float), prompt_tokens, completion_tokens, finish_reason, error.
+
+Ownership: ``{key_prefix}:owner:{owner}`` is the set of an owner's
+non-terminal requests (added at ``create``, removed by the terminal write, in
+the same script), so a live replica can fail the requests of a decoder whose
+lease expired in one atomic script (``fail_lost_owner``;
+``decoder_svc.lost_replicas``).
 
 Life cycle::
 
@@ -14,16 +21,21 @@ Life cycle::
 A non-terminal state may be set again (to update the token counts). Terminal
 states are final and give the hash an expiry (``finished_ttl_s``) so records do
 not pile up. Each write is one Lua script (check + write + expire, atomic, one
-round trip); ``set_state_many`` and ``get_many`` pipeline many requests into
-one round trip, so the decode loop writes once per step, never once per token.
+round trip; ``decoder_svc.request_state_lua``); ``set_state_many`` and ``get_many`` pipeline many requests
+into one round trip, so the decode loop writes once per step, never once per token.
+
+Redis lost a record (restarted without persistence) while its request ran: a
+terminal write given the record as created (``created=``) writes it whole, so
+every record a replica knew still ends terminal; a non-terminal write to a
+missing record raises ``UnknownRequestError``.
 
 Redis faults: every call has a socket timeout (``REDIS_SOCKET_TIMEOUT_S``) and
 at most ``REDIS_RETRIES`` retry, so a stopped or frozen Redis fails a call
 within a few seconds, never hangs it; the failure is a ``RedisUnavailableError``
 (UNAVAILABLE) naming the URL. ``probe`` is the health check's short PING.
 
-Over 300 lines: the state machine, the record and the Redis store (its Lua script and
-field codec) are one schema and change together.
+Over 300 lines: the state machine, the record and the Redis store (its field codec) are one schema and change
+together; the Lua scripts are ``decoder_svc.request_state_lua``.
 """
 
 from __future__ import annotations
@@ -31,16 +43,20 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.retry import Retry
 
+from decoder_svc.request_state_lua import CREATE_LUA, DELETE_LUA, FAIL_LOST_OWNER_LUA, SET_STATE_LUA
 from shared.errors import UnavailableError
+from shared.redis_url import redact_url
+
+log = logging.getLogger(__name__)
 
 # Bounds on one Redis call: a stopped Redis refuses at once, a frozen one costs at most
 # (1 + REDIS_RETRIES) * REDIS_SOCKET_TIMEOUT_S plus the backoff (redis-py's default would retry 10 times
@@ -48,16 +64,6 @@ from shared.errors import UnavailableError
 REDIS_SOCKET_TIMEOUT_S = 2.0
 REDIS_RETRIES = 1  # one retry: a connection dropped by a Redis restart is opened again
 PROBE_TIMEOUT_S = 1.0  # the health probe's PING
-
-
-def redact_url(url: str) -> str:
-    """``url`` with its password replaced by ``***`` (for messages and logs)."""
-    parts = urlsplit(url)
-    if not parts.password:
-        return url
-    user = parts.username or ""
-    host = parts.netloc.rpartition("@")[2]
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
 class RequestState(enum.Enum):
@@ -111,7 +117,12 @@ class UnknownRequestError(RequestStateError, KeyError):
 
 
 class InvalidTransitionError(RequestStateError):
-    """The requested state change is not allowed from the current state."""
+    """The requested state change is not allowed from the current state (``current``; terminal when another
+    replica ended the request, e.g. failed it after this one's lease expired)."""
+
+    def __init__(self, message: str, current: RequestState | None = None) -> None:
+        super().__init__(message)
+        self.current = current
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,29 +138,7 @@ class RequestRecord:
     completion_tokens: int = 0
     finish_reason: str = ""  # "stop", "length", "abort" or ""
     error: str = ""
-
-
-# KEYS[1] hash; ARGV: request_id, state, model, now. Returns 1 if created, 0 if it exists.
-_CREATE_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-redis.call('HSET', KEYS[1], 'request_id', ARGV[1], 'state', ARGV[2], 'model', ARGV[3],
-  'created_at', ARGV[4], 'updated_at', ARGV[4], 'prompt_tokens', '0',
-  'completion_tokens', '0', 'finish_reason', '', 'error', '')
-return 1
-"""
-
-# KEYS[1] hash; ARGV: new state, now, ttl_ms (0 = none), allowed-from states
-# joined by ',', then field/value pairs. Returns {code, current state}:
-# 1 written, 0 no record, -1 transition refused.
-_SET_STATE_LUA = """
-local cur = redis.call('HGET', KEYS[1], 'state')
-if not cur then return {0, ''} end
-if not string.find(',' .. ARGV[4] .. ',', ',' .. cur .. ',', 1, true) then return {-1, cur} end
-redis.call('HSET', KEYS[1], 'state', ARGV[1], 'updated_at', ARGV[2], unpack(ARGV, 5))
-local ttl = tonumber(ARGV[3])
-if ttl > 0 then redis.call('PEXPIRE', KEYS[1], ttl) end
-return {1, cur}
-"""
+    owner: str = ""  # decoder replica id (shared.registry); "" for records made without one
 
 
 class RequestStateStore:
@@ -175,12 +164,18 @@ class RequestStateStore:
             retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), REDIS_RETRIES),
         )
         self._probe_client: redis.Redis | None = None
-        self._create = self._client.register_script(_CREATE_LUA)
-        self._set_state = self._client.register_script(_SET_STATE_LUA)
+        self._create = self._client.register_script(CREATE_LUA)
+        self._set_state = self._client.register_script(SET_STATE_LUA)
+        self._delete = self._client.register_script(DELETE_LUA)
+        self._fail_lost_owner = self._client.register_script(FAIL_LOST_OWNER_LUA)
 
     def key(self, request_id: str) -> str:
         """The Redis key of a request's hash."""
         return f"{self.key_prefix}:request:{request_id}"
+
+    def owner_key(self, owner: str) -> str:
+        """The Redis key of the set of ``owner``'s non-terminal request ids."""
+        return f"{self.key_prefix}:owner:{owner}"
 
     def ping(self) -> bool:
         """True if Redis answers.
@@ -234,8 +229,9 @@ class RequestStateStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def create(self, request_id: str, model: str) -> RequestRecord:
-        """Records a new request in state QUEUED.
+    def create(self, request_id: str, model: str, owner: str = "") -> RequestRecord:
+        """Records a new request in state QUEUED, owned by the decoder replica ``owner`` (its id; "" = none), and
+        adds it to the owner's set, in one atomic script.
 
         Raises:
             ValueError: empty request id.
@@ -247,23 +243,28 @@ class RequestStateStore:
         now = time.time()
         with self._reachable():
             created = self._create(
-                keys=[self.key(request_id)], args=[request_id, RequestState.QUEUED.name, model, repr(now)]
+                keys=[self.key(request_id), self.owner_key(owner)],
+                args=[request_id, RequestState.QUEUED.name, model, repr(now), owner],
             )
         if not created:
             raise RequestExistsError(f"request id {request_id!r} already exists; request ids must be unique")
-        return RequestRecord(request_id, RequestState.QUEUED, model, now, now)
+        return RequestRecord(request_id, RequestState.QUEUED, model, now, now, owner=owner)
 
-    def set_state(self, request_id: str, state: RequestState, **fields: Any) -> RequestState:
+    def set_state(
+        self, request_id: str, state: RequestState, created: RequestRecord | None = None, **fields: Any
+    ) -> RequestState | None:
         """Moves a request to ``state`` and updates ``fields`` in one atomic step.
 
         Args:
             request_id: the request.
-            state: the new state; a terminal state sets the record's expiry.
+            state: the new state; a terminal state sets the record's expiry and removes the id from its owner's set.
+            created: the record as ``create`` returned it: a terminal write that finds no record (Redis lost it)
+                writes the whole record from it (model, owner, created_at) and ``fields``. None: no such upsert.
             **fields: any of prompt_tokens, completion_tokens (ints >= 0),
                 finish_reason ("stop", "length", "abort", ""), error (str).
 
         Returns:
-            The state the request was in before.
+            The state the request was in before; None if the record was written anew (``created``).
 
         Raises:
             ValueError: unknown field or bad value.
@@ -271,34 +272,55 @@ class RequestStateStore:
             InvalidTransitionError: ``state`` cannot follow the current state.
             RedisUnavailableError: Redis did not answer.
         """
-        return self.set_state_many([(request_id, state, fields)])[0]
+        return self.set_state_many([(request_id, state, fields)], {request_id: created} if created else None)[0]
 
-    def set_state_many(self, updates: Sequence[tuple[str, RequestState, dict[str, Any]]]) -> list[RequestState]:
+    def set_state_many(
+        self,
+        updates: Sequence[tuple[str, RequestState, dict[str, Any]]],
+        created: Mapping[str, RequestRecord] | None = None,
+    ) -> list[RequestState | None]:
         """``set_state`` for many requests in one pipelined round trip.
 
         Each update is applied atomically on its own; all are attempted, then
-        the first failure (if any) is raised. Returns the previous states.
+        the first failure (if any) is raised. Returns the previous states (None: written anew).
+
+        Args:
+            updates: ``(request_id, state, fields)`` each.
+            created: records as created, by request id (``set_state``'s ``created``), for the terminal upserts.
 
         Raises:
             RedisUnavailableError: Redis did not answer (then none, some or all were applied).
         """
         if not updates:
             return []
+        created = created or {}
         pipe = self._client.pipeline(transaction=False)
         now = repr(time.time())
         for request_id, state, fields in updates:
             state = RequestState(state)
             ttl_ms = int(self.finished_ttl_s * 1000) if state.is_terminal else 0
             allowed = ",".join(s.name for s in _ALLOWED_FROM[state])
-            args = [state.name, now, ttl_ms, allowed, *_encode_fields(fields)]
+            base = created.get(request_id) if state.is_terminal else None
+            upsert = ["1", base.model, base.owner, repr(base.created_at)] if base else ["0", "", "", ""]
+            owner_prefix = self.owner_key("")
+            args = [state.name, now, ttl_ms, allowed, owner_prefix, request_id, *upsert, *_encode_fields(fields)]
             self._set_state(keys=[self.key(request_id)], args=args, client=pipe)
         with self._reachable():
             results = pipe.execute()
-        previous: list[RequestState] = []
+        previous: list[RequestState | None] = []
         error: RequestStateError | None = None
         for (request_id, state, _), (code, cur) in zip(updates, results):
             if code == 1:
                 previous.append(RequestState[cur])
+                continue
+            if code == 2:
+                log.warning(
+                    "request %s had no record (Redis lost it: restarted without persistence?); wrote its %s "
+                    "record anew",
+                    request_id,
+                    RequestState(state).name,
+                )
+                previous.append(None)
                 continue
             if code == 0:
                 err: RequestStateError = UnknownRequestError(
@@ -306,7 +328,7 @@ class RequestStateStore:
                 )
             else:
                 err = InvalidTransitionError(
-                    f"request {request_id!r}: cannot go from {cur} to {RequestState(state).name}"
+                    f"request {request_id!r}: cannot go from {cur} to {RequestState(state).name}", RequestState[cur]
                 )
             error = error or err
             previous.append(RequestState[cur] if cur else None)  # type: ignore[arg-type]
@@ -338,9 +360,37 @@ class RequestStateStore:
         return ms / 1000.0 if ms >= 0 else None
 
     def delete(self, request_id: str) -> bool:
-        """Deletes the record; True if one existed."""
+        """Deletes the record (and its owner-set entry); True if one existed."""
         with self._reachable():
-            return bool(self._client.delete(self.key(request_id)))
+            return bool(self._delete(keys=[self.key(request_id)], args=[self.owner_key(""), request_id]))
+
+    def owned(self, owner: str) -> set[str]:
+        """Ids of ``owner``'s non-terminal requests (its owner set)."""
+        with self._reachable():
+            return set(self._client.smembers(self.owner_key(owner)))
+
+    def fail_lost_owner(self, owner: str, error: str, lease_key: str, members_key: str) -> int:
+        """Fails every non-terminal request of the decoder replica ``owner`` whose lease expired, in one script.
+
+        Each such record becomes FAILED with ``error`` (and the finished expiry); then the owner set is deleted
+        and ``owner`` removed from the registry's member set ``members_key``. Nothing is done if its lease key
+        ``lease_key`` exists again (it renewed in time). Two replicas running this at once: one fails the
+        requests, the other finds nothing.
+
+        Returns:
+            How many requests it failed; -1 if the lease exists again.
+
+        Raises:
+            RedisUnavailableError: Redis did not answer.
+        """
+        ttl_ms = int(self.finished_ttl_s * 1000)
+        with self._reachable():
+            return int(
+                self._fail_lost_owner(
+                    keys=[self.owner_key(owner), lease_key, members_key],
+                    args=[owner, repr(time.time()), ttl_ms, error, self.key("")],
+                )
+            )
 
 
 def _encode_fields(fields: dict[str, Any]) -> list[str]:
@@ -372,4 +422,5 @@ def _decode_record(h: dict[str, str]) -> RequestRecord:
         completion_tokens=int(h.get("completion_tokens") or 0),
         finish_reason=h.get("finish_reason", ""),
         error=h.get("error", ""),
+        owner=h.get("owner", ""),
     )

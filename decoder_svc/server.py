@@ -7,6 +7,10 @@ thread (``decoder_svc.engine_loop``) and the encoder
 (``decoder_svc.encode_client``) and yields its stream messages. Errors leave
 the handlers as exceptions; ``shared.grpc_server.ErrorStatusInterceptor``
 turns them into status codes (``shared.errors.status_for``).
+
+GetRequest and Abort work from any replica: the record in Redis names the
+request's owner, and an Abort for a request running on another replica is
+forwarded to it through Redis (``decoder_svc.replica_control``).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from decoder_svc.encode_client import EncodeClient
 from decoder_svc.engine import DecoderEngine
 from decoder_svc.inputs import parse_input
 from decoder_svc.kv_budget import max_concurrent_requests
+from decoder_svc.limits import apply_request_limits
 from decoder_svc.request_session import RequestSession, Sessions
 from decoder_svc.request_state import RedisUnavailableError, RequestState, RequestStateStore
 from decoder_svc.whisper_session import WhisperSession
@@ -64,6 +69,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         self.readiness = (
             None  # the health probe (decoder_svc.readiness), set by start-up: Redis known down fails at once
         )
+        self.control = None  # decoder_svc.replica_control.ReplicaControl, set by start-up: Abort of others' requests
         self.parsing = 0  # Generate calls past the draining check, not yet in `sessions.active` (parsing their input)
         self.metrics = DecoderMetrics()
         self.metrics.watch_engine(engine.stats, engine.scheduler)
@@ -135,6 +141,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             inp = await asyncio.to_thread(
                 parse_input, request, self.model, self.engine.tokenizer, self.config.max_audio_s
             )
+            params = apply_request_limits(params, inp, self.config)  # --max-new-tokens, --max-n, ... (limits.py)
             await self.sessions.create_record(request_id)  # Redis: QUEUED
         except BaseException:
             self.sessions.admission.leave(ticket)
@@ -165,11 +172,11 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         return convert.request_record_pb(record)
 
     async def Abort(self, request, context):
-        session = self.sessions.active.get(request.request_id)
-        if session is None:
+        if self.sessions.abort(request.request_id):  # running here
+            return decoder_pb2.AbortResponse(aborted=True)
+        if self.control is None:
             return decoder_pb2.AbortResponse(aborted=False)
-        session.abort()
-        return decoder_pb2.AbortResponse(aborted=True)
+        return decoder_pb2.AbortResponse(aborted=await self.control.abort_elsewhere(request.request_id))
 
     async def GetStats(self, request, context):
         stats = await self.sessions.loop.call(self.engine.stats)
@@ -178,4 +185,5 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         stats["model"], stats["served_model_names"] = self.config.model, sorted(self.served_names)
         # As parse_input tells the input's kind: text models (T5, BART family) declare input_modality, Whisper not.
         stats["input_kind"] = getattr(self.model, "input_modality", "audio")
+        stats["replica_id"] = self.sessions.replica_id
         return convert.stats_pb(stats)

@@ -2,6 +2,13 @@
 
 ``run`` is what ``encdec serve-decoder`` calls; the servicer itself (what each
 RPC does) is ``decoder_svc.server.DecoderServicer``.
+
+As a replica (``Replica``): the decoder registers in the Redis registry under a
+lease (``shared.registration``; load = running + waiting sequences) once the
+server serves, and deregisters as the shutdown begins; the records it creates
+name it as their owner; it listens for Aborts other replicas forward
+(``decoder_svc.replica_control``) and fails the requests of decoders whose
+lease expired (``decoder_svc.lost_replicas``).
 """
 
 from __future__ import annotations
@@ -11,7 +18,9 @@ import logging
 
 from decoder_svc.engine import DecoderEngine
 from decoder_svc.kv_budget import block_bytes, resolve_budget, size_kv_cache
+from decoder_svc.lost_replicas import LostDecoderReaper, RedisUptime
 from decoder_svc.readiness import DecoderReadiness
+from decoder_svc.replica_control import ReplicaControl
 from decoder_svc.request_state import RequestStateStore
 from decoder_svc.server import DecoderServicer
 from shared.compute_thread import single_threaded_main
@@ -23,6 +32,10 @@ from shared.metrics import start_metrics_server
 from shared.models.quantize import apply_quantization
 from shared.models.registry import load_model, load_tokenizer
 from shared.proto import decoder_pb2_grpc
+from shared.public_port import public_port_security
+from shared.redis_url import resolve_redis_url
+from shared.registration import service_lease
+from shared.registry import cuda_gpu_ids
 
 __all__ = ["KV_DTYPE_BYTES", "build_engine", "run"]
 
@@ -96,6 +109,64 @@ def _pool_options(config: DecoderServiceConfig) -> dict:
     return {}
 
 
+class Replica:
+    """This decoder's part in the deployment: its lease, its control channel, the lost-decoder reaper.
+
+    Args:
+        config: ``redis_url`` / ``redis_password_file``, ``lease_ttl_s``, the advertised address.
+        servicer: the decoder's servicer (its sessions own the records; its Abort forwards through ``control``).
+        store: the request-state store.
+        gpu_ids: the CUDA device UUIDs the decoder uses (``()`` on the CPU).
+
+    Raises:
+        ValueError: the Redis password file cannot be read, or the address cannot be advertised (port 0).
+    """
+
+    def __init__(self, config: DecoderServiceConfig, servicer: DecoderServicer, store: RequestStateStore, gpu_ids):
+        scheduler = servicer.engine.scheduler
+        # Plain int reads of the engine thread's lists, as the /metrics scrape does (shared.metrics).
+        self.lease = service_lease(
+            config,
+            "decoder",
+            (config.kv_transport,),
+            gpu_ids,
+            lambda: scheduler.num_running + scheduler.num_waiting,
+        )
+        self.replica_id = self.lease.info.replica_id
+        registry = self.lease.registry
+        self.uptime = RedisUptime()
+        self.control = ReplicaControl(store.redis_url, self.replica_id, store, registry, store.key_prefix)
+        self.reaper = LostDecoderReaper(store, registry, self.replica_id, config.lease_ttl_s, self.uptime)
+        self._leased = False
+        servicer.sessions.replica_id = self.replica_id
+        servicer.control = self.control
+
+    def start(self, servicer: DecoderServicer) -> None:
+        """On the serving event loop: listens on the control channel and starts reaping (the lease waits for
+        ``on_serving``)."""
+        self.control.start(asyncio.get_running_loop(), servicer.sessions.abort)
+        self.reaper.start()
+
+    async def on_serving(self) -> None:
+        """The server serves (its first readiness probe): registers the lease (never raises: a Redis away is
+        retried on the lease's thread)."""
+        if not self._leased:
+            self._leased = True
+            await asyncio.to_thread(self.lease.start)
+
+    async def on_shutdown(self) -> None:
+        """After the drain, once every record this decoder opened has ended: deregisters. The lease lives through
+        the drain, so an Abort forwarded meanwhile still reaches the requests finishing here, and a decoder killed
+        during its drain is still reaped once its lease expires."""
+        if self._leased:
+            await asyncio.to_thread(self.lease.stop)
+
+    async def close(self) -> None:
+        await self.reaper.stop()
+        await asyncio.to_thread(self.control.stop)
+        self.lease.registry.close()
+
+
 def run(config: DecoderServiceConfig) -> None:
     """Loads the model onto ``config.device``, creates the KV pools there and serves until SIGINT/SIGTERM.
 
@@ -104,6 +175,7 @@ def run(config: DecoderServiceConfig) -> None:
     """
     threads = single_threaded_main(config.num_threads)  # loading stays on one thread; the engine thread gets these
     device = resolve_device(config.device)  # before anything is loaded: a missing GPU fails fast
+    public_port_security(config)  # the token and TLS files fail the start now, not after the model loaded
     model = load_model(config.model, torch_dtype(config.dtype))
     apply_quantization(model, config.quantize, "decoder")  # CPU only (the config refuses int8 on CUDA)
     model.to(device)  # before the KV pools are sized: a fractional kv_cache_memory sees the weights' memory taken
@@ -118,19 +190,29 @@ def run(config: DecoderServiceConfig) -> None:
         config.attention_backend,
         config.stream_interval,
     )
-    store = RequestStateStore(config.redis_url)
+    store = RequestStateStore(resolve_redis_url(config.redis_url, config.redis_password_file))
     store.ping()
     engine, pool = build_engine(config, model)
 
     async def main() -> None:
         servicer = DecoderServicer(config, model, engine, pool, store, threads)
+        replica = Replica(config, servicer, store, cuda_gpu_ids(device))
         servicer.start()
         sessions = servicer.sessions
-        servicer.readiness = DecoderReadiness(store, sessions.encoder, sessions.flush_unrecorded)
+        readiness = servicer.readiness = DecoderReadiness(
+            store, sessions.encoder, sessions.flush_unrecorded, replica.uptime
+        )
         start_metrics_server(config.metrics_port, config.host, servicer.metrics.registry)
+        replica.start(servicer)
+
+        async def serving() -> str | None:  # the first probe runs once the server has started
+            await replica.on_serving()
+            return await readiness()
 
         async def on_stop() -> None:
-            await servicer.close()
+            await servicer.close()  # its open records end FAILED first: only then does the lease go
+            await replica.on_shutdown()
+            await replica.close()
             pool.close()
 
         await serve(
@@ -140,7 +222,8 @@ def run(config: DecoderServiceConfig) -> None:
             on_stop,
             drain=lambda: servicer.drain(config.shutdown_grace_s),
             # health NOT_SERVING while Redis or the encoder does not answer
-            readiness=servicer.readiness,
+            readiness=serving,
+            config=config,  # public: bearer token, TLS, per-client limit, message size (shared.public_port)
         )
 
     try:

@@ -74,6 +74,8 @@ def _services(args: argparse.Namespace, log_level: str = "INFO"):
 
 
 def _up(args: argparse.Namespace) -> int:
+    from shared.redis_url import redact_url
+
     services = _services(args, log_level=args.log_level)
     print(
         "starting redis, encoder, decoder" + (", embed" if args.embed_model else "") + " and the HTTP gateway ..."
@@ -92,7 +94,8 @@ def _up(args: argparse.Namespace) -> int:
         if services.http_port is not None:
             public += f", OpenAI-compatible HTTP API at {services.http_url}/v1"
         print(
-            f"ready: {public}, encoder at {services.encoder_address}, redis at {services.redis_url}. Ctrl-C stops all.",
+            f"ready: {public}, encoder at {services.encoder_address}, redis at {redact_url(services.redis_url)}. "
+            "Ctrl-C stops all.",
             flush=True,
         )
         while not stop and all(p.poll() is None for p in services.procs):
@@ -160,6 +163,33 @@ def _whisper_options(args: argparse.Namespace):
     return options if options != decoder_pb2.WhisperOptions() else None
 
 
+def client_security(args: argparse.Namespace):
+    """``shared.tls.ClientSecurity`` from a client sub-command's flags (``encdec.parser.add_client_security``).
+
+    Raises:
+        ValueError: both ``--token`` and ``--token-file``, an unreadable token file, or a lone ``--tls-cert`` /
+            ``--tls-key``.
+    """
+    from shared.tls import ClientSecurity
+
+    token = args.token or ""
+    if args.token_file:
+        if args.token:
+            raise ValueError("--token and --token-file are both set (or $ENCDEC_TOKEN): keep one")
+        try:
+            with open(args.token_file, encoding="ascii") as f:
+                token = f.read(4096).strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--token-file {args.token_file!r} cannot be read as text: {exc}") from exc
+    return ClientSecurity(
+        token=token,
+        tls_ca=args.tls_ca or "",
+        tls_cert=args.tls_cert or "",
+        tls_key=args.tls_key or "",
+        tls_server_name=args.tls_server_name or "",
+    )
+
+
 def _transcribe(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -193,6 +223,7 @@ def _transcribe(args: argparse.Namespace) -> int:
             whisper=_whisper_options(args),
             output_format=args.format,
             output_dir=args.output_dir,
+            security=client_security(args),
             **sampling,
         )
     )

@@ -10,12 +10,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-import grpc
 import numpy as np
 
 from shared.grpc_server import GRPC_OPTIONS
 from shared.proto import decoder_pb2, decoder_pb2_grpc
 from shared.subtitles import to_srt, to_vtt
+from shared.tls import ClientSecurity
 
 SUFFIXES = {"text": ".txt", "json": ".json", "srt": ".srt", "vtt": ".vtt"}
 
@@ -167,6 +167,7 @@ async def transcribe_files(
     whisper: decoder_pb2.WhisperOptions | None = None,
     output_format: str = "text",
     output_dir: str | None = None,
+    security: ClientSecurity | None = None,
     **sampling,
 ) -> list[Transcript | BaseException]:
     """Transcribes ``paths`` concurrently.
@@ -175,7 +176,11 @@ async def transcribe_files(
     ``[name] text`` line each. Otherwise each file, once done, is written as ``render`` makes it: to ``out``
     or, with ``output_dir``, to ``output_dir/<stem><suffix>`` (``SUFFIXES``; the folder is created).
 
+    ``security``: TLS / mutual TLS and the bearer token (``shared.tls.ClientSecurity``); None: plaintext, no token.
     ``sampling``: ``decoder_pb2.SamplingParams`` fields (None = unset; lists for ``stop`` / ``stop_token_ids``).
+
+    Raises:
+        ValueError: a TLS file of ``security`` cannot be read or is not PEM.
     """
     params = decoder_pb2.SamplingParams(**{k: v for k, v in sampling.items() if v is not None})
     if output_dir is not None:
@@ -193,7 +198,7 @@ async def transcribe_files(
             (Path(output_dir) / (Path(path).stem + SUFFIXES[output_format])).write_text(body, encoding="utf-8")
         return t
 
-    async with grpc.aio.insecure_channel(address, options=GRPC_OPTIONS) as channel:
+    async with (security or ClientSecurity()).channel(address, GRPC_OPTIONS) as channel:
         stub = decoder_pb2_grpc.DecoderServiceStub(channel)
         many = len(paths) > 1
         tasks = [one(stub, p, f"[{Path(p).name}] " if many else "") for p in paths]

@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 
 # How many times Services.start picks new free ports after losing one to another process.
 BIND_ATTEMPTS = 3
+# The services Services hands its Redis URL to (as ENCDEC_REDIS_URL: Services._child_env).
+REDIS_CLIENTS = ("decoder",)
 
 
 def check_port_free(port: int, host: str = "127.0.0.1") -> None:
@@ -90,14 +92,21 @@ def stop_processes(procs: list[subprocess.Popen], timeout_s: float = 15.0) -> No
             proc.wait()
 
 
-def wait_healthy(address: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
-    """Polls the standard gRPC health service at ``address`` until SERVING.
+def wait_healthy(
+    address: str,
+    timeout_s: float,
+    proc: subprocess.Popen | None = None,
+    credentials: grpc.ChannelCredentials | None = None,
+) -> None:
+    """Polls the standard gRPC health service at ``address`` until SERVING; ``credentials``: over TLS
+    (``shared.tls.ClientSecurity.credentials``; health needs no bearer token).
 
     Raises:
         ServicesError: ``proc`` exited first, or ``timeout_s`` passed.
     """
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
+    channel = grpc.insecure_channel(address) if credentials is None else grpc.secure_channel(address, credentials)
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if proc is not None and proc.poll() is not None:
@@ -143,7 +152,9 @@ class Services:
 
     Args:
         model: model name or directory for both services.
-        redis_url: an existing Redis; None starts a local ``redis-server``.
+        redis_url: an existing Redis (its URL may carry a password); None starts a local ``redis-server`` with
+            a generated password (``LocalRedisServer``; ``redis_url`` is then its URL, password included). The
+            decoder gets it as ``ENCDEC_REDIS_URL`` in its environment, not on its command line.
         encoder_port / decoder_port: 0 picks free ports.
         extra_decoder_args / extra_encoder_args: more CLI flags.
         log_dir: where each service's stdout/stderr goes; None inherits ours.
@@ -198,13 +209,27 @@ class Services:
             name, self.http_url
         )
 
+    def _child_env(self, name: str) -> dict[str, str] | None:
+        """The environment of service ``name``: ours, plus ``ENCDEC_REDIS_URL`` for the services in
+        ``REDIS_CLIENTS``. The URL carries the password, so it travels in the environment (readable by this user
+        only, ``/proc/<pid>/environ``), never as ``--redis-url`` on a command line, which every local user reads."""
+        if name not in REDIS_CLIENTS or not self.redis_url:
+            return None
+        return {**os.environ, "ENCDEC_REDIS_URL": self.redis_url}
+
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "encdec.cli", "--log-level", self.log_level, *args]
         out = None
         if self.log_dir:
             os.makedirs(self.log_dir, exist_ok=True)
             out = open(os.path.join(self.log_dir, f"{name}.log"), "ab")  # noqa: SIM115 - owned by the child
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT if out else None,
+            start_new_session=True,
+            env=self._child_env(name),
+        )
         self.procs.append(proc)
         self._named[name] = (proc, args, self._address(name))
         return proc
@@ -314,8 +339,6 @@ class Services:
                 str(self.decoder_port),
                 "--encoder-address",
                 self.encoder_address,
-                "--redis-url",
-                self.redis_url,
                 *model,
                 *token,
                 *self.extra_decoder_args,

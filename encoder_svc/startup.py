@@ -28,6 +28,8 @@ from shared.models.quantize import apply_quantization
 from shared.models.registry import is_encoder_only, load_model
 from shared.models.whisper_features import log_mel_spectrogram
 from shared.proto import encoder_pb2_grpc
+from shared.registration import serve_hooks, service_lease
+from shared.registry import cuda_gpu_ids
 
 __all__ = ["run"]
 
@@ -58,7 +60,8 @@ def run(config: EncoderServiceConfig) -> None:
 
     Raises:
         ValueError: ``device`` names a missing GPU, ``quantize`` is set for an encoder-only model, or
-            ``internal_token_file`` holds no usable token (``shared.internal_auth``).
+            ``internal_token_file`` holds no usable token (``shared.internal_auth``), or, with ``redis_url`` set,
+            ``redis_password_file`` cannot be read or the port is 0 (``shared.registration.service_lease``).
         BindError: the port is taken (``shared.grpc_server.serve``).
     """
     threads = single_threaded_main(config.num_threads)  # loading stays on one thread; the batcher thread gets these
@@ -73,6 +76,9 @@ def run(config: EncoderServiceConfig) -> None:
 
         return run_embed(config, threads)
     auth = InternalAuth.from_file(config.internal_token_file, "encoder", create=True)  # before the model: fail fast
+    transports = [t.strip() for t in config.kv_transport.split(",") if t.strip()]
+    # Listed in the replica registry (config.redis_url set) from the first readiness probe to the shutdown.
+    lease = service_lease(config, "encoder", transports, cuda_gpu_ids(device), load_fn=lambda: batcher.in_flight)
     model = load_model(config.model, torch_dtype(config.dtype))
     apply_quantization(model, config.quantize, "encoder")  # CPU only (the config refuses int8 on CUDA)
     model.to(device)
@@ -85,7 +91,7 @@ def run(config: EncoderServiceConfig) -> None:
     )
     max_batch_size = config.max_batch_size  # int8 too: its activation scales are per row (shared.models.quantize)
     writer = WriterSet(
-        [t.strip() for t in config.kv_transport.split(",") if t.strip()],
+        transports,
         {
             "torch_dist": dict(
                 backend=config.kv_dist_backend,
@@ -119,5 +125,8 @@ def run(config: EncoderServiceConfig) -> None:
             ["encdec.v1.EncoderService"],
             f"{config.host}:{config.port}",
             on_stop,
+            **serve_hooks(lease),
+            config=config,
+            public=False,  # Encode is internal: its own token (shared.internal_auth), no TLS / bearer token
         )
     )

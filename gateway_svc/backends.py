@@ -6,6 +6,9 @@ model no known backend serves, each target is asked what it serves: a decoder it
 serving the same model share one channel with gRPC's ``round_robin`` load-balancing policy (several ``ip:port``
 targets become one ``ipv4:`` target; host names are resolved when the channel is made); a ``dns:///`` target of a
 headless service is balanced over all its addresses by the same policy.
+
+Every channel carries the backends' bearer token and TLS settings (``backend_security``: ``backend_token`` /
+``backend_token_file``, ``backend_tls_ca``, ``backend_tls_cert`` / ``backend_tls_key``).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from gateway_svc.config import GatewayConfig
 from gateway_svc.errors import GatewayError
 from shared.grpc_server import GRPC_OPTIONS
 from shared.proto import decoder_pb2, decoder_pb2_grpc, embed_pb2, embed_pb2_grpc
+from shared.tls import ClientSecurity
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +90,33 @@ def balanced_target(targets: list[str]) -> str:
     return f"{scheme}:{','.join(addresses)}"
 
 
+def backend_security(config: GatewayConfig) -> ClientSecurity:
+    """How the gateway reaches its backends: their bearer token (``backend_token`` or the text of
+    ``backend_token_file``) and TLS (``backend_tls_*``).
+
+    Raises:
+        ValueError: ``backend_token_file`` cannot be read or is empty, or a TLS file cannot be read or is not PEM.
+    """
+    token = config.backend_token.strip()
+    if config.backend_token_file:
+        try:
+            with open(config.backend_token_file, encoding="ascii") as f:
+                token = f.read(4096).strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"backend_token_file {config.backend_token_file!r} cannot be read as text: {exc}") from exc
+        if not token:
+            raise ValueError(f"backend_token_file {config.backend_token_file!r} is empty")
+    security = ClientSecurity(
+        token=token,
+        tls_ca=config.backend_tls_ca,
+        tls_cert=config.backend_tls_cert,
+        tls_key=config.backend_tls_key,
+        tls_server_name=config.backend_tls_server_name,
+    )
+    security.credentials()  # reads the PEM files now: a wrong path fails the start
+    return security
+
+
 class Backends:
     """The decoder and embed backends of one gateway (``GatewayConfig.decoder_address`` / ``embed_address``).
 
@@ -99,11 +130,12 @@ class Backends:
         self._last_discovery = 0.0
         self.unanswered: set[str] = set()  # targets that did not answer the last discovery
         self.aliases = config.aliases
+        self.security = backend_security(config)
         self._lock = asyncio.Lock()
 
     def _probe(self, target: str) -> grpc.aio.Channel:
         if target not in self._probes:
-            self._probes[target] = grpc.aio.insecure_channel(target, options=GRPC_OPTIONS + ROUND_ROBIN)
+            self._probes[target] = self.security.channel(target, GRPC_OPTIONS + ROUND_ROBIN)
         return self._probes[target]
 
     async def start(self) -> None:
@@ -136,7 +168,7 @@ class Backends:
                     except (ValueError, OSError) as exc:
                         log.error("model %s: %s", model, exc)
                         continue
-                    backend.channel = grpc.aio.insecure_channel(target, options=GRPC_OPTIONS + ROUND_ROBIN)
+                    backend.channel = self.security.channel(target, GRPC_OPTIONS + ROUND_ROBIN)
             self.models.update(found)
 
     async def rediscover(self) -> bool:

@@ -35,9 +35,18 @@ class GatewayConfig:
         model_aliases: more names for served models, ``alias=model`` comma-separated
             (``whisper-1=whisper-tiny.en,text-embedding-3-small=all-MiniLM-L6-v2``), so that code written for
             OpenAI's model names runs unchanged (vLLM's ``--served-model-name``). Listed by ``/v1/models``.
+        tls_cert / tls_key: PEM certificate chain and private key: the gateway serves HTTPS (both or neither).
+        backend_token: the bearer token the backends require (their ``--auth-token-file``), sent with every gRPC
+            call; prefer ``ENCDEC_BACKEND_TOKEN`` or ``backend_token_file`` (a flag shows in ``ps``).
+        backend_token_file: a file holding ``backend_token`` (read at start-up, whitespace stripped).
+        backend_tls_ca: PEM CA bundle that signed the backends' certificates: the gateway reaches them over TLS.
+        backend_tls_cert / backend_tls_key: PEM client certificate and key for backends with mutual TLS.
+        backend_tls_server_name: the name the backends' certificates carry when it is not the target's host
+            (several ``host:port`` targets are dialled by IP).
 
     Raises:
-        ValueError: no backend address, or a limit out of range.
+        ValueError: no backend address, a limit out of range, a lone half of a certificate / key pair, or both
+            ``backend_token`` and ``backend_token_file``.
     """
 
     host: str = "127.0.0.1"
@@ -50,6 +59,14 @@ class GatewayConfig:
     max_embedding_inputs: int = DEFAULT_MAX_EMBEDDING_INPUTS
     request_timeout_s: float = 600.0
     model_aliases: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    backend_token: str = ""
+    backend_token_file: str = ""
+    backend_tls_ca: str = ""
+    backend_tls_cert: str = ""
+    backend_tls_key: str = ""
+    backend_tls_server_name: str = ""
 
     def __post_init__(self) -> None:
         if not self.decoder_targets and not self.embed_targets:
@@ -68,6 +85,14 @@ class GatewayConfig:
         if self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s:g}")
         self.aliases  # noqa: B018 - parses model_aliases: a malformed entry fails the start
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert and tls_key go together: set both (PEM files) or neither")
+        if bool(self.backend_tls_cert) != bool(self.backend_tls_key):
+            raise ValueError("backend_tls_cert and backend_tls_key go together: set both (PEM files) or neither")
+        if self.backend_token and self.backend_token_file:
+            raise ValueError("backend_token and backend_token_file are both set: keep one")
+        if self.backend_tls_server_name and not (self.backend_tls_ca or self.backend_tls_cert):
+            raise ValueError("backend_tls_server_name is for TLS backends: set backend_tls_ca too")
 
     @property
     def aliases(self) -> dict[str, str]:

@@ -1,4 +1,5 @@
-"""``encdec serve-http``: serves ``gateway_svc.app.create_app(config)`` on uvicorn until SIGINT / SIGTERM."""
+"""``encdec serve-http``: serves ``gateway_svc.app.create_app(config)`` on uvicorn (HTTP, or HTTPS with
+``tls_cert`` / ``tls_key``) until SIGINT / SIGTERM."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import socket
 import uvicorn
 
 from gateway_svc.app import create_app
+from gateway_svc.backends import backend_security
 from gateway_svc.config import GatewayConfig
 from shared.errors import BindError
+from shared.tls import server_credentials
 
 log = logging.getLogger(__name__)
 
@@ -41,17 +44,27 @@ def bind(host: str, port: int) -> socket.socket:
 def run(config: GatewayConfig, log_level: str = "info") -> None:
     """Serves the gateway on ``config.host:config.port`` (blocks until SIGINT / SIGTERM).
 
+    With ``tls_cert`` / ``tls_key`` it serves HTTPS (uvicorn's ``ssl_certfile`` / ``ssl_keyfile``); its backends
+    are reached as ``backend_security`` says (bearer token, TLS).
+
     Raises:
         BindError: the port cannot be bound.
+        ValueError: a TLS or token file cannot be read or used (the message names the setting).
     """
+    security = backend_security(config)  # before binding: a wrong path fails the start
+    if config.tls_cert:
+        server_credentials(config.tls_cert, config.tls_key)  # checks the pair as the gRPC services do
     sock = bind(config.host, config.port)
     log.info(
-        "HTTP gateway on %s:%d: decoders %s, embed %s, API key %s",
+        "HTTP gateway on %s:%d (%s): decoders %s, embed %s, API key %s; backends over %s, %s",
         config.host,
         sock.getsockname()[1],
+        "HTTPS" if config.tls_cert else "HTTP",
         ",".join(config.decoder_targets) or "-",
         ",".join(config.embed_targets) or "-",
         "required" if config.api_key else "off",
+        "mutual TLS" if security.tls_cert else "TLS" if security.tls else "plaintext",
+        "with a bearer token" if security.token else "no bearer token",
     )
     server = uvicorn.Server(
         uvicorn.Config(
@@ -59,6 +72,8 @@ def run(config: GatewayConfig, log_level: str = "info") -> None:
             log_level=log_level.lower(),
             access_log=False,  # /metrics counts every request; a line per embedding call would flood the log
             timeout_graceful_shutdown=10,
+            ssl_certfile=config.tls_cert or None,
+            ssl_keyfile=config.tls_key or None,
         )
     )
     server.run(sockets=[sock])

@@ -1,4 +1,5 @@
-"""Serving plumbing both services share: health, errors to status codes, shutdown."""
+"""Serving plumbing both services share: health, errors to status codes, shutdown, and a public port's
+security (bearer token, TLS, per-client limit: ``shared.public_port``)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
+from shared.config.base import ServiceConfig
 from shared.errors import BindError, InvalidRequestError, status_for
+from shared.public_port import public_port_security, security_summary
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +154,9 @@ async def serve(
     drain: Callable[[], Awaitable[None]] | None = None,
     readiness: Readiness | None = None,
     readiness_interval_s: float = 1.0,
+    *,
+    config: ServiceConfig | None = None,
+    public: bool = True,
 ) -> None:
     """Runs a grpc.aio server with the standard health service until SIGINT/SIGTERM.
 
@@ -169,11 +175,19 @@ async def serve(
             probe that raises counts as not ready. Health is NOT_SERVING until the
             first probe answers, and for good once the shutdown begins.
         readiness_interval_s: seconds between two readiness probes.
+        config: the service's settings: ``max_message_bytes`` (largest message received or sent) and, on a
+            ``public`` port, the bearer token (``auth_token_file`` / ``auth_token``, ``shared.public_auth``), TLS
+            (``tls_cert``, ``tls_key``, ``tls_client_ca`` for mutual TLS: ``shared.tls``) and
+            ``max_requests_per_client`` (``shared.client_limits``). None: ``GRPC_OPTIONS``, none of the rest.
+        public: False for an internal port (the encoder's Encode, which has its own token,
+            ``shared.internal_auth``): no bearer token, no TLS, no per-client limit.
 
     Raises:
         BindError: the address cannot be bound.
+        ValueError: the token file or a TLS file cannot be read or is not usable (the message names the setting).
     """
-    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[ErrorStatusInterceptor()])
+    interceptors, credentials = public_port_security(config) if public else ([], None)
+    server = grpc.aio.server(options=server_options(config), interceptors=[*interceptors, ErrorStatusInterceptor()])
     add_servicers(server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -181,7 +195,9 @@ async def serve(
     if readiness is not None:  # not SERVING before the first probe says so
         await _set_health(health, names, health_pb2.HealthCheckResponse.NOT_SERVING)
     try:
-        bound = server.add_insecure_port(address)
+        bound = (
+            server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
+        )
     except RuntimeError:  # grpc raises on a failed bind; older versions return 0
         bound = 0
     if bound == 0:
@@ -193,8 +209,12 @@ async def serve(
     else:
         watcher = asyncio.create_task(_watch_readiness(health, names, readiness, readiness_interval_s))
     log.info(
-        "serving %s on %s:%d", ", ".join(service_names), address.rpartition(":")[0], bound
-    )  # port 0: the one picked
+        "serving %s on %s:%d%s",
+        ", ".join(service_names),
+        address.rpartition(":")[0],
+        bound,  # port 0: the one picked
+        security_summary(config, public, credentials is not None, interceptors),
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -211,6 +231,14 @@ async def serve(
     await server.stop(grace=2.0)
     if on_stop is not None:
         await on_stop()
+
+
+def server_options(config: ServiceConfig | None) -> list[tuple]:
+    """``GRPC_OPTIONS`` with ``config.max_message_bytes`` as the receive and send limits (None: as they are)."""
+    if config is None:
+        return list(GRPC_OPTIONS)
+    limits = ("grpc.max_receive_message_length", "grpc.max_send_message_length")
+    return [(k, config.max_message_bytes if k in limits else v) for k, v in GRPC_OPTIONS]
 
 
 async def _set_health(health: HealthServicer, names: list[str], status) -> None:

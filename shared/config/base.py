@@ -53,6 +53,25 @@ class ServiceConfig:
             volume the decoder mounts too); the decoder requires it. Read at
             start-up: a file that cannot be read or written fails the start.
             Empty: no check (a warning at start-up). ``encdec up`` generates one.
+        redis_url: Redis of the deployment (``redis://[user:password@]host:port/db``, ``rediss://`` for TLS):
+            request state (decoder) and the replica registry (every service: ``shared.registry``). The encoder's
+            default is empty: no registration (static ``--encoder-address`` deployments need none).
+        redis_password_file: a file holding the Redis password (Kubernetes / compose secrets); it replaces the
+            password in ``redis_url`` (the user name stays). Empty: the URL's own.
+        advertise_address: ``host:port`` other replicas reach this one at, as registered in Redis; empty =
+            ``host:port``, with an unspecified ``host`` (``0.0.0.0``, ``::``) replaced by ``$POD_IP`` or this
+            machine's address.
+        lease_ttl_s: seconds the replica's registry lease lives without renewal (renewed every third of it);
+            a replica not renewed for this long counts as gone (``shared.registry``).
+        auth_token_file: file holding the bearer token every public RPC needs (``authorization: Bearer <token>``
+            metadata; UNAUTHENTICATED otherwise; health stays open); ``shared.public_auth``. Empty with
+            ``auth_token`` empty: no check.
+        auth_token: the token itself (prefer ``ENCDEC_AUTH_TOKEN`` or the file: a flag shows in ``ps``).
+        tls_cert / tls_key: PEM certificate chain and private key: the public port serves TLS (both or neither).
+        tls_client_ca: PEM CA bundle: clients must present a certificate it signed (mutual TLS); needs tls_cert.
+        max_requests_per_client: most calls in flight from one client address (the peer IP) on the public port;
+            more get RESOURCE_EXHAUSTED; 0 = no limit. Behind the HTTP gateway every call comes from its address.
+        max_message_bytes: largest gRPC message received or sent (bytes): audio travels in Generate.
     """
 
     model: str = DEFAULT_MODEL
@@ -68,10 +87,35 @@ class ServiceConfig:
     device: str = "cpu"
     dtype: str = "float32"
     internal_token_file: str = ""
+    redis_url: str = ""
+    redis_password_file: str = ""
+    advertise_address: str = ""
+    lease_ttl_s: float = 5.0
+    auth_token_file: str = ""
+    auth_token: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
+    max_requests_per_client: int = 256
+    max_message_bytes: int = 64 * 1024 * 1024
 
     def __post_init__(self) -> None:
         check_port(self.port)
         check_port(self.metrics_port)
+        if not 0 < self.lease_ttl_s < float("inf"):  # also refuses NaN
+            raise ValueError(f"lease_ttl_s must be > 0 and finite (seconds), got {self.lease_ttl_s}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert and tls_key go together: set both (PEM files) or neither")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key: the port must serve TLS")
+        if self.max_requests_per_client < 0:
+            raise ValueError(f"max_requests_per_client must be >= 0 (0 = no limit), got {self.max_requests_per_client}")
+        if not 1024 <= self.max_message_bytes <= 2**31 - 1:
+            raise ValueError(f"max_message_bytes must be in [1024, 2**31 - 1], got {self.max_message_bytes}")
+        if self.advertise_address:
+            host, _, port = self.advertise_address.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"advertise_address must be host:port, got {self.advertise_address!r}")
 
     def _check_model_device(self) -> None:
         """Refuses an unknown ``device`` / ``dtype`` and half precision or int8 where they do not belong."""

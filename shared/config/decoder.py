@@ -15,8 +15,10 @@ class DecoderServiceConfig(ServiceConfig):
 
     Attributes:
         port: gRPC port of the public API.
-        encoder_address: ``host:port`` of the encoder service.
-        redis_url: Redis holding request state.
+        encoder_address: ``host:port`` of the encoder service, or ``registry``: per Encode, a live encoder
+            replica from the Redis registry that serves this model and can reach this decoder's KV pool, least
+            loaded first (``decoder_svc.encoder_pool``).
+        redis_url: Redis holding request state and the replica registry.
         block_size: tokens per KV block (both cache groups).
         max_num_seqs: most sequences in the running batch.
         max_num_batched_tokens: most query tokens in one step.
@@ -110,6 +112,11 @@ class DecoderServiceConfig(ServiceConfig):
             gRPC deadline is shorter than its estimated wait gets DEADLINE_EXCEEDED.
             30 s: the wait a client of an interactive service still accepts; the
             estimate follows the machine's measured rate, so the bound holds on any.
+        max_input_tokens: most source tokens of a text request (0 = the model's max source positions).
+        max_new_tokens: most tokens generated per sample; a larger ``max_tokens`` gets INVALID_ARGUMENT
+            (0 = the model's max target length).
+        max_n: most samples per request (``n``), at most ``decoder_svc.sampling_params.MAX_N``.
+        max_beams: most beams per request, at most ``decoder_svc.sampling_params.MAX_BEAMS``.
     """
 
     port: int = 50051
@@ -135,6 +142,10 @@ class DecoderServiceConfig(ServiceConfig):
     shutdown_grace_s: float = 8.0
     max_waiting_requests: int = 32
     max_queue_time_s: float = 30.0
+    max_input_tokens: int = 0
+    max_new_tokens: int = 0
+    max_n: int = 16
+    max_beams: int = 16
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -162,6 +173,18 @@ class DecoderServiceConfig(ServiceConfig):
             raise ValueError(
                 f"kv_transfer_dtype must be one of: {', '.join(KV_DTYPES)}; got {self.kv_transfer_dtype!r}"
             )
+        for name, top in (("max_n", 16), ("max_beams", 16)):  # decoder_svc.sampling_params.MAX_N / MAX_BEAMS
+            if not 1 <= getattr(self, name) <= top:
+                raise ValueError(f"{name} must be in [1, {top}], got {getattr(self, name)}")
+        for name in ("max_input_tokens", "max_new_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0 = the model's limit), got {getattr(self, name)}")
+        if self.encoder_address != "registry":
+            host, _, port = self.encoder_address.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(
+                    f"encoder_address must be host:port or 'registry' (encoders from Redis), got {self.encoder_address!r}"
+                )
         if self.max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
         if not 0 < self.max_queue_time_s < float("inf"):  # also refuses NaN

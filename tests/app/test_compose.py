@@ -316,6 +316,20 @@ def test_encode_without_the_internal_token_is_refused(deployment):
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, info.value.details()
 
 
+def test_redis_takes_only_the_password_the_secrets_service_generated(deployment):
+    """The one-shot secrets service wrote the password (mode 0600) into the redis-secret volume; redis started
+    with it (redis.conf's requirepass) and refuses a client without it; the decoder's Generate above got in."""
+    import redis
+
+    password_file = Path(deployment.env("decoder")["ENCDEC_REDIS_PASSWORD_FILE"])
+    assert password_file.stat().st_mode & 0o777 == 0o600 and len(password_file.read_text().strip()) == 64
+    assert "secrets" in deployment.completed
+    host, port = deployment.endpoints[("redis", 6379)]
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis(host=host, port=port, socket_timeout=5).get("x")
+    assert redis.Redis(host=host, port=port, password=password_file.read_text().strip(), socket_timeout=5).ping()
+
+
 def test_embed_through_the_published_embed_port(deployment):
     from encoder_svc.embed.engine import finish_embedding, load_embed_engine
     from shared.proto import embed_pb2, embed_pb2_grpc

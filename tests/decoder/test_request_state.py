@@ -14,10 +14,10 @@ from decoder_svc.request_state import (
     RequestState,
     RequestStateStore,
     UnknownRequestError,
-    redact_url,
 )
 from encdec.redis_server import free_port
 from shared.errors import UnavailableError
+from shared.redis_url import redact_url
 
 
 @pytest.fixture
@@ -182,7 +182,7 @@ def test_local_redis_server_start_stop():
 
     assert find_redis_server()
     with LocalRedisServer() as server:
-        assert server.url.startswith("redis://127.0.0.1:")
+        assert server.url.startswith(f"redis://:{server.password}@127.0.0.1:")  # a generated password
         client = redis.Redis.from_url(server.url)
         assert client.ping()
         assert client.config_get("save")["save"] in ("", b"")

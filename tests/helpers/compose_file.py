@@ -41,7 +41,7 @@ SERVICE_KEYS = {
 }
 DEFAULT_STOP_GRACE_PERIOD_S = 10.0  # compose's: SIGKILL this long after SIGTERM
 HEALTHCHECK_KEYS = {"test", "interval", "timeout", "retries", "start_period"}
-CONDITIONS = {"service_healthy", "service_started"}
+CONDITIONS = {"service_healthy", "service_started", "service_completed_successfully"}
 
 
 @dataclass

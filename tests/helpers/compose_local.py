@@ -7,8 +7,10 @@ service of the active profiles as a process on this machine:
 * a service with ``build`` runs its ``command`` from this checkout (``encdec``
   is ``python -m encdec.cli``, ``python`` is this interpreter) with exactly its
   ``environment`` (plus PATH/HOME/locale and the image's PYTHONUNBUFFERED);
-* the ``redis`` image is replaced by a real local redis-server (the
-  ``redis_url`` fixture);
+* the ``redis`` image is replaced by a real local redis-server: one started here
+  with the ``requirepass`` of the config file its command names (``redis-server
+  /path/redis.conf ...``, the path under one of its mounts, read once its
+  dependencies hold), else the ``redis_url`` fixture's;
 * service hostnames become 127.0.0.1 and every exposed container port gets a
   free local port, and a path under a service's ``NAMED_VOLUME:/path`` mount
   becomes the same path under that volume's local directory (one per named
@@ -18,7 +20,8 @@ service of the active profiles as a process on this machine:
   service's own ``healthcheck`` command, run locally with the service's
   environment, exits 0 (whatever it checks: the gRPC health service of the
   model services, ``GET /health`` of the HTTP gateway, which answers 200 only
-  once its decoder and embed backends are SERVING).
+  once its decoder and embed backends are SERVING); ``service_completed_successfully``
+  waits until the one-shot service exited 0 (any other exit fails ``up``).
 
 Docker-only isolation (networks, IPC/PID namespaces, shm size) has no local
 effect; the tests check those keys structurally. ``compose_file.check_understood``
@@ -54,7 +57,7 @@ from helpers.compose_file import (
 )
 
 from encdec.launcher import stop_processes
-from encdec.redis_server import free_ports
+from encdec.redis_server import LocalRedisServer, free_ports
 
 LOOPBACK = {"127.0.0.1", "localhost", "0.0.0.0"}
 PASSED_HOST_ENV = ("PATH", "HOME", "TMPDIR", "LANG", "LC_ALL")
@@ -117,6 +120,26 @@ def remap(
     return _HOST_PORT.sub(sub, value)
 
 
+def redis_config(service: dict) -> str | None:
+    """The config file a redis image's ``redis-server <file> ...`` command names, or None."""
+    cmd = service.get("command") or []
+    if "build" in service or len(cmd) < 2 or cmd[0] != "redis-server" or cmd[1].startswith("-"):
+        return None
+    return cmd[1]
+
+
+def read_requirepass(path: Path) -> str:
+    """The password of the ``requirepass "<password>"`` line of a redis.conf.
+
+    Raises:
+        UnsupportedCompose: the file has other lines, or none of that form.
+    """
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    m = re.fullmatch(r'requirepass "([^"\\]+)"', lines[0]) if len(lines) == 1 else None
+    require(m is not None, f'{path}: only a single requirepass "..." line is understood')
+    return m[1]
+
+
 def local_command(argv: list[str]) -> list[str]:
     """The image's executables as this checkout's: ``encdec`` and ``python``."""
     head = {"encdec": [sys.executable, "-m", "encdec.cli"], "python": [sys.executable]}.get(argv[0])
@@ -144,6 +167,8 @@ class LocalDeployment:
     volume_dirs: dict[str, Path] = field(default_factory=dict)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     healthy: set[str] = field(default_factory=set)
+    completed: set[str] = field(default_factory=set)
+    redis_servers: dict[str, LocalRedisServer] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_understood(self.project)
@@ -151,7 +176,8 @@ class LocalDeployment:
         active = self.project.active()
         for name, svc in active.items():
             require("deploy" not in svc, f"{name} reserves devices; this machine has none")
-        built = [(name, port) for name, svc in active.items() if "build" in svc for port in exposed_ports(svc)]
+        own = {name for name, svc in active.items() if "build" in svc or redis_config(svc)}  # ports picked here
+        built = [(name, port) for name in own for port in exposed_ports(active[name])]
         local_ports = iter(free_ports(len(built)))  # distinct: separate picks could repeat a port
         for volume in self.project.volumes:  # a named volume: one local directory, empty at the first `up`
             self.volume_dirs[volume] = self.log_dir / "volumes" / volume
@@ -159,7 +185,7 @@ class LocalDeployment:
         for name, svc in active.items():
             for port in exposed_ports(svc):
                 self.endpoints[(name, port)] = (
-                    (url.hostname, url.port) if "build" not in svc else ("127.0.0.1", next(local_ports))
+                    ("127.0.0.1", next(local_ports)) if name in own else (url.hostname, url.port)
                 )
 
     def env(self, name: str) -> dict[str, str]:
@@ -194,10 +220,30 @@ class LocalDeployment:
         return subprocess.Popen(argv, env=self.env(name), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
     def _ready(self, dep: str, condition: str) -> bool:
+        if condition == "service_completed_successfully":
+            return dep in self.completed
         return dep in self.healthy if condition == "service_healthy" else dep in self.procs or dep in self.healthy
 
+    def _one_shot(self, name: str) -> bool:
+        """Whether a service depends on ``name`` having completed (it is expected to exit 0)."""
+        return any(
+            spec["condition"] == "service_completed_successfully"
+            for svc in self.project.active().values()
+            for dep, spec in svc.get("depends_on", {}).items()
+            if dep == name
+        )
+
     def _start(self, name: str, svc: dict) -> None:
-        if "build" not in svc:  # the redis image: the local redis-server is already up
+        if "build" not in svc:  # the redis image: a local redis-server
+            conf = redis_config(svc)
+            if conf is not None:
+                path = remap(conf, name, self.endpoints, mounts=self.mounts(name))
+                server = LocalRedisServer(
+                    port=self.endpoints[(name, exposed_ports(svc)[0])][1],
+                    password=read_requirepass(Path(path)),
+                    extra_args=tuple(svc["command"][2:]),
+                )
+                self.redis_servers[name] = server.start()
             self.healthy.add(name)
             return
         log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
@@ -208,7 +254,7 @@ class LocalDeployment:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        if "healthcheck" not in svc:
+        if "healthcheck" not in svc and not self._one_shot(name):
             self.healthy.add(name)
 
     def _listening(self, name: str) -> bool:
@@ -251,11 +297,16 @@ class LocalDeployment:
                             + parse_duration(hc.get("interval", "30s")) * hc.get("retries", 3)
                         )
                 waiting = [n for n in deadlines if n not in self.healthy]
-                if not waiting:
+                if not waiting and len(self.healthy) < len(services):
                     raise RuntimeError(f"depends_on never holds for {sorted(set(services) - set(deadlines))}")
                 for name, proc in self.procs.items():
-                    if proc.poll() is not None:
-                        raise RuntimeError(f"{name} exited with code {proc.returncode}:\n{self._log_tail(name)}")
+                    if proc.poll() is None or name in self.completed:
+                        continue
+                    if proc.returncode == 0 and self._one_shot(name):
+                        self.completed.add(name)
+                        self.healthy.add(name)
+                        continue
+                    raise RuntimeError(f"{name} exited with code {proc.returncode}:\n{self._log_tail(name)}")
                 for name in waiting:
                     if time.monotonic() > deadlines[name]:
                         raise RuntimeError(
@@ -290,6 +341,9 @@ class LocalDeployment:
             grace = self.project.services[name].get("stop_grace_period")
             stop_processes([proc], parse_duration(grace) if grace else DEFAULT_STOP_GRACE_PERIOD_S)
         self.procs.clear()
+        for server in self.redis_servers.values():
+            server.stop()
+        self.redis_servers.clear()
 
     def __enter__(self) -> LocalDeployment:
         return self.up()

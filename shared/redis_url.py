@@ -1,0 +1,45 @@
+"""The Redis URL a service connects with (``redis_url`` with the password of ``redis_password_file`` put in), and
+the URL as messages and logs show it (``redact_url``: never the password).
+
+Kubernetes and compose hand secrets over as files (or as variables); a URL in a
+manifest should not carry the password itself. ``resolve_redis_url`` keeps the
+URL's user name (a Redis 6 ACL user) and host, and replaces its password with
+the file's content (surrounding whitespace stripped).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from urllib.parse import quote, urlsplit, urlunsplit
+
+
+def resolve_redis_url(url: str, password_file: str = "") -> str:
+    """``url`` with the password read from ``password_file`` (empty: ``url`` unchanged).
+
+    Raises:
+        ValueError: the file cannot be read or is empty, or ``url`` is empty while a password file is set.
+    """
+    if not password_file:
+        return url
+    if not url:
+        raise ValueError("redis_password_file is set but redis_url is empty: set redis_url too")
+    try:
+        password = Path(password_file).read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"cannot read redis_password_file {password_file}: {exc.strerror}") from exc
+    if not password:
+        raise ValueError(f"redis_password_file {password_file} is empty")
+    parts = urlsplit(url)
+    host = parts.netloc.rpartition("@")[2]
+    user = quote(parts.username or "", safe="")
+    return urlunsplit(parts._replace(netloc=f"{user}:{quote(password, safe='')}@{host}"))
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password replaced by ``***`` (for messages and logs)."""
+    parts = urlsplit(url)
+    if not parts.password:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))

@@ -1,0 +1,421 @@
+"""deploy/k8s/: every placement renders, validates against the Kubernetes 1.37 schemas (strict), and keeps the
+deployment's promises (issue 23).
+
+``render`` is a tiny kustomize that knows only what the manifests use (``resources:`` files and directories
+with a kustomization.yaml of their own) and refuses anything else, so a feature added to a kustomization fails
+here instead of being skipped; where ``kubectl`` is on PATH its ``kubectl kustomize`` output must equal ours.
+The rules read the services' own settings through ``shared.config.config_from`` (the values the processes
+would run with, defaults included): probes on each container's gRPC port, termination grace above the
+decoder's drain, no public Service for Encode / torch_dist / Redis, NetworkPolicies that admit those ports only
+from our pods, PDB / HPA targets, resources, Secrets only by reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gateway_svc.config import GatewayConfig
+from shared.config import DecoderServiceConfig, EncoderServiceConfig, config_from
+
+kubernetes_validate = pytest.importorskip(
+    "kubernetes_validate", reason="kubernetes-validate is not installed (pip install -e '.[test]')"
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "deploy" / "k8s"
+PLACEMENTS = ("colocated", "split", "gpu")
+K8S_VERSION = "1.37.0"  # the schemas of the pinned kubernetes-validate
+CONFIG_OF = {"serve-encoder": EncoderServiceConfig, "serve-decoder": DecoderServiceConfig, "serve-http": GatewayConfig}
+INTERNAL_PORTS = {50061: "Encode", 6379: "Redis", 29500: "torch_dist"}
+DRAIN_MARGIN_S = 4  # after shutdown_grace_s the decoder ends the rest within ~4 s
+SECRET = "encdec-secrets"
+POD_IP = "10.0.0.7"  # stands in for $(POD_IP) when a container's settings are read
+OURS = {"app.kubernetes.io/name": "encdec-serve"}
+
+
+class UnsupportedKustomization(ValueError):
+    """A kustomization uses a feature ``render`` does not implement."""
+
+
+# ---- rendering -------------------------------------------------------------------------------------------
+def render(directory: Path) -> list[dict]:
+    """The documents ``kubectl kustomize directory`` builds, for kustomizations of plain ``resources:``.
+
+    Raises:
+        UnsupportedKustomization: any other field, a remote or missing resource, or two documents with the
+            same kind and name (kustomize refuses those too).
+    """
+    spec = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    if spec.get("apiVersion") != "kustomize.config.k8s.io/v1beta1" or spec.get("kind") != "Kustomization":
+        raise UnsupportedKustomization(f"{directory}: not a kustomize.config.k8s.io/v1beta1 Kustomization")
+    unknown = set(spec) - {"apiVersion", "kind", "resources"}
+    if unknown:
+        raise UnsupportedKustomization(f"{directory}/kustomization.yaml: {sorted(unknown)} not supported here")
+    docs: list[dict] = []
+    for entry in spec.get("resources", []):
+        path = (directory / entry).resolve()
+        if "://" in entry or not path.exists():
+            raise UnsupportedKustomization(f"{directory}: resource {entry!r} is not a local file or directory")
+        if path.is_dir():
+            docs += render(path)
+        else:
+            docs += [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+    seen = set()
+    for doc in docs:
+        key = (doc["kind"], doc["metadata"]["name"])
+        if key in seen:
+            raise UnsupportedKustomization(f"{directory}: {key} defined twice")
+        seen.add(key)
+    return docs
+
+
+@pytest.fixture(scope="module", params=PLACEMENTS)
+def placement(request) -> tuple[str, list[dict]]:
+    return request.param, render(K8S / request.param)
+
+
+def of_kind(docs: list[dict], kind: str) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def pod_templates(docs: list[dict]) -> dict[str, dict]:
+    """Deployment name -> its pod template."""
+    return {d["metadata"]["name"]: d["spec"]["template"] for d in of_kind(docs, "Deployment")}
+
+
+def containers(pod: dict) -> list[dict]:
+    """Every container of a pod template, native sidecars (init containers that restart) included."""
+    return [*pod["spec"].get("initContainers", []), *pod["spec"]["containers"]]
+
+
+def command(container: dict) -> str | None:
+    """``serve-encoder`` / ``serve-decoder`` / ``serve-http`` for an encdec container, else None."""
+    cmd = container.get("command", [])
+    return cmd[1] if cmd[:1] == ["encdec"] else None
+
+
+def settings(container: dict):
+    """The container's config as its process reads it (``$(POD_IP)`` filled in, Secret references stubbed)."""
+    env = {}
+    for var in container.get("env", []):
+        if "value" in var:
+            env[var["name"]] = var["value"].replace("$(POD_IP)", POD_IP)
+        elif "secretKeyRef" in var.get("valueFrom", {}):
+            env[var["name"]] = "s" * 32
+    return config_from(CONFIG_OF[command(container)], env=env)
+
+
+def encdec_containers(docs: list[dict]):
+    for name, pod in pod_templates(docs).items():
+        for c in containers(pod):
+            if command(c):
+                yield name, pod, c
+
+
+def matches(selector: dict, labels: dict[str, str]) -> bool:
+    """Whether a LabelSelector (matchLabels + matchExpressions) selects ``labels``."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for expr in selector.get("matchExpressions", []):
+        key, op, values = expr["key"], expr["operator"], expr.get("values", [])
+        ok = {
+            "In": labels.get(key) in values,
+            "NotIn": labels.get(key) not in values,
+            "Exists": key in labels,
+            "DoesNotExist": key not in labels,
+        }[op]
+        if not ok:
+            return False
+    return True
+
+
+def container_ports(pod: dict) -> dict[str | int, int]:
+    """Port name and number -> number, over every container of the pod."""
+    out: dict[str | int, int] = {}
+    for c in containers(pod):
+        for p in c.get("ports", []):
+            out[p["containerPort"]] = p["containerPort"]
+            if "name" in p:
+                out[p["name"]] = p["containerPort"]
+    return out
+
+
+# ---- the loader itself -------------------------------------------------------------------------------------
+def test_render_refuses_what_it_does_not_implement(tmp_path):
+    (tmp_path / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources: [a.yaml]\npatches: [p.yaml]\n"
+    )
+    (tmp_path / "a.yaml").write_text("apiVersion: v1\nkind: Service\nmetadata: {name: a}\n")
+    with pytest.raises(UnsupportedKustomization, match="patches"):
+        render(tmp_path)
+    (tmp_path / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources: [a.yaml, a.yaml]\n"
+    )
+    with pytest.raises(UnsupportedKustomization, match="twice"):
+        render(tmp_path)
+    (tmp_path / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources: [missing.yaml]\n"
+    )
+    with pytest.raises(UnsupportedKustomization, match="missing"):
+        render(tmp_path)
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="no kubectl on PATH to compare with")
+def test_render_equals_kubectl_kustomize(placement):
+    name, docs = placement
+    out = subprocess.run(["kubectl", "kustomize", str(K8S / name)], check=True, capture_output=True, timeout=60)
+    theirs = [d for d in yaml.safe_load_all(out.stdout) if d is not None]
+
+    def key(d):
+        return (d["kind"], d["metadata"]["name"])
+
+    assert sorted(theirs, key=key) == sorted(docs, key=key)
+
+
+# ---- schemas ---------------------------------------------------------------------------------------------
+def test_every_document_validates_against_the_kubernetes_schemas(placement):
+    _, docs = placement
+    assert docs
+    for doc in docs:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)  # raises ValidationError
+
+
+def test_environment_names_real_config_fields_and_validates(placement, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # lets attention_backend=triton (gpu/) validate without a GPU
+    _, docs = placement
+    for deployment, _, c in encdec_containers(docs):
+        cls = CONFIG_OF[command(c)]
+        fields = {f"ENCDEC_{f.name.upper()}" for f in dataclasses.fields(cls)}
+        unknown = {v["name"] for v in c.get("env", []) if v["name"].startswith("ENCDEC_")} - fields
+        assert not unknown, f"{deployment}/{c['name']}: {sorted(unknown)} are not {cls.__name__} fields"
+        assert settings(c).host == "0.0.0.0", (deployment, c["name"])  # the kubelet probes the pod IP
+
+
+# ---- probes, grace, resources, security context --------------------------------------------------------------
+def test_every_encdec_container_probes_its_own_grpc_port(placement):
+    _, docs = placement
+    seen = set()
+    for deployment, _, c in encdec_containers(docs):
+        where = f"{deployment}/{c['name']}"
+        exposed = {p["containerPort"] for p in c.get("ports", [])}
+        port = settings(c).port
+        assert port in exposed, where
+        seen.add(command(c))
+        if command(c) == "serve-http":  # the gateway speaks HTTP: /health says whether its backends serve
+            assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": port}, where
+            assert c["livenessProbe"], where
+            continue
+        for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+            assert c[probe]["grpc"] == {"port": port}, (where, probe)
+    assert {"serve-encoder", "serve-decoder", "serve-http"} <= seen
+
+
+def test_termination_grace_outlasts_the_decoders_drain(placement):
+    _, docs = placement
+    decoders = 0
+    for deployment, pod, c in encdec_containers(docs):
+        if command(c) != "serve-decoder":
+            continue
+        decoders += 1
+        pre_stop = c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
+        sleep_s = float(pre_stop[1]) if pre_stop[:1] == ["sleep"] else 0.0
+        drain = sleep_s + settings(c).shutdown_grace_s + DRAIN_MARGIN_S
+        assert pod["spec"]["terminationGracePeriodSeconds"] > drain, (deployment, drain)
+    assert decoders == 1
+
+
+def test_every_container_requests_resources_and_runs_as_the_images_non_root_user(placement):
+    _, docs = placement
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    uid = int(re.search(r"useradd [^\n]*--uid (\d+) encdec", dockerfile)[1])
+    assert re.search(r"^USER encdec$", dockerfile, flags=re.MULTILINE)
+    for deployment, pod in pod_templates(docs).items():
+        security = pod["spec"]["securityContext"]
+        assert security["runAsNonRoot"] is True and isinstance(security["runAsUser"], int), deployment
+        for c in containers(pod):
+            where = f"{deployment}/{c['name']}"
+            assert {"cpu", "memory"} <= set(c["resources"]["requests"]), where
+            assert "memory" in c["resources"]["limits"], where
+            assert c["securityContext"]["allowPrivilegeEscalation"] is False, where
+            if command(c):
+                assert security["runAsUser"] == uid, where
+
+
+# ---- exposure ---------------------------------------------------------------------------------------------
+def test_no_public_service_exposes_encode_torch_dist_or_redis(placement):
+    _, docs = placement
+    pods = pod_templates(docs)
+    public = 0
+    for svc in of_kind(docs, "Service"):
+        spec, name = svc["spec"], svc["metadata"]["name"]
+        selected = [p for p in pods.values() if matches({"matchLabels": spec["selector"]}, p["metadata"]["labels"])]
+        assert selected, f"Service {name} selects no pod"
+        targets = set()
+        for port in spec["ports"]:
+            target = port.get("targetPort", port["port"])
+            resolved = {container_ports(p).get(target) for p in selected}
+            assert None not in resolved, f"Service {name}: targetPort {target!r} is no container port"
+            targets |= resolved | {port["port"]}
+        if spec.get("type", "ClusterIP") in ("LoadBalancer", "NodePort"):
+            public += 1
+            assert not targets & set(INTERNAL_PORTS), f"Service {name} is public and exposes {targets}"
+    assert public == 3  # decoder, embed, HTTP gateway
+
+
+def admitted(docs: list[dict], pod_labels: dict, port: int, peer: dict | None, pod: dict) -> bool:
+    """Whether the NetworkPolicies let ``peer`` (a pod's labels in this namespace; None: outside the cluster)
+    connect to ``port`` of a pod labelled ``pod_labels``."""
+    policies = [
+        p
+        for p in of_kind(docs, "NetworkPolicy")
+        if matches(p["spec"]["podSelector"], pod_labels) and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])
+    ]
+    if not policies:
+        return True  # not isolated
+    named = container_ports(pod)
+    for policy in policies:
+        for rule in policy["spec"].get("ingress", []):
+            ports = {named.get(p["port"], p["port"]) for p in rule.get("ports", [])}
+            if ports and port not in ports:
+                continue
+            sources = rule.get("from")
+            if not sources:
+                return True
+            for source in sources:
+                if "ipBlock" in source and peer is None:
+                    return True
+                if "namespaceSelector" in source and peer is not None:
+                    return True  # would admit pods of other namespaces too: counted as admitting
+                if set(source) == {"podSelector"} and peer is not None and matches(source["podSelector"], peer):
+                    return True
+    return False
+
+
+def test_network_policies_keep_encode_torch_dist_and_redis_to_our_pods(placement):
+    name, docs = placement
+    pods = pod_templates(docs)
+    labels = {n: p["metadata"]["labels"] for n, p in pods.items()}
+    stranger = {"app": "someone-else"}
+    protected = 0
+    for deployment, pod in pods.items():
+        for port in set(container_ports(pod).values()) & set(INTERNAL_PORTS):
+            protected += 1
+            where = f"{deployment}:{port} ({INTERNAL_PORTS[port]})"
+            assert not admitted(docs, labels[deployment], port, None, pod), f"{where} reachable from outside"
+            assert not admitted(docs, labels[deployment], port, stranger, pod), f"{where} reachable by any pod"
+            for other, other_labels in labels.items():
+                if not other_labels.items() >= OURS.items():
+                    assert not admitted(docs, labels[deployment], port, other_labels, pod), (where, other)
+    assert protected >= (3 if name == "split" else 1)
+    # ...and the pods that need them still get through.
+    decoder = labels["encdec-decoder"]
+    assert admitted(docs, labels["encdec-redis"], 6379, decoder, pods["encdec-redis"])
+    assert not admitted(docs, labels["encdec-redis"], 6379, labels["encdec-gateway"], pods["encdec-redis"])
+    assert admitted(docs, decoder, 50051, None, pods["encdec-decoder"])  # the public API
+    if name == "split":
+        encoder = labels["encdec-encoder"]
+        assert admitted(docs, encoder, 50061, decoder, pods["encdec-encoder"])
+        assert admitted(docs, decoder, 29500, encoder, pods["encdec-decoder"])
+        assert admitted(docs, labels["encdec-redis"], 6379, encoder, pods["encdec-redis"])  # registers itself
+
+
+def test_pdbs_and_hpas_target_existing_deployments(placement):
+    _, docs = placement
+    pods = pod_templates(docs)
+    for pdb in of_kind(docs, "PodDisruptionBudget"):
+        hits = [n for n, p in pods.items() if matches(pdb["spec"]["selector"], p["metadata"]["labels"])]
+        assert len(hits) == 1, (pdb["metadata"]["name"], hits)
+    hpas = {h["spec"]["scaleTargetRef"]["name"]: h for h in of_kind(docs, "HorizontalPodAutoscaler")}
+    for target, hpa in hpas.items():
+        assert hpa["apiVersion"] == "autoscaling/v2" and target in pods, target
+        assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": target}
+        assert any(m["type"] == "Resource" and m["resource"]["name"] == "cpu" for m in hpa["spec"]["metrics"])
+        assert "replicas" in next(d for d in of_kind(docs, "Deployment") if d["metadata"]["name"] == target)["spec"]
+    assert "encdec-decoder" in hpas
+    covered = {n for n, p in pods.items() for b in of_kind(docs, "PodDisruptionBudget")
+               if matches(b["spec"]["selector"], p["metadata"]["labels"])}  # fmt: skip
+    assert {"encdec-decoder", "encdec-embed", "encdec-gateway"} <= covered
+
+
+# ---- secrets ----------------------------------------------------------------------------------------------
+def test_secrets_are_referenced_never_inline():
+    readme = (K8S / "README.md").read_text()
+    generated = set(re.findall(r"--from-literal=([a-z-]+)=", readme))
+    used = set()
+    for name in PLACEMENTS:
+        docs = render(K8S / name)
+        assert not of_kind(docs, "Secret") and not of_kind(docs, "ConfigMap"), name
+        text = yaml.safe_dump_all(docs)
+        assert not re.search(r"\b[0-9a-f]{32,}\b", text), f"{name}: a literal that looks like a generated secret"
+        for deployment, pod in pod_templates(docs).items():
+            volumes = {v["name"]: v for v in pod["spec"].get("volumes", [])}
+            for c in containers(pod):
+                mounts = {m["mountPath"]: volumes[m["name"]] for m in c.get("volumeMounts", [])}
+                for var in c.get("env", []):
+                    where = f"{name}/{deployment}/{c['name']} {var['name']}"
+                    if "valueFrom" in var and "secretKeyRef" in var["valueFrom"]:
+                        ref = var["valueFrom"]["secretKeyRef"]
+                        assert ref["name"] == SECRET, where
+                        used.add(ref["key"])
+                    elif re.search(r"TOKEN|PASSWORD|API_KEY|SECRET|AUTH", var["name"]):
+                        assert var["name"].endswith("_FILE"), f"{where}: a secret as a literal value"
+                        directory, _, key = var["value"].rpartition("/")
+                        secret = mounts[directory]["secret"]
+                        assert secret["secretName"] == SECRET and key in {i["path"] for i in secret["items"]}, where
+                        used |= {i["key"] for i in secret["items"] if i["path"] == key}
+    assert used == generated == {"redis-password", "auth-token", "internal-token"}
+
+
+# ---- the placements -----------------------------------------------------------------------------------------
+def test_colocated_pods_share_an_in_memory_dev_shm_and_their_own_encoder():
+    for name, transport in (("colocated", "shm"), ("gpu", "cuda_ipc")):
+        pod = pod_templates(render(K8S / name))["encdec-decoder"]
+        by_role = {command(c): c for c in containers(pod) if command(c)}
+        encoder, decoder = by_role["serve-encoder"], by_role["serve-decoder"]
+        assert encoder.get("restartPolicy") == "Always", name  # a native sidecar: stopped after the decoder
+        shm = {v["name"] for v in pod["spec"]["volumes"] if v.get("emptyDir", {}).get("medium") == "Memory"}
+        for c in (encoder, decoder):
+            assert any(m["mountPath"] == "/dev/shm" and m["name"] in shm for m in c["volumeMounts"]), (name, c["name"])
+        dec, enc = settings(decoder), settings(encoder)
+        assert dec.encoder_address == f"127.0.0.1:{enc.port}" and dec.kv_transport == transport, name
+        assert transport in enc.kv_transport.split(","), name
+    gpu = pod_templates(render(K8S / "gpu"))["encdec-decoder"]
+    assert gpu["spec"]["shareProcessNamespace"] is True  # CUDA IPC needs the PID namespace too
+    claim = gpu["spec"]["resourceClaims"][0]["name"]
+    assert all(c["resources"]["claims"] == [{"name": claim}] for c in containers(gpu))  # ONE GPU for both
+    assert all(c["image"].endswith(":cuda") for c in containers(gpu))
+
+
+def test_split_decoders_find_encoders_in_the_registry_and_receive_kv_over_torch_dist():
+    pods = pod_templates(render(K8S / "split"))
+    (decoder,) = containers(pods["encdec-decoder"])
+    (encoder,) = containers(pods["encdec-encoder"])
+    dec, enc = settings(decoder), settings(encoder)
+    assert dec.encoder_address == "registry" and dec.kv_transport == "torch_dist"
+    assert "torch_dist" in enc.kv_transport.split(",")
+    assert int(dec.kv_dist_address.rpartition(":")[2]) in container_ports(pods["encdec-decoder"]).values()
+    for c, config in ((decoder, dec), (encoder, enc)):
+        assert config.redis_url and config.redis_password_file, c["name"]
+        assert config.advertise_address == f"{POD_IP}:{config.port}", c["name"]
+
+
+# ---- compose.yaml ------------------------------------------------------------------------------------------
+def test_compose_redis_requires_a_password_and_publishes_no_internal_port():
+    doc = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    services = doc["services"]
+    redis_cmd = " ".join(services["redis"]["command"])
+    assert "--requirepass" in redis_cmd or "redis.conf" in redis_cmd, redis_cmd
+    for name, svc in services.items():
+        published = {int(str(p).rpartition(":")[2]) for p in svc.get("ports", [])}
+        assert not published & set(INTERNAL_PORTS), (name, published)
+        env = svc.get("environment", {})
+        if "ENCDEC_REDIS_URL" in env:
+            assert "@" not in env["ENCDEC_REDIS_URL"], name  # no password in the URL itself
+            assert env.get("ENCDEC_REDIS_PASSWORD_FILE"), name

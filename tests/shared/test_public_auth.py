@@ -1,0 +1,187 @@
+"""The bearer token and the per-client limit of a public gRPC port (``shared.public_auth``,
+``shared.client_limits``), on a real server process (``helpers.plumbing_server``: ``shared.grpc_server.serve``
+with a small DecoderService of the test's own) reached over loopback."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from helpers.plumbing_server import plumbing_server
+
+from shared.client_limits import peer_ip
+from shared.proto import decoder_pb2, decoder_pb2_grpc
+from shared.public_auth import MISSING_TOKEN, load_bearer_token
+from shared.tls import ClientSecurity
+
+TOKEN = "s3cret-token-for-the-tests-0123456789"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A plaintext public port needing ``TOKEN``, at most 1 call in flight per client; yields (address, log path)."""
+    root = tmp_path_factory.mktemp("public-auth")
+    (root / "token").write_text(f"  {TOKEN}\n")  # surrounding whitespace is stripped
+    log = root / "server.log"
+    fields = {"auth_token_file": str(root / "token"), "max_requests_per_client": 1}
+    with plumbing_server(fields, log) as (address, _):
+        yield address, log
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, timeout=30))
+
+
+async def _call(address: str, token: str = "", method: str = "GetStats", max_tokens: int = 1):
+    """One RPC through ``ClientSecurity(token)``'s channel: GetStats's reply, or Generate's messages."""
+    async with ClientSecurity(token=token).channel(address) as channel:
+        stub = decoder_pb2_grpc.DecoderServiceStub(channel)
+        if method == "GetStats":
+            return await stub.GetStats(decoder_pb2.GetStatsRequest(), timeout=10)
+        request = decoder_pb2.GenerateRequest(text="hi", sampling=decoder_pb2.SamplingParams(max_tokens=max_tokens))
+        return [m async for m in stub.Generate(request, timeout=10)]
+
+
+def test_right_token_passes_on_unary_and_stream(server):
+    address, _ = server
+    assert run(_call(address, TOKEN)).model == "plumbing"
+    assert [m.text for m in run(_call(address, TOKEN, "Generate", 3))] == ["hi"] * 3
+
+
+@pytest.mark.parametrize("method", ["GetStats", "Generate"])
+def test_missing_token_is_unauthenticated(server, method):
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        run(_call(server[0], "", method))
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert err.value.details() == MISSING_TOKEN and "--token" in MISSING_TOKEN and "ENCDEC_TOKEN" in MISSING_TOKEN
+
+
+@pytest.mark.parametrize("token", ["wrong-token-of-the-same-kind-0123456789", TOKEN[:-1], TOKEN + "x"])
+def test_wrong_token_is_unauthenticated(server, token):
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        run(_call(server[0], token, "Generate"))
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert err.value.details() == "invalid bearer token"
+
+
+def test_other_schemes_and_raw_metadata(server):
+    """The scheme is case-insensitive; a Basic header or a bare token is no bearer token."""
+
+    async def with_metadata(value: str):
+        async with grpc.aio.insecure_channel(server[0]) as channel:
+            stub = decoder_pb2_grpc.DecoderServiceStub(channel)
+            return await stub.GetStats(decoder_pb2.GetStatsRequest(), metadata=[("authorization", value)], timeout=10)
+
+    assert run(with_metadata(f"bearer {TOKEN}")).model == "plumbing"
+    for value in (f"Basic {TOKEN}", TOKEN):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            run(with_metadata(value))
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_health_needs_no_token(server):
+    with grpc.insecure_channel(server[0]) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_token_never_logged(server):
+    run(_call(server[0], TOKEN))
+    with pytest.raises(grpc.aio.AioRpcError):
+        run(_call(server[0], "wrong-token-of-the-same-kind-0123456789"))
+    text = server[1].read_text()
+    assert "bearer token required" in text and "at most 1 calls in flight per client" in text
+    assert TOKEN not in text and "wrong-token" not in text
+
+
+def test_second_call_of_a_client_is_refused_while_one_runs(server):
+    """limit 1: a call while a stream runs gets RESOURCE_EXHAUSTED naming the flag; health is not counted; the
+    slot comes back when the stream ends, and when a stream is cancelled."""
+    address = server[0]
+
+    async def scenario():
+        async with ClientSecurity(token=TOKEN).channel(address) as channel:
+            stub = decoder_pb2_grpc.DecoderServiceStub(channel)
+            long = stub.Generate(
+                decoder_pb2.GenerateRequest(text="a", sampling=decoder_pb2.SamplingParams(max_tokens=20)), timeout=10
+            )
+            first = await long.read()  # the stream runs now
+            assert first.text == "a"
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.GetStats(decoder_pb2.GetStatsRequest(), timeout=10)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "--max-requests-per-client" in err.value.details() and "127.0.0.1" in err.value.details()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                _ = [m async for m in stub.Generate(decoder_pb2.GenerateRequest(text="b"), timeout=10)]
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            rest = [m async for m in long]
+            assert len(rest) == 19
+            assert (await stub.GetStats(decoder_pb2.GetStatsRequest(), timeout=10)).model == "plumbing"
+            cancelled = stub.Generate(
+                decoder_pb2.GenerateRequest(text="c", sampling=decoder_pb2.SamplingParams(max_tokens=50)), timeout=10
+            )
+            await cancelled.read()
+            cancelled.cancel()
+            for _ in range(50):  # the server sees the cancellation shortly after
+                try:
+                    return await stub.GetStats(decoder_pb2.GetStatsRequest(), timeout=10)
+                except grpc.aio.AioRpcError as exc:
+                    assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    await asyncio.sleep(0.05)
+            raise AssertionError("the cancelled stream's slot was never released")
+
+    assert run(scenario()).model == "plumbing"
+
+
+def test_concurrent_calls_one_refused(server):
+    async def scenario():
+        calls = [_call(server[0], TOKEN, "Generate", 10) for _ in range(2)]
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    results = run(scenario())
+    refused = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
+    assert len(refused) == 1 and refused[0].code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert [len(r) for r in results if isinstance(r, list)] == [10]
+
+
+@pytest.mark.parametrize(
+    "peer, ip",
+    [("ipv4:1.2.3.4:5678", "1.2.3.4"), ("ipv6:[::1]:5678", "::1"), ("ipv6:[fe80::1%eth0]:1", "fe80::1%eth0")]
+    + [("unix:/tmp/sock", "unix:/tmp/sock"), ("", "")],
+)
+def test_peer_ip(peer, ip):
+    assert peer_ip(peer) == ip
+
+
+def test_load_bearer_token(tmp_path):
+    assert load_bearer_token() is None
+    (tmp_path / "t").write_text(TOKEN + "\n")
+    assert load_bearer_token(str(tmp_path / "t")) == TOKEN
+    assert load_bearer_token(auth_token=TOKEN) == TOKEN
+    cases = {
+        "are both set": dict(auth_token_file=str(tmp_path / "t"), auth_token=TOKEN),
+        "cannot be read": dict(auth_token_file=str(tmp_path / "missing")),
+        "is empty": dict(auth_token_file=str((tmp_path / "e").resolve())),
+        "at least 16": dict(auth_token="short"),
+        "without spaces": dict(auth_token="a token with spaces in it"),
+    }
+    (tmp_path / "e").write_text("  \n")
+    for message, kwargs in cases.items():
+        with pytest.raises(ValueError, match=message):
+            load_bearer_token(**kwargs)
+
+
+def test_bad_token_file_fails_the_start(tmp_path):
+    """A service whose token file is missing exits at start-up with the reason, before serving."""
+    import os
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "encdec.cli", "serve-decoder", "--auth-token-file", str(tmp_path / "nope")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=os.environ)
+    assert done.returncode == 2, done.stderr
+    assert "auth_token_file" in done.stderr and "cannot be read" in done.stderr
