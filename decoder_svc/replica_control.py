@@ -28,11 +28,9 @@ from collections.abc import Callable
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import redis
-from redis.backoff import ExponentialWithJitterBackoff
-from redis.retry import Retry
 
-from decoder_svc.request_state import REDIS_SOCKET_TIMEOUT_S, RedisUnavailableError, RequestStateStore
-from shared.redis_url import redact_url
+from decoder_svc.request_state import RedisUnavailableError, RequestStateStore
+from shared.redis_url import REDIS_SOCKET_TIMEOUT_S, bounded_client, redact_url
 from shared.registry import ReplicaRegistry
 
 log = logging.getLogger(__name__)
@@ -69,15 +67,8 @@ class ReplicaControl:
         self.registry = registry
         self.key_prefix = key_prefix
         self.reply_timeout_s = reply_timeout_s
-        retry = Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), 1)
         # BLPOP blocks up to reply_timeout_s: the socket must wait longer than that.
-        self._client = redis.Redis.from_url(
-            redis_url,
-            decode_responses=True,
-            socket_timeout=reply_timeout_s + REDIS_SOCKET_TIMEOUT_S,
-            socket_connect_timeout=REDIS_SOCKET_TIMEOUT_S,
-            retry=retry,
-        )
+        self._client = bounded_client(redis_url, reply_timeout_s + REDIS_SOCKET_TIMEOUT_S)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._subscribed = threading.Event()  # set while the subscription is up (tests wait on it)

@@ -29,8 +29,8 @@ terminal write given the record as created (``created=``) writes it whole, so
 every record a replica knew still ends terminal; a non-terminal write to a
 missing record raises ``UnknownRequestError``.
 
-Redis faults: every call has a socket timeout (``REDIS_SOCKET_TIMEOUT_S``) and
-at most ``REDIS_RETRIES`` retry, so a stopped or frozen Redis fails a call
+Redis faults: every call has a socket timeout (``shared.redis_url.bounded_client``) and
+at most one retry, so a stopped or frozen Redis fails a call
 within a few seconds, never hangs it; the failure is a ``RedisUnavailableError``
 (UNAVAILABLE) naming the URL. ``probe`` is the health check's short PING.
 
@@ -54,15 +54,10 @@ from redis.retry import Retry
 
 from decoder_svc.request_state_lua import CREATE_LUA, DELETE_LUA, FAIL_LOST_OWNER_LUA, SET_STATE_LUA
 from shared.errors import UnavailableError
-from shared.redis_url import redact_url
+from shared.redis_url import bounded_client, redact_url
 
 log = logging.getLogger(__name__)
 
-# Bounds on one Redis call: a stopped Redis refuses at once, a frozen one costs at most
-# (1 + REDIS_RETRIES) * REDIS_SOCKET_TIMEOUT_S plus the backoff (redis-py's default would retry 10 times
-# after 5 s timeouts: nearly a minute).
-REDIS_SOCKET_TIMEOUT_S = 2.0
-REDIS_RETRIES = 1  # one retry: a connection dropped by a Redis restart is opened again
 PROBE_TIMEOUT_S = 1.0  # the health probe's PING
 
 
@@ -156,13 +151,7 @@ class RequestStateStore:
         self.redis_url = redis_url
         self.key_prefix = key_prefix
         self.finished_ttl_s = finished_ttl_s
-        self._client = redis.Redis.from_url(
-            redis_url,
-            decode_responses=True,
-            socket_timeout=REDIS_SOCKET_TIMEOUT_S,
-            socket_connect_timeout=REDIS_SOCKET_TIMEOUT_S,
-            retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), REDIS_RETRIES),
-        )
+        self._client = bounded_client(redis_url)
         self._probe_client: redis.Redis | None = None
         self._create = self._client.register_script(CREATE_LUA)
         self._set_state = self._client.register_script(SET_STATE_LUA)

@@ -181,6 +181,8 @@ async def serve(
             ``max_requests_per_client`` (``shared.client_limits``). None: ``GRPC_OPTIONS``, none of the rest.
         public: False for an internal port (the encoder's Encode, which has its own token,
             ``shared.internal_auth``): no bearer token, no TLS, no per-client limit.
+        ``config.health_port``, when set, serves the same health service alone on a plaintext port of ``address``'s
+        host (probes that cannot speak TLS).
 
     Raises:
         BindError: the address cannot be bound.
@@ -203,6 +205,7 @@ async def serve(
     if bound == 0:
         raise BindError(f"cannot listen on {address}: the port is taken by another process or the host is not local")
     await server.start()
+    health_server = await _serve_health(health, address, config.health_port) if config and config.health_port else None
     watcher = None
     if readiness is None:
         await _set_health(health, names, health_pb2.HealthCheckResponse.SERVING)
@@ -229,8 +232,30 @@ async def serve(
     if drain is not None:
         await drain()
     await server.stop(grace=2.0)
+    if health_server is not None:
+        await health_server.stop(grace=None)
     if on_stop is not None:
         await on_stop()
+
+
+async def _serve_health(health: HealthServicer, address: str, port: int) -> grpc.aio.Server:
+    """Starts a plaintext server on ``address``'s host and ``port`` with ``health`` as its only service.
+
+    Raises:
+        BindError: the port cannot be bound.
+    """
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    target = f"{address.rpartition(':')[0]}:{port}"
+    try:
+        bound = server.add_insecure_port(target)
+    except RuntimeError:
+        bound = 0
+    if bound == 0:
+        raise BindError(f"cannot listen on {target} (health_port): the port is taken by another process")
+    await server.start()
+    log.info("health only (plaintext) on %s", target)
+    return server
 
 
 def server_options(config: ServiceConfig | None) -> list[tuple]:

@@ -1,5 +1,5 @@
-"""The Redis URL a service connects with (``redis_url`` with the password of ``redis_password_file`` put in), and
-the URL as messages and logs show it (``redact_url``: never the password).
+"""The Redis URL a service connects with (``redis_url`` with the password of ``redis_password_file`` put in), the
+URL as messages and logs show it (``redact_url``: never the password), and the bounded client every part uses.
 
 Kubernetes and compose hand secrets over as files (or as variables); a URL in a
 manifest should not carry the password itself. ``resolve_redis_url`` keeps the
@@ -11,6 +11,16 @@ from __future__ import annotations
 
 from pathlib import Path
 from urllib.parse import quote, urlsplit, urlunsplit
+
+import redis
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.retry import Retry
+
+# Bounds on one Redis call: a stopped Redis refuses at once, a frozen one costs at most
+# (1 + REDIS_RETRIES) * REDIS_SOCKET_TIMEOUT_S plus the backoff (redis-py's default would retry 10 times
+# after 5 s timeouts: nearly a minute).
+REDIS_SOCKET_TIMEOUT_S = 2.0
+REDIS_RETRIES = 1  # one retry: a connection dropped by a Redis restart is opened again
 
 
 def resolve_redis_url(url: str, password_file: str = "") -> str:
@@ -43,3 +53,17 @@ def redact_url(url: str) -> str:
     user = parts.username or ""
     host = parts.netloc.rpartition("@")[2]
     return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+def bounded_client(url: str, read_timeout_s: float = REDIS_SOCKET_TIMEOUT_S) -> redis.Redis:
+    """A ``decode_responses`` client whose calls fail within about ``(1 + REDIS_RETRIES) x read_timeout_s``
+    (connecting within ``REDIS_SOCKET_TIMEOUT_S``), retried once with jittered backoff: a restarted Redis is
+    reconnected, a stopped or frozen one never hangs a caller. ``read_timeout_s`` above a blocking command's own
+    timeout (BLPOP) keeps the socket open for it."""
+    return redis.Redis.from_url(
+        url,
+        decode_responses=True,
+        socket_timeout=read_timeout_s,
+        socket_connect_timeout=REDIS_SOCKET_TIMEOUT_S,
+        retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), REDIS_RETRIES),
+    )

@@ -26,20 +26,15 @@ import uuid
 from collections.abc import Callable
 
 import redis
-from redis.backoff import ExponentialWithJitterBackoff
-from redis.retry import Retry
 
 from shared.errors import UnavailableError
-from shared.redis_url import redact_url
+from shared.redis_url import REDIS_RETRIES, REDIS_SOCKET_TIMEOUT_S, bounded_client, redact_url
 
 log = logging.getLogger(__name__)
 
 ROLES = ("encoder", "decoder", "embed")
 PRUNED_ROLES = ("encoder", "embed")  # dead decoders stay listed until their requests are reaped
 SHM_ID_FILE = "encdec-shm-id"
-# One Redis call is bounded as in decoder_svc.request_state: a frozen Redis costs at most (1 + retries) x timeout.
-SOCKET_TIMEOUT_S = 2.0
-RETRIES = 1
 
 
 class RegistryUnavailableError(UnavailableError):
@@ -195,7 +190,7 @@ class ReplicaRegistry:
     """Replica records in Redis: ``{prefix}:replica:{id}`` = JSON of ``ReplicaInfo`` (PX ``ttl_s``), and the set
     ``{prefix}:replicas:{role}`` of ids.
 
-    Every call is bounded (``SOCKET_TIMEOUT_S``, ``RETRIES``) and raises ``RegistryUnavailableError`` (naming the URL,
+    Every call is bounded (``shared.redis_url.bounded_client``) and raises ``RegistryUnavailableError`` (naming the URL,
     never its password) when Redis fails.
     """
 
@@ -205,13 +200,7 @@ class ReplicaRegistry:
         self.redis_url = redis_url
         self.key_prefix = key_prefix
         self.ttl_ms = max(1, round(ttl_s * 1000))
-        self._client = redis.Redis.from_url(
-            redis_url,
-            decode_responses=True,
-            socket_timeout=SOCKET_TIMEOUT_S,
-            socket_connect_timeout=SOCKET_TIMEOUT_S,
-            retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), RETRIES),
-        )
+        self._client = bounded_client(redis_url)
         self._renew = self._client.register_script(_RENEW_LUA)
         self._prune = self._client.register_script(_PRUNE_LUA)
 
@@ -329,7 +318,9 @@ class Lease:
         """Stops renewing and deregisters (a failure is logged: the key then expires within the TTL)."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=(1 + RETRIES) * SOCKET_TIMEOUT_S + 1)  # a renewal in flight ends by then
+            self._thread.join(
+                timeout=(1 + REDIS_RETRIES) * REDIS_SOCKET_TIMEOUT_S + 1
+            )  # a renewal in flight ends by then
         try:
             self.registry.deregister(self._info.replica_id, self._info.role)
             log.info("%s %s deregistered", self._info.role, self._info.replica_id)

@@ -72,6 +72,8 @@ class ServiceConfig:
         max_requests_per_client: most calls in flight from one client address (the peer IP) on the public port;
             more get RESOURCE_EXHAUSTED; 0 = no limit. Behind the HTTP gateway every call comes from its address.
         max_message_bytes: largest gRPC message received or sent (bytes): audio travels in Generate.
+        health_port: a second, plaintext port serving only ``grpc.health.v1.Health`` (the same status as the
+            main port's), for probes that cannot speak TLS: Kubernetes' native ``grpc:`` probes. 0 = none.
     """
 
     model: str = DEFAULT_MODEL
@@ -98,10 +100,12 @@ class ServiceConfig:
     tls_client_ca: str = ""
     max_requests_per_client: int = 256
     max_message_bytes: int = 64 * 1024 * 1024
+    health_port: int = 0
 
     def __post_init__(self) -> None:
         check_port(self.port)
         check_port(self.metrics_port)
+        check_port(self.health_port)
         if not 0 < self.lease_ttl_s < float("inf"):  # also refuses NaN
             raise ValueError(f"lease_ttl_s must be > 0 and finite (seconds), got {self.lease_ttl_s}")
         if bool(self.tls_cert) != bool(self.tls_key):

@@ -116,3 +116,20 @@ def test_client_security_rules(pki):
     with pytest.raises(ValueError, match="--tls-ca .* cannot be read"):
         ClientSecurity(tls_ca="/nonexistent/ca.pem").credentials()
     assert ClientSecurity().credentials() is None and not ClientSecurity(token="t" * 20).tls
+
+
+def test_health_port_answers_plaintext_probes_beside_a_tls_port(pki, tmp_path_factory):
+    """Kubernetes' native gRPC probes speak no TLS: ``health_port`` serves health alone in plaintext."""
+    from encdec.redis_server import free_port
+
+    health_port = free_port()
+    fields = {"tls_cert": pki.server_cert, "tls_key": pki.server_key, "health_port": health_port}
+    log = tmp_path_factory.mktemp("health-port") / "server.log"
+    with plumbing_server(fields, log, ClientSecurity(tls_ca=pki.ca).credentials()) as (address, _):
+        with grpc.insecure_channel(f"127.0.0.1:{health_port}") as channel:
+            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+            with pytest.raises(grpc.RpcError) as err:  # the health port serves nothing else
+                decoder_pb2_grpc.DecoderServiceStub(channel).GetStats(decoder_pb2.GetStatsRequest(), timeout=10)
+            assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert refused(address, ClientSecurity()).code() == grpc.StatusCode.UNAVAILABLE  # main port: TLS only
