@@ -19,6 +19,7 @@ import time
 
 import grpc
 
+from encdec.bench.machine import machine_line
 from encdec.bench.table import markdown_table, write_json
 
 WORDS = (
@@ -114,6 +115,7 @@ def main(args) -> int:
         mine = _row("encdec-serve EmbedService (gRPC)", batch, ours[batch])
         mine["x sentence-transformers"] = mine["sentences/s"] / ref["sentences/s"]
         rows += [ref, mine]
+    print(f"Machine: {machine_line()}\n")
     print(markdown_table(rows, COLUMNS))
     if args.json:
         write_json(

@@ -34,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import math
 import os
-import platform
 import statistics
 import sys
 import time
@@ -43,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from encdec.bench.embed import make_sentences
+from encdec.bench.machine import machine_info, machine_line
 from encdec.bench.table import markdown_table, write_json
 
 WHISPER_MODEL = "whisper-tiny.en"
@@ -62,46 +62,6 @@ COLUMNS = [
 ]
 TARGETS = {"embeddings batch 1": 0.9, "transcriptions": 0.95}  # HTTP / gRPC, printed beside the ratio
 SAME_ATOL = 1e-4  # largest |difference| of two paths' embedding values counted as the same vector
-
-
-# ---- the machine ---------------------------------------------------------------------------------------------
-def _cpuinfo() -> dict[str, str]:
-    """The first processor's ``key: value`` lines of /proc/cpuinfo (empty where there is none)."""
-    info: dict[str, str] = {}
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return info
-    for line in text.split("\n\n", 1)[0].splitlines():
-        key, sep, value = line.partition(":")
-        if sep:
-            info[key.strip()] = value.strip()
-    return info
-
-
-def machine() -> str:
-    """One line naming this machine: CPU model (family / model), best vector ISA, CPUs, threads per core."""
-    info = _cpuinfo()
-    name = info.get("model name") or platform.processor() or platform.machine()
-    if "cpu family" in info:
-        name += f" (family {info['cpu family']}, model {info.get('model', '?')})"
-    flags = set(info.get("flags", info.get("Features", "")).split())
-    if "avx512f" in flags:
-        extras = [n for f, n in (("avx512_vnni", "VNNI"), ("avx512_bf16", "BF16"), ("amx_tile", "AMX")) if f in flags]
-        isa = "AVX-512" + (f" ({', '.join(extras)})" if extras else "")
-    elif "avx2" in flags:
-        isa = "AVX2" + (" + FMA" if "fma" in flags else "")
-    elif "sve" in flags:
-        isa = "SVE"
-    elif "asimd" in flags:
-        isa = "NEON"
-    else:
-        isa = "baseline " + platform.machine()
-    try:
-        per_core = f"{int(info['siblings']) // int(info['cpu cores'])} thread(s) per core"
-    except (KeyError, ValueError, ZeroDivisionError):
-        per_core = "threads per core unknown"
-    return f"{name}, {isa}, {os.cpu_count()} CPUs, {per_core}"
 
 
 # ---- timing ---------------------------------------------------------------------------------------------------
@@ -340,7 +300,8 @@ def main(args) -> int:
     except ImportError:
         print("encdec bench http needs httpx: pip install httpx (or the [test] extra)", file=sys.stderr)
         return 2
-    line = machine()
+    info = machine_info()
+    line = machine_line(info)
     load_before = os.getloadavg()
     print(
         f"machine: {line}; {args.threads} threads per encoder / decoder; embeddings batch 1: {args.requests_b1}, "
@@ -367,7 +328,7 @@ def main(args) -> int:
             args.json,
             {
                 "bench": "http",
-                "machine": line,
+                "machine": info,
                 "threads": args.threads,
                 "cpu_count": os.cpu_count(),
                 "rounds": args.rounds,

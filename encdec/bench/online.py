@@ -32,6 +32,7 @@ import sys
 import time
 from pathlib import Path
 
+from encdec.bench.machine import machine_line
 from encdec.bench.table import markdown_table, write_json
 
 COLUMNS = [
@@ -290,6 +291,7 @@ def run(args, progress: bool = True) -> dict:
 
 def main(args) -> int:
     payload = run(args)
+    print(f"Machine: {machine_line()}\n")
     print(markdown_table(payload["rows"], payload["columns"]))
     if args.json:
         write_json(args.json, payload)

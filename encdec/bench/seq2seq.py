@@ -46,6 +46,7 @@ import sys
 import time
 from pathlib import Path
 
+from encdec.bench.machine import machine_line
 from encdec.bench.seq2seq_checkpoints import SHAPES, build_checkpoint, source_ids
 from encdec.bench.table import markdown_table, median_run, write_json
 
@@ -326,6 +327,7 @@ def _sampling_fields() -> list[str]:
 
 def main(args) -> int:
     payload = run(args)
+    print(f"Machine: {machine_line()}\n")
     print(markdown_table(payload["rows"], COLUMNS))
     if args.json:
         write_json(args.json, payload)

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from encdec.bench import ORDER
+from encdec.bench.machine import machine_info, machine_line
 from encdec.bench.table import markdown_table, write_json
 from encdec.parser import build_parser
 
@@ -96,12 +97,19 @@ def run(args) -> dict:
             payload["loadavg_after"] = os.getloadavg()  # the machine's 1/5/15-min load: how noisy the run was
             payload.setdefault("columns", _columns(name, payload))
             benches[name] = payload
-    return {"suite": names, "threads": args.threads, "cpu_count": os.cpu_count(), "benches": benches, "failed": failed}
+    return {
+        "suite": names,
+        "machine": machine_info(),
+        "threads": args.threads,
+        "cpu_count": os.cpu_count(),
+        "benches": benches,
+        "failed": failed,
+    }
 
 
 def render(result: dict) -> str:
-    """Every bench's Markdown table under a heading."""
-    parts = []
+    """The machine, then every bench's Markdown table under a heading."""
+    parts = [f"Machine: {machine_line(result['machine'])}\n"]
     for name, payload in result["benches"].items():
         parts.append(f"### {name}\n\n{markdown_table(payload.get('rows', []), payload['columns'])}\n")
     for name, error in result["failed"].items():

@@ -42,5 +42,9 @@ def median_run(runs: list[tuple]) -> tuple:
 
 
 def write_json(path: str | Path, payload: dict) -> None:
+    """Writes ``payload`` as JSON, with ``machine`` (``encdec.bench.machine.machine_info``) unless it has one."""
+    from encdec.bench.machine import machine_info
+
+    payload.setdefault("machine", machine_info())
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(payload, indent=2))

@@ -23,6 +23,7 @@ import os
 import platform
 import sys
 
+from encdec.bench.machine import machine_line
 from encdec.bench.table import markdown_table, write_json
 from encdec.bench.transfer_payloads import PAYLOADS, TRANSPORTS, parse_payloads  # noqa: F401 - PAYLOADS: re-exported
 
@@ -113,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
         + ", ".join(f"{k} {v}" for k, v in env.items()),
         file=sys.stderr,
     )
+    print(f"Machine: {machine_line()}\n")
     print(markdown_table(rows, COLUMNS))
     if args.json:
         write_json(

@@ -239,14 +239,15 @@ def short_form_rows(args, clips: list[str], eot: int) -> tuple[list[dict], float
 
 
 def main(args) -> int:
-    from encdec.bench.http import machine
+    from encdec.bench.machine import machine_info, machine_line
 
     clip_dir = Path(args.clips)
     clips = sorted(str(p) for p in clip_dir.glob("*.wav")) + sorted(str(p) for p in clip_dir.glob("*.flac"))
     if not clips:
         print(f"no .wav/.flac clips in {clip_dir}", file=sys.stderr)
         return 2
-    line = f"{machine()}; torch {torch.__version__}"
+    info = machine_info()
+    line = machine_line(info)
     print(f"Machine: {line}; model {args.model}; {args.threads} threads per system\n")
     eot = special_token_ids(resolve_model(args.model)[1])["<|endoftext|>"]
     rows, audio_s = short_form_rows(args, clips, eot) if args.requests > 0 else ([], 0.0)
@@ -264,7 +265,7 @@ def main(args) -> int:
             args.json,
             {
                 "bench": "whisper",
-                "machine": line,
+                "machine": info,
                 "model": args.model,
                 "requests": args.requests,
                 "audio_s": audio_s,

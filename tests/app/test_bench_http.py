@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from helpers.cli import encdec
 
-from encdec.bench.http import COLUMNS, TARGETS, chunks, machine, timed_run
+from encdec.bench.http import COLUMNS, TARGETS, chunks, timed_run
+from encdec.bench.machine import machine_info, machine_line
 
 ROOT = Path(__file__).resolve().parents[2]
 B1, B32, AUDIO, CONCURRENCY = 4, 2, 3, 2
@@ -59,7 +60,7 @@ def test_table_json_and_plot(bench_http):
     result = json.loads((out / "bench.json").read_text())
     assert result["failed"] == {}
     payload = result["benches"]["http"]
-    assert payload["machine"] == machine() and payload["columns"] == COLUMNS
+    assert payload["machine"] == machine_info() and payload["columns"] == COLUMNS
     rows = payload["rows"]
     assert len(rows) == 4
     for row in rows:
@@ -74,10 +75,16 @@ def test_table_json_and_plot(bench_http):
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_machine_line_names_cpu_isa_and_threads_per_core():
-    line = machine()
+def test_machine_line_names_cpu_isa_threads_per_core_and_libraries():
+    import torch
+
+    info = machine_info()
+    line = machine_line(info)
     assert line.count(", ") >= 3 and f"{os.cpu_count()} CPUs" in line
-    assert "thread" in line and "per core" in line
+    assert "thread" in line and "per core" in line and f"torch {torch.__version__}" in line
+    assert info["isa"] in line and info["cpu"] in line
+    assert info["onednn"] and info["onednn"] in line  # torch's CPU build carries oneDNN (MKL on x86)
+    assert set(info["flags"]) <= set(open("/proc/cpuinfo").read().split())
 
 
 def test_chunks_are_whole_rounds_of_the_concurrency():

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from encdec.bench.machine import machine_info, machine_line
 from encdec.bench.transfer import COLUMNS, PAYLOADS, parse_payloads
 from encdec.cli import main
 from encdec.parser import build_parser
@@ -44,8 +45,9 @@ def test_shm_bench_prints_the_table_and_writes_json(tmp_path, capsys):
     )
     assert args.func(args) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[0] == "| " + " | ".join(COLUMNS) + " |"
-    rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
+    assert lines[0] == f"Machine: {machine_line()}" and lines[1] == ""  # the machine heads every bench's table
+    assert lines[2] == "| " + " | ".join(COLUMNS) + " |"
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[4:]]
     assert [(r[0], r[2], r[3], r[8], r[9]) for r in rows] == [
         ("2x3x8x13", "shm", "cpu", "yes", ""),
         ("1x1x4x16", "shm", "cpu", "yes", ""),
@@ -53,6 +55,7 @@ def test_shm_bench_prints_the_table_and_writes_json(tmp_path, capsys):
 
     result = json.loads(out.read_text())
     assert result["bench"] == "transfer" and result["block_size"] == 5 and result["iters"] == 2
+    assert result["machine"] == machine_info()
     assert [r["payload"] for r in result["rows"]] == ["2x3x8x13", "1x1x4x16"]
     for row, nbytes in zip(result["rows"], (2 * 2 * 13 * 3 * 8 * 4, 1 * 2 * 16 * 1 * 4 * 4), strict=True):
         assert row["MB"] == nbytes / 1e6
