@@ -5,7 +5,7 @@ Into the service: ``SamplingParams`` from its proto. Out of it: one
 with each token's text, finish / stop reason, usage on the request's last
 message), a ``RequestRecord`` from the Redis record, ``DecoderStats`` from the
 engine's stats. No I/O; the one state is ``TokenTexts``' cache of token texts
-by id (one per tokenizer, held by ``request_session.Sessions``). The servicer
+by id (one per tokenizer, held by ``decoder_svc.sessions.Sessions``). The servicer
 and the request session call these.
 """
 

@@ -215,6 +215,10 @@ class EncodeClient:
                     raise UnavailableError(
                         f"{target.name} gave no answer within {limit} (encoder overloaded or hung); retry the request"
                     ) from None
+                if code in MISCONFIGURED:  # refused before any work: not an encoder of ours; try the next one
+                    self.encoders.mark_failed(target, f"{code.name}: {details}", until_registered_again=True)
+                    tried.add(target.replica_id)
+                    continue
                 if code != grpc.StatusCode.UNAVAILABLE:
                     raise UnavailableError(f"{target.name} failed: {code.name}: {details}") from None
                 if _not_sent(details):
@@ -229,6 +233,19 @@ class EncodeClient:
 
     async def close(self) -> None:
         await self.encoders.close()
+
+
+# Answers of a registered "encoder" that can never serve this decoder, given before it does any work: another
+# service at that address (UNIMPLEMENTED), another deployment's internal token (UNAUTHENTICATED, PERMISSION_DENIED),
+# another model (NOT_FOUND). Registry mode skips such a replica until it registers again under a new id.
+MISCONFIGURED = frozenset(
+    {
+        grpc.StatusCode.UNIMPLEMENTED,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.NOT_FOUND,
+    }
+)
 
 
 def _not_sent(details: str) -> bool:

@@ -101,6 +101,7 @@ class EncoderPool:
         self._targets: dict[str, EncoderTarget] = {}  # address -> channel (and the id last seen there)
         self._in_flight: dict[str, int] = {}  # address -> this decoder's Encodes in flight there
         self._failed: dict[str, str] = {}  # replica id -> why it was marked failed
+        self._until_registered_again: set[str] = set()  # failed ids no health answer brings back
         self._registry_error: str | None = None  # the last refresh's failure, None when it read the registry
         self._refreshed = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -160,6 +161,7 @@ class EncoderPool:
             log.info("encoder %s at %s left the registry", replica_id, self._candidates[replica_id].address)
         self._candidates = candidates
         self._failed = {rid: why for rid, why in self._failed.items() if rid in candidates}
+        self._until_registered_again &= self._failed.keys()
         for info in candidates.values():
             known = self._targets.get(info.address)
             if known is None:
@@ -169,7 +171,8 @@ class EncoderPool:
         addresses = {info.address for info in candidates.values()}
         for address in [a for a in self._targets if a not in addresses and not self._in_flight.get(a)]:
             await self._targets.pop(address).channel.close()
-        await asyncio.gather(*(self._probe_failed(rid) for rid in list(self._failed)))
+        probed = [rid for rid in self._failed if rid not in self._until_registered_again]
+        await asyncio.gather(*(self._probe_failed(rid) for rid in probed))
 
     async def _probe_failed(self, replica_id: str) -> None:
         target = self._targets.get(self._candidates[replica_id].address)
@@ -204,7 +207,7 @@ class EncoderPool:
         usable = self._usable(exclude)
         if not usable:
             raise UnavailableError(self.no_encoder_reason())
-        loads = {info.replica_id: info.load + self._in_flight.get(info.address, 0) for info in usable}
+        loads = {info.replica_id: max(info.load, 0) + self._in_flight.get(info.address, 0) for info in usable}
         least = min(loads.values())
         info = random.choice([info for info in usable if loads[info.replica_id] == least])
         target = self._targets[info.address]
@@ -221,10 +224,16 @@ class EncoderPool:
         finally:
             self._in_flight[target.address] -= 1
 
-    def mark_failed(self, target: EncoderTarget, why: str) -> None:
-        """Stops picking ``target``'s replica until it registers again or answers SERVING."""
-        if target.replica_id and target.replica_id not in self._failed:
-            log.warning("%s failed (not picked until it answers again): %s", target.name, why)
+    def mark_failed(self, target: EncoderTarget, why: str, until_registered_again: bool = False) -> None:
+        """Stops picking ``target``'s replica until it registers again (a new replica id) or, unless
+        ``until_registered_again`` (it answered as no encoder of this deployment would), answers SERVING."""
+        if not target.replica_id:
+            return
+        if until_registered_again:
+            self._until_registered_again.add(target.replica_id)
+        if target.replica_id not in self._failed:
+            until = "it registers again" if until_registered_again else "it answers again"
+            log.warning("%s failed (not picked until %s): %s", target.name, until, why)
             self._failed[target.replica_id] = why
 
     async def probe(self) -> str | None:

@@ -67,7 +67,7 @@ class EngineLoop:
         loop: the event loop the callbacks run on.
         on_encode: ``(request_id, cross_block_ids)`` called on the loop when
             the engine reserved a request's cross blocks and wants them filled
-            (the service's: ``decoder_svc.request_session.Sessions.on_encode``).
+            (the service's: ``decoder_svc.sessions.Sessions.on_encode``).
         on_output: ``(RequestOutput)`` called on the loop for each output
             (``Sessions.on_output``: on to the request's session).
         on_step_error: ``(exception)`` called on the loop when a step raised;

@@ -112,8 +112,13 @@ class ReplicaControl:
                     message = pubsub.get_message(timeout=1.0)
                     if message is not None and message.get("type") == "message":
                         self._handle(message["data"], loop, on_abort)
-            except redis.RedisError as exc:
+            except Exception as exc:  # noqa: BLE001 - Redis gone, or a message that is not UTF-8: subscribe again
                 self._subscribed.clear()
+                if not isinstance(exc, redis.RedisError):
+                    log.warning(
+                        "control channel of %s: unreadable message (%s); subscribing again", self.replica_id, exc
+                    )
+                    continue
                 if not lost:
                     log.warning(
                         "control channel of %s lost (Redis at %s: %s); subscribing again",

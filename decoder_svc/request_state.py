@@ -54,7 +54,7 @@ from redis.retry import Retry
 
 from decoder_svc.request_state_lua import CREATE_LUA, DELETE_LUA, FAIL_LOST_OWNER_LUA, SET_STATE_LUA
 from shared.errors import UnavailableError
-from shared.redis_url import bounded_client, redact_url
+from shared.redis_url import bounded_client, credentials_refused, redact_url
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +175,11 @@ class RequestStateStore:
         try:
             return bool(self._client.ping())
         except redis.RedisError as exc:  # refused, timed out, wrong password, no such database ...
+            if credentials_refused(exc):
+                raise UnavailableError(
+                    f"Redis at {redact_url(self.redis_url)} refused this service's credentials ({exc}): put the "
+                    "right password in --redis-url (redis://[user]:password@host:port/db) or --redis-password-file"
+                ) from exc
             raise UnavailableError(
                 f"cannot reach Redis at {redact_url(self.redis_url)} ({exc}): start redis-server "
                 "or pass the right --redis-url"

@@ -60,7 +60,8 @@ return redis.call('DEL', KEYS[1])
 """
 
 # KEYS[1] the lost replica's owner set, KEYS[2] its lease key, KEYS[3] the decoder member set.
-# ARGV: 1 replica id, 2 now, 3 finished ttl_ms, 4 error, 5 request key prefix ('{p}:request:').
+# ARGV: 1 replica id, 2 now, 3 finished ttl_ms, 4 error, 5 request key prefix ('{p}:request:'). Only records whose
+# owner field names the lost replica are failed: an id planted in its set cannot fail another replica's request.
 # Returns -1 (the lease exists again: nothing done), else how many requests it failed. The owner set and the
 # replica's membership are removed: a second run (another replica's) finds nothing.
 FAIL_LOST_OWNER_LUA = """
@@ -68,8 +69,8 @@ if redis.call('EXISTS', KEYS[2]) == 1 then return -1 end
 local failed = 0
 for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   local key = ARGV[5] .. id
-  local state = redis.call('HGET', key, 'state')
-  if state == 'QUEUED' or state == 'ENCODING' or state == 'DECODING' then
+  local state, owner = unpack(redis.call('HMGET', key, 'state', 'owner'))
+  if owner == ARGV[1] and (state == 'QUEUED' or state == 'ENCODING' or state == 'DECODING') then
     redis.call('HSET', key, 'state', 'FAILED', 'error', ARGV[4], 'updated_at', ARGV[2])
     redis.call('PEXPIRE', key, ARGV[3])
     failed = failed + 1

@@ -27,8 +27,9 @@ from decoder_svc.engine import DecoderEngine
 from decoder_svc.inputs import parse_input
 from decoder_svc.kv_budget import max_concurrent_requests
 from decoder_svc.limits import apply_request_limits
-from decoder_svc.request_session import RequestSession, Sessions
+from decoder_svc.request_session import RequestSession
 from decoder_svc.request_state import RedisUnavailableError, RequestState, RequestStateStore
+from decoder_svc.sessions import Sessions
 from decoder_svc.whisper_session import WhisperSession
 from shared.config import DecoderServiceConfig
 from shared.errors import InvalidRequestError, NotFoundError, UnavailableError

@@ -80,7 +80,7 @@ class WhisperSession(RequestSession):
     async def _messages(self):
         """The request's messages (``RequestSession.run`` records its end): the last one carries usage,
         language, language_probability, duration and no_speech_prob; sets ``self.end``."""
-        sessions, progress, job = self._sessions, self.progress, self.job
+        progress, job = self.progress, self.job
         final = decoder_pb2.GenerateResponse(request_id=self.request_id, finish_reason=decoder_pb2.FINISH_REASON_STOP)
         try:
             if len(job.pcm):
@@ -102,7 +102,7 @@ class WhisperSession(RequestSession):
         self._finish_message(final)
         state = RequestState.ABORTED if reason == "abort" else RequestState.FINISHED
         if state is RequestState.FINISHED and not self.decoding_recorded:  # nothing to decode (VAD: no speech)
-            await asyncio.to_thread(sessions.store.set_state, self.request_id, RequestState.DECODING)
+            await self.record_progress(RequestState.DECODING)
             self.decoding_recorded = True
         self.end = (state, {"finish_reason": reason, **progress.usage()})
         yield final
@@ -280,7 +280,7 @@ class WhisperSession(RequestSession):
                 raise _Aborted()
             if not self.decoding_recorded and self.encoding is None:  # an encoder-cache hit: no Encode of its own
                 self.decoding_recorded = True
-                await asyncio.to_thread(sessions.store.set_state, self.request_id, RequestState.DECODING)
+                await self.record_progress(RequestState.DECODING)
             progress.count(got)
             yield got
             if got.finished:

@@ -129,6 +129,8 @@ class Backends:
         self._probes: dict[str, grpc.aio.Channel] = {}  # one channel per configured target
         self._last_discovery = 0.0
         self.unanswered: set[str] = set()  # targets that did not answer the last discovery
+        # targets that refused the gateway's credentials at the last discovery -> why (their health answers anyway)
+        self.refused: dict[str, str] = {}
         self.aliases = config.aliases
         self.security = backend_security(config)
         self._lock = asyncio.Lock()
@@ -183,23 +185,34 @@ class Backends:
         return True
 
     async def _ask(self, target: str, role: str) -> tuple[str, list[str], str] | None:
-        """``(model, served names, kind)`` of the service at ``target``; None (logged) if it does not answer."""
+        """``(model, served names, kind)`` of the service at ``target``; None (logged) if it does not answer or
+        refuses the gateway's credentials (then kept in ``refused``: its health, open to all, still says SERVING)."""
         channel = self._probe(target)
         try:
             if role == "decoder":
                 stats = await decoder_pb2_grpc.DecoderServiceStub(channel).GetStats(
                     decoder_pb2.GetStatsRequest(), timeout=PROBE_TIMEOUT_S
                 )
-                return stats.model, [stats.model, *stats.served_model_names], stats.input_kind or "audio"
-            info = await embed_pb2_grpc.EmbedServiceStub(channel).Tokenize(
-                embed_pb2.TokenizeRequest(), timeout=PROBE_TIMEOUT_S
-            )
-            return info.model, [info.model], "embed"
+                answer = stats.model, [stats.model, *stats.served_model_names], stats.input_kind or "audio"
+            else:
+                info = await embed_pb2_grpc.EmbedServiceStub(channel).Tokenize(
+                    embed_pb2.TokenizeRequest(), timeout=PROBE_TIMEOUT_S
+                )
+                answer = info.model, [info.model], "embed"
         except grpc.aio.AioRpcError as exc:
-            log.warning(
-                "%s %s does not answer (%s: %s); asked again later", role, target, exc.code().name, exc.details()
-            )
+            if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                self.refused[target] = (
+                    f"{role} {target} refuses the gateway's credentials ({exc.code().name}: {exc.details()}): "
+                    "check --backend-token-file / ENCDEC_BACKEND_TOKEN and the backend TLS settings"
+                )
+                log.error("%s", self.refused[target])
+            else:
+                log.warning(
+                    "%s %s does not answer (%s: %s); asked again later", role, target, exc.code().name, exc.details()
+                )
             return None
+        self.refused.pop(target, None)
+        return answer
 
     async def lookup(self, model: str, kinds: tuple[str, ...], endpoint: str) -> Backend:
         """The backend serving ``model`` (one of ``kinds``); asks the targets again if none is known to.
@@ -224,6 +237,9 @@ class Backends:
                 return fitting[0]
             if not fitting:
                 configured = self.config.decoder_targets if "embed" not in kinds else self.config.embed_targets
+                refusing = [self.refused[t] for t in configured if t in self.refused]
+                if refusing:  # misconfigured credentials: say so, not "retry later"
+                    raise GatewayError(503, f"model {model!r} is not known: {'; '.join(refusing)}")
                 silent = [t for t in configured if t in self.unanswered]
                 if silent:  # the model may be behind a target that is down
                     raise GatewayError(
@@ -255,7 +271,8 @@ class Backends:
         """``{target: None if SERVING else why not}`` for every configured target (standard gRPC health)."""
         targets = self.config.decoder_targets + self.config.embed_targets
         answers = await asyncio.gather(*(self._check(t) for t in targets))
-        return dict(zip(targets, answers))
+        # Health is open to every caller: a target that refused the gateway's token is not usable all the same.
+        return {t: answer or self.refused.get(t) for t, answer in zip(targets, answers)}
 
     async def _check(self, target: str) -> str | None:
         try:

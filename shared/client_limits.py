@@ -3,8 +3,10 @@
 ``ClientLimitInterceptor`` counts the calls running per peer IP (``context.peer()``: ``ipv4:1.2.3.4:5678``,
 ``ipv6:[::1]:5678``); a call past ``max_requests_per_client`` ends at once with RESOURCE_EXHAUSTED naming the
 limit and its flag. A call's slot is released when its handler ends however it ends (answered, failed, cancelled
-by the client, a stream closed early). Health and reflection calls are neither counted nor limited. Behind a
-proxy or the HTTP gateway every call comes from the proxy's address: size the limit for it, or set 0 (off).
+by the client, a stream closed early). Health and reflection calls, and the control calls that do no work
+(``CONTROL_METHODS``: GetRequest, Abort, GetStats, Tokenize), are neither counted nor limited: a client at its
+limit can still abort, poll and be monitored. Behind a proxy or the HTTP gateway every call comes from the proxy's
+address: size the limit for it (it bounds that proxy's calls in flight in all), or set 0 (off).
 """
 
 from __future__ import annotations
@@ -15,6 +17,16 @@ import inspect
 import grpc
 
 from shared.public_auth import is_open_method
+
+# Calls that do no model work: never counted (an Abort must get through to a client at its limit).
+CONTROL_METHODS = frozenset(
+    {
+        "/encdec.v1.DecoderService/GetRequest",
+        "/encdec.v1.DecoderService/Abort",
+        "/encdec.v1.DecoderService/GetStats",
+        "/encdec.v1.EmbedService/Tokenize",
+    }
+)
 
 
 def peer_ip(peer: str) -> str:
@@ -47,7 +59,8 @@ class ClientLimitInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if handler is None or is_open_method(handler_call_details.method):
+        method = handler_call_details.method
+        if handler is None or is_open_method(method) or method in CONTROL_METHODS:
             return handler
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(

@@ -205,7 +205,13 @@ async def serve(
     if bound == 0:
         raise BindError(f"cannot listen on {address}: the port is taken by another process or the host is not local")
     await server.start()
-    health_server = await _serve_health(health, address, config.health_port) if config and config.health_port else None
+    health_server = None
+    if config is not None and config.health_port:
+        try:
+            health_server = await _serve_health(health, address, config.health_port)
+        except BindError:
+            await server.stop(grace=None)  # the main port is bound already: close it before the start fails
+            raise
     watcher = None
     if readiness is None:
         await _set_health(health, names, health_pb2.HealthCheckResponse.SERVING)

@@ -19,6 +19,7 @@ import grpc
 METADATA_KEY = "authorization"
 SCHEME = "bearer"
 MIN_TOKEN_CHARS = 16
+MAX_TOKEN_CHARS = 4096  # well inside gRPC's 8-16 KiB request metadata limit
 # Calls any client may make without the token: probes and tooling.
 OPEN_METHOD_PREFIXES = (
     "/grpc.health.v1.Health/",
@@ -61,6 +62,11 @@ def load_bearer_token(auth_token_file: str = "", auth_token: str = "") -> str | 
         return None
     if not token:
         raise ValueError(f"{source} is empty; {_GENERATE_HINT}")
+    if len(token) > MAX_TOKEN_CHARS:
+        raise ValueError(
+            f"{source} holds {len(token)} characters; a bearer token may have at most {MAX_TOKEN_CHARS} (gRPC "
+            "refuses request metadata over 16 KiB, so no client could send it)"
+        )
     if len(token) < MIN_TOKEN_CHARS:
         raise ValueError(
             f"{source} holds {len(token)} characters; a bearer token needs at least {MIN_TOKEN_CHARS}; {_GENERATE_HINT}"

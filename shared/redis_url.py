@@ -67,3 +67,14 @@ def bounded_client(url: str, read_timeout_s: float = REDIS_SOCKET_TIMEOUT_S) -> 
         socket_connect_timeout=REDIS_SOCKET_TIMEOUT_S,
         retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), REDIS_RETRIES),
     )
+
+
+def credentials_refused(exc: BaseException) -> bool:
+    """True when Redis refused the connection's credentials (no password where one is needed, a wrong one, an
+    unknown ACL user), as opposed to being unreachable."""
+    if isinstance(exc, redis.AuthenticationError):
+        return True
+    text = str(exc)
+    return isinstance(exc, redis.ResponseError) and any(
+        marker in text for marker in ("NOAUTH", "WRONGPASS", "invalid username-password", "HELLO must be called")
+    )

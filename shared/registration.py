@@ -10,6 +10,7 @@ listed only while it can take calls.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Sequence
 
 from shared.models.registry import model_names
@@ -23,6 +24,8 @@ from shared.registry import (
     new_replica_id,
     shm_namespace_id,
 )
+
+log = logging.getLogger(__name__)
 
 
 def service_lease(
@@ -45,6 +48,12 @@ def service_lease(
         ValueError: the password file cannot be read, or the address cannot be advertised (port 0).
     """
     if not config.redis_url:
+        if config.advertise_address:
+            log.warning(
+                "advertise_address %s is set but redis_url is empty: this %s registers nowhere (set --redis-url)",
+                config.advertise_address,
+                role,
+            )
         return None
     info = ReplicaInfo(
         replica_id=new_replica_id(role),

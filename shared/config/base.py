@@ -17,6 +17,8 @@ DEFAULT_DECODER_ADDRESS = "127.0.0.1:50051"
 KV_TRANSPORTS = ("shm", "torch_dist", "cuda_ipc")  # cross-KV transports (``shared.kv_transport``)
 KV_DIST_BACKENDS = ("gloo", "nccl")  # torch_dist backends
 KV_DTYPES = ("float32", "float16", "bfloat16")  # cross-KV pool / transfer dtypes
+# Registry leases: a renewal every third of the lease must survive a busy event loop / Redis round trip.
+MIN_LEASE_TTL_S, MAX_LEASE_TTL_S = 0.5, 300.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,8 +108,14 @@ class ServiceConfig:
         check_port(self.port)
         check_port(self.metrics_port)
         check_port(self.health_port)
-        if not 0 < self.lease_ttl_s < float("inf"):  # also refuses NaN
-            raise ValueError(f"lease_ttl_s must be > 0 and finite (seconds), got {self.lease_ttl_s}")
+        if not MIN_LEASE_TTL_S <= self.lease_ttl_s <= MAX_LEASE_TTL_S:  # also refuses NaN
+            raise ValueError(
+                f"lease_ttl_s must be in [{MIN_LEASE_TTL_S:g}, {MAX_LEASE_TTL_S:g}] seconds, got {self.lease_ttl_s}: "
+                "shorter, a busy replica misses its renewal and its requests are failed; longer, a dead one's "
+                "requests wait that long"
+            )
+        if self.health_port and self.health_port == self.port:
+            raise ValueError(f"health_port must differ from port ({self.port}), or be 0 (none)")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert and tls_key go together: set both (PEM files) or neither")
         if self.tls_client_ca and not self.tls_cert:
@@ -117,9 +125,13 @@ class ServiceConfig:
         if not 1024 <= self.max_message_bytes <= 2**31 - 1:
             raise ValueError(f"max_message_bytes must be in [1024, 2**31 - 1], got {self.max_message_bytes}")
         if self.advertise_address:
-            host, _, port = self.advertise_address.rpartition(":")
-            if not host or not port.isdigit():
-                raise ValueError(f"advertise_address must be host:port, got {self.advertise_address!r}")
+            check_address(self.advertise_address, "advertise_address")
+            host = self.advertise_address.rpartition(":")[0].strip("[]")
+            if host in ("0.0.0.0", "::", "") or self.advertise_address.endswith(":0"):
+                raise ValueError(
+                    f"advertise_address {self.advertise_address!r} is not an address other replicas can reach: "
+                    "give this machine's (or the pod's) IP or name and the port it serves"
+                )
 
     def _check_model_device(self) -> None:
         """Refuses an unknown ``device`` / ``dtype`` and half precision or int8 where they do not belong."""
@@ -158,6 +170,13 @@ class ServiceConfig:
     def _check_quantize(self) -> None:
         if self.quantize not in ("none", "int8"):
             raise ValueError(f"quantize must be 'none' or 'int8', got {self.quantize!r}")
+
+
+def check_address(address: str, name: str) -> None:
+    """Refuses anything but ``host:port`` (port 0..65535, no scheme, list or whitespace) with a ``ValueError``."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or any(c in address for c in "/, \t") or int(port) > 65535:
+        raise ValueError(f"{name} must be host:port (port 0..65535), got {address!r}")
 
 
 def check_port(port: int) -> None:

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.config.base import DEFAULT_ENCODER_ADDRESS, KV_DTYPES, KV_TRANSPORTS, ServiceConfig, check_port
+from shared.config.base import (
+    DEFAULT_ENCODER_ADDRESS,
+    KV_DTYPES,
+    KV_TRANSPORTS,
+    ServiceConfig,
+    check_address,
+    check_port,
+)
 from shared.config.memory_size import parse_memory_size
 from shared.device import check_device_name, is_cuda, same_device
 
@@ -180,17 +187,17 @@ class DecoderServiceConfig(ServiceConfig):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 = the model's limit), got {getattr(self, name)}")
         if self.encoder_address != "registry":
-            host, _, port = self.encoder_address.rpartition(":")
-            if not host or not port.isdigit():
-                raise ValueError(
-                    f"encoder_address must be host:port or 'registry' (encoders from Redis), got {self.encoder_address!r}"
-                )
+            try:
+                check_address(self.encoder_address, "encoder_address")
+            except ValueError as exc:
+                raise ValueError(f"{exc}, or 'registry' (encoders from the Redis registry)") from None
         if self.max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
         if not 0 < self.max_queue_time_s < float("inf"):  # also refuses NaN
             raise ValueError(f"max_queue_time_s must be > 0 and finite (seconds), got {self.max_queue_time_s}")
-        if self.encode_timeout_s <= 0 or self.max_audio_s <= 0:
-            raise ValueError("encode_timeout_s and max_audio_s must be > 0")
+        for name in ("encode_timeout_s", "max_audio_s"):
+            if not 0 < getattr(self, name) < float("inf"):  # also refuses NaN
+                raise ValueError(f"{name} must be > 0 and finite (seconds), got {getattr(self, name)}")
         if not self.max_decode_hold_ms >= 0:  # also refuses NaN
             raise ValueError(f"max_decode_hold_ms must be >= 0 (0 = never hold), got {self.max_decode_hold_ms}")
         if self.decode_hold_gap_steps < 0:

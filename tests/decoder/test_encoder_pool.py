@@ -7,6 +7,7 @@ the requests after it all succeed on the other, even while the dead one's lease 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -126,6 +127,18 @@ def test_decoder_picks_registered_encoders_and_skips_a_killed_one(cluster, hf_wh
         assert _encodes(metrics_ports[1]) == counts[1] + 8
         _wait(lambda: len(registry.replicas("encoder")) == 1, LEASE_TTL_S + 2, "dead encoder's lease expired")
         assert _health(decoder_address) == health_pb2.HealthCheckResponse.SERVING
+
+        # A registered "encoder" that is some other service (here: the decoder's own port, advertising the least
+        # load there can be): its UNIMPLEMENTED answer skips it for good and the request goes on to the real one.
+        forger = ReplicaRegistry(url, ttl_s=60)
+        forged = dataclasses.replace(live[1], replica_id="encoder-forged", address=decoder_address, load=-5)
+        forger.register(forged)
+        time.sleep(1.5)  # the decoder's registry refresh (every second) sees it
+        for _ in range(2):
+            assert all(tokens == expected for tokens in _transcribe(stub, 4))
+        assert _encodes(metrics_ports[1]) == counts[1] + 16
+        forger.deregister("encoder-forged", "encoder")
+        forger.close()
 
         procs["enc-b"].send_signal(signal.SIGTERM)  # a clean stop deregisters at once
         procs["enc-b"].wait(20)

@@ -79,6 +79,9 @@ def test_fail_lost_owner_fails_only_its_running_requests(store, registry, redis_
     live.register(_info("decoder-live"))  # a lease that stays
     live.close()
     _lose(registry, "decoder-lost")
+    planted = redis.Redis.from_url(redis_url)  # another owner's running request planted in the lost one's index
+    planted.sadd(store.owner_key("decoder-lost"), next(r for r, s in other.items() if not s.is_terminal))
+    planted.close()
     before = {rid: store.get(rid) for rid in lost}
     error = lost_error("decoder-lost")
     failed = store.fail_lost_owner("decoder-lost", error, registry.key("decoder-lost"), registry.set_key("decoder"))

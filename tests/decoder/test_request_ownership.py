@@ -4,6 +4,7 @@ records, and Abort forwarded to the owner over pub/sub (``decoder_svc.replica_co
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 
@@ -212,3 +213,36 @@ def test_owner_subscribes_again_after_a_redis_restart():
             asking.stop()
             registry.close()
             store.close()
+
+
+def test_hostile_control_messages_are_ignored_and_aborts_still_arrive(redis_url, redis_key_prefix, store):
+    """Whoever can PUBLISH on a decoder's control channel (anyone holding the Redis password) cannot silence it:
+    bytes that are not UTF-8, JSON of every wrong shape and a reply list outside the prefix are logged and
+    dropped, and the next forwarded Abort is still answered."""
+    registry = ReplicaRegistry(redis_url, key_prefix=redis_key_prefix, ttl_s=30)
+    owner = _Owner(redis_url, redis_key_prefix, "decoder-a", store, registry)
+    asking = ReplicaControl(redis_url, "decoder-b", store, registry, redis_key_prefix)
+    client = redis.Redis.from_url(redis_url)
+    try:
+        assert owner.control.wait_subscribed(5)
+        registry.register(_info("decoder-a"))
+        channel = owner.control.channel("decoder-a")
+        hostile = [b"\xff\xfe\x80", b"not json", b"[]", b"5", b"null", b'{"op": "abort"}', b"{}"]
+        hostile.append(json.dumps({"op": "abort", "request_id": "x", "reply_to": "elsewhere:key"}).encode())
+        hostile.append(
+            json.dumps({"op": "shutdown", "request_id": "x", "reply_to": f"{redis_key_prefix}:reply:1"}).encode()
+        )
+        for data in hostile:
+            client.publish(channel, data)
+        store.create("run", "m", owner="decoder-a")
+        owner.running.add("run")
+        deadline = time.monotonic() + 10
+        while not asking.forward_abort("decoder-a", "run"):  # resubscribed after the undecodable message
+            assert time.monotonic() < deadline, "the control channel stayed deaf after hostile messages"
+            time.sleep(0.2)
+        assert owner.asked == ["run"] and not client.exists("elsewhere:key")
+    finally:
+        client.close()
+        owner.close()
+        asking.stop()
+        registry.close()

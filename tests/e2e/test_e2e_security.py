@@ -214,3 +214,44 @@ def test_https_gateway_with_backend_token_and_certificate(secured, tmp_path):
             httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
     finally:
         stop_processes([proc])
+
+
+def test_gateway_with_a_wrong_backend_token_says_so(secured, tmp_path):
+    """The decoder's health is open to all, so only the gateway's own discovery sees the refusal: /health and
+    the request say it is the gateway's credentials, not a backend that "did not answer"."""
+    pki = secured.pki
+    wrong = tmp_path / "wrong-token"
+    wrong.write_text("not-the-deployment-token-0123456789\n")
+    port = free_port()
+    args = [
+        *("serve-http", "--port", str(port), "--decoder-address", secured.address),
+        *("--backend-token-file", str(wrong), "--backend-tls-ca", pki.ca),
+        *("--backend-tls-cert", pki.client_cert, "--backend-tls-key", pki.client_key),
+    ]
+    with open(tmp_path / "gateway.log", "ab") as out:
+        proc = subprocess.Popen(encdec(*args), stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, (tmp_path / "gateway.log").read_text()
+            try:
+                health = httpx.get(f"{url}/health", timeout=10)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "the gateway never answered"
+                time.sleep(0.2)
+        assert health.status_code == 503, health.text
+        assert "refuses the gateway's credentials" in health.json()["backends"][secured.address]
+        got = httpx.post(
+            f"{url}/v1/audio/transcriptions",
+            data={"model": "whisper-tiny.en"},
+            files={"file": (CLIP.name, CLIP.read_bytes(), "audio/wav")},
+            timeout=60,
+        )
+        assert got.status_code == 503, got.text
+        message = got.json()["error"]["message"]
+        assert "UNAUTHENTICATED" in message and "--backend-token-file" in message, message
+        assert "not-the-deployment-token" not in (tmp_path / "gateway.log").read_text()  # never logged
+    finally:
+        stop_processes([proc])

@@ -97,8 +97,9 @@ def test_token_never_logged(server):
 
 
 def test_second_call_of_a_client_is_refused_while_one_runs(server):
-    """limit 1: a call while a stream runs gets RESOURCE_EXHAUSTED naming the flag; health is not counted; the
-    slot comes back when the stream ends, and when a stream is cancelled."""
+    """limit 1: a call while a stream runs gets RESOURCE_EXHAUSTED naming the flag; health and the control calls
+    (GetStats here; Abort, GetRequest) are not counted; the slot comes back when the stream ends, and when a
+    stream is cancelled."""
     address = server[0]
 
     async def scenario():
@@ -109,18 +110,17 @@ def test_second_call_of_a_client_is_refused_while_one_runs(server):
             )
             first = await long.read()  # the stream runs now
             assert first.text == "a"
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await stub.GetStats(decoder_pb2.GetStatsRequest(), timeout=10)
-            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "--max-requests-per-client" in err.value.details() and "127.0.0.1" in err.value.details()
+            assert (await stub.GetStats(decoder_pb2.GetStatsRequest(), timeout=10)).model == "plumbing"
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 _ = [m async for m in stub.Generate(decoder_pb2.GenerateRequest(text="b"), timeout=10)]
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "--max-requests-per-client" in err.value.details() and "127.0.0.1" in err.value.details()
             health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
             assert health.status == health_pb2.HealthCheckResponse.SERVING
             rest = [m async for m in long]
             assert len(rest) == 19
-            assert (await stub.GetStats(decoder_pb2.GetStatsRequest(), timeout=10)).model == "plumbing"
+            one = [m async for m in stub.Generate(decoder_pb2.GenerateRequest(text="d"), timeout=10)]
+            assert [m.text for m in one] == ["d"]
             cancelled = stub.Generate(
                 decoder_pb2.GenerateRequest(text="c", sampling=decoder_pb2.SamplingParams(max_tokens=50)), timeout=10
             )
@@ -128,13 +128,13 @@ def test_second_call_of_a_client_is_refused_while_one_runs(server):
             cancelled.cancel()
             for _ in range(50):  # the server sees the cancellation shortly after
                 try:
-                    return await stub.GetStats(decoder_pb2.GetStatsRequest(), timeout=10)
+                    return [m async for m in stub.Generate(decoder_pb2.GenerateRequest(text="e"), timeout=10)]
                 except grpc.aio.AioRpcError as exc:
                     assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
                     await asyncio.sleep(0.05)
             raise AssertionError("the cancelled stream's slot was never released")
 
-    assert run(scenario()).model == "plumbing"
+    assert [m.text for m in run(scenario())] == ["e"]
 
 
 def test_concurrent_calls_one_refused(server):
