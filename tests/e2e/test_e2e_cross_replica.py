@@ -193,7 +193,7 @@ def test_killed_decoder_requests_fail_within_the_lease(cluster, redis_server):
     with pytest.raises(grpc.RpcError):
         list(call)
     while (record := get(stubs["dec2"], request_id)).state not in TERMINAL:
-        assert time.monotonic() - killed_at < TTL_S + 1.5, record
+        assert time.monotonic() - killed_at < TTL_S + 1.0, record  # the lease + 1 s (issue 23)
         time.sleep(0.05)
     assert record.state == decoder_pb2.REQUEST_STATE_FAILED, record
     assert record.error == f"decoder {dec1_id} lost (its lease expired)" and record.owner == dec1_id

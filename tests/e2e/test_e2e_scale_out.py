@@ -292,7 +292,7 @@ def test_killed_decoder_requests_fail_within_the_lease(cluster, stubs, redis_ser
         record = stubs["dec1"].GetRequest(decoder_pb2.GetRequestRequest(request_id=request_id))
         if record.state in TERMINAL:
             break
-        assert time.monotonic() - killed_at < TTL_S + 1.5, record
+        assert time.monotonic() - killed_at < TTL_S + 1.0, record  # the lease + 1 s (issue 23)
         time.sleep(0.1)
     assert record.state == decoder_pb2.REQUEST_STATE_FAILED and "lost" in record.error, record
     assert record.owner in record.error
