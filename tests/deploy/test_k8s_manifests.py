@@ -30,7 +30,8 @@ kubernetes_validate = pytest.importorskip(
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
-PLACEMENTS = ("colocated", "split", "gpu")
+PLACEMENTS = ("colocated", "split", "gpu", "gpu-split")
+SPLIT = ("split", "gpu-split")  # encoder and decoder Deployments, KV over torch_dist
 K8S_VERSION = "1.37.0"  # the schemas of the pinned kubernetes-validate
 CONFIG_OF = {"serve-encoder": EncoderServiceConfig, "serve-decoder": DecoderServiceConfig, "serve-http": GatewayConfig}
 INTERNAL_PORTS = {50061: "Encode", 6379: "Redis", 29500: "torch_dist"}
@@ -313,13 +314,13 @@ def test_network_policies_keep_encode_torch_dist_and_redis_to_our_pods(placement
             for other, other_labels in labels.items():
                 if not other_labels.items() >= OURS.items():
                     assert not admitted(docs, labels[deployment], port, other_labels, pod), (where, other)
-    assert protected >= (3 if name == "split" else 1)
+    assert protected >= (3 if name in SPLIT else 1)
     # ...and the pods that need them still get through.
     decoder = labels["encdec-decoder"]
     assert admitted(docs, labels["encdec-redis"], 6379, decoder, pods["encdec-redis"])
     assert not admitted(docs, labels["encdec-redis"], 6379, labels["encdec-gateway"], pods["encdec-redis"])
     assert admitted(docs, decoder, 50051, None, pods["encdec-decoder"])  # the public API
-    if name == "split":
+    if name in SPLIT:
         encoder = labels["encdec-encoder"]
         assert admitted(docs, encoder, 50061, decoder, pods["encdec-encoder"])
         assert admitted(docs, decoder, 29500, encoder, pods["encdec-decoder"])
@@ -393,8 +394,10 @@ def test_colocated_pods_share_an_in_memory_dev_shm_and_their_own_encoder():
     assert all(c["image"].endswith(":cuda") for c in containers(gpu))
 
 
-def test_split_decoders_find_encoders_in_the_registry_and_receive_kv_over_torch_dist():
-    pods = pod_templates(render(K8S / "split"))
+@pytest.mark.parametrize("name", SPLIT)
+def test_split_decoders_find_encoders_in_the_registry_and_receive_kv_over_torch_dist(name, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # lets attention_backend=triton (gpu-split/) validate without a GPU
+    pods = pod_templates(render(K8S / name))
     (decoder,) = containers(pods["encdec-decoder"])
     (encoder,) = containers(pods["encdec-encoder"])
     dec, enc = settings(decoder), settings(encoder)
@@ -404,6 +407,27 @@ def test_split_decoders_find_encoders_in_the_registry_and_receive_kv_over_torch_
     for c, config in ((decoder, dec), (encoder, enc)):
         assert config.redis_url and config.redis_password_file, c["name"]
         assert config.advertise_address == f"{POD_IP}:{config.port}", c["name"]
+    assert dec.kv_dist_backend == enc.kv_dist_backend, name  # one torch_dist backend on both ends
+
+
+def test_gpu_split_gives_each_container_its_own_gpu_and_sends_kv_over_nccl(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # lets attention_backend=triton validate without a GPU
+    docs = render(K8S / "gpu-split")
+    roles = set()
+    for deployment, pod, c in encdec_containers(docs):
+        if deployment not in ("encdec-encoder", "encdec-decoder"):
+            continue  # base/'s embed and gateway Deployments stay on the CPU
+        where = f"{deployment}/{c['name']}"
+        roles.add(command(c))
+        # The device plugin's whole GPU per container (NCCL refuses two ranks on one GPU); no DRA claim here.
+        assert str(c["resources"]["limits"].get("nvidia.com/gpu")) == "1", where
+        assert "claims" not in c["resources"] and "resourceClaims" not in pod["spec"], where
+        assert c["image"].endswith(":cuda"), where
+        config = settings(c)
+        assert config.device == "cuda" and config.kv_device == "cuda", where
+        assert config.kv_transport.split(",") == ["torch_dist"], where
+        assert config.kv_dist_backend == "nccl", where
+    assert roles == {"serve-encoder", "serve-decoder"}
 
 
 # ---- compose.yaml ------------------------------------------------------------------------------------------

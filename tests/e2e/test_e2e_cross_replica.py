@@ -16,7 +16,6 @@ encoder and two decoders pointed at it (``--encoder-address``), leases of ``TTL_
 
 from __future__ import annotations
 
-import json
 import signal
 import time
 import uuid
@@ -24,7 +23,7 @@ import uuid
 import grpc
 import pytest
 import redis
-from helpers.replicas import Replicas
+from helpers.replicas import Replicas, registered_id
 from helpers.whisper_hf import RATE, joined_clip
 from test_e2e_whisper import assert_all_blocks_free
 
@@ -67,19 +66,6 @@ def long_request(request_id: str) -> decoder_pb2.GenerateRequest:
     """440 tokens (no end token): seconds of decoding on 2 cores."""
     sampling = decoder_pb2.SamplingParams(max_tokens=440, ignore_eos=True)
     return decoder_pb2.GenerateRequest(request_id=request_id, audio=AUDIO, sampling=sampling)
-
-
-def registered_id(url: str, address: str) -> str:
-    """The id of the replica registered at ``address`` (``shared.registry``)."""
-    client = redis.Redis.from_url(url, decode_responses=True)
-    try:
-        for key in client.scan_iter(match="encdec:replica:*"):
-            info = json.loads(client.get(key) or "{}")
-            if info.get("address") == address:
-                return info["replica_id"]
-    finally:
-        client.close()
-    raise AssertionError(f"no replica registered at {address}")
 
 
 def get(stub, request_id: str) -> decoder_pb2.RequestRecord:

@@ -21,7 +21,6 @@ After each: no leaked KV blocks on the live decoders (GetStats), every Redis rec
 
 from __future__ import annotations
 
-import json
 import random
 import threading
 import time
@@ -33,7 +32,7 @@ import pytest
 import redis
 import torch
 from helpers.metrics import scrape
-from helpers.replicas import Replicas
+from helpers.replicas import Replicas, registered_id
 from helpers.text_checkpoints import sentence
 from helpers.whisper_hf import RATE, joined_clip
 from test_e2e_whisper import assert_all_blocks_free
@@ -145,19 +144,6 @@ def encoder_ok(reps: Replicas, name: str) -> float:
     return samples.get(("encdec_encoder_requests_total", (("outcome", "ok"),)), 0.0)
 
 
-def replica_id_at(url: str, address: str) -> str:
-    """The id under which the replica serving ``address`` registered (``shared.registry``)."""
-    client = redis.Redis.from_url(url, decode_responses=True)
-    try:
-        for key in client.scan_iter(match="encdec:replica:*"):
-            info = json.loads(client.get(key) or "{}")
-            if info.get("address") == address:
-                return info["replica_id"]
-    finally:
-        client.close()
-    raise AssertionError(f"no replica registered at {address}")
-
-
 def records(url: str) -> dict[str, dict]:
     client = redis.Redis.from_url(url, decode_responses=True)
     try:
@@ -236,7 +222,7 @@ def test_abort_and_get_request_through_the_other_decoder(cluster, stubs, redis_s
         time.sleep(0.1)
     assert record.state == decoder_pb2.REQUEST_STATE_ABORTED
     owner = stubs["dec1"].GetStats(decoder_pb2.GetStatsRequest()).replica_id
-    assert record.owner == owner == replica_id_at(redis_server.url, reps["dec1"].address)  # the replica that ran it
+    assert record.owner == owner == registered_id(redis_server.url, reps["dec1"].address)  # the replica that ran it
     assert not stubs["dec2"].Abort(decoder_pb2.AbortRequest(request_id=request_id)).aborted  # ended already
     assert not stubs["dec2"].Abort(decoder_pb2.AbortRequest(request_id="so-never-sent")).aborted
     assert_clean(reps, stubs, redis_server.url)

@@ -179,35 +179,51 @@ def test_two_concurrent_calls_of_one_client_one_refused(secured):
     assert [text_of(r) for r in results if isinstance(r, list)][0]
 
 
-def test_https_gateway_with_backend_token_and_certificate(secured, tmp_path):
-    pki = secured.pki
-    port = free_port()
+def start_gateway(secured, tmp_path, token_file: str, *extra: str) -> tuple[subprocess.Popen, int]:
+    """``encdec serve-http`` in front of the secured decoder, with a client certificate and ``token_file``."""
+    pki, port = secured.pki, free_port()
     args = [
-        *("serve-http", "--port", str(port), "--decoder-address", secured.address),
-        *("--tls-cert", pki.server_cert, "--tls-key", pki.server_key),
-        *("--backend-token-file", secured.token_file, "--backend-tls-ca", pki.ca),
+        *("serve-http", "--port", str(port), "--decoder-address", secured.address, *extra),
+        *("--backend-token-file", token_file, "--backend-tls-ca", pki.ca),
         *("--backend-tls-cert", pki.client_cert, "--backend-tls-key", pki.client_key),
     ]
     with open(tmp_path / "gateway.log", "ab") as out:
-        proc = subprocess.Popen(encdec(*args), stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+        return subprocess.Popen(encdec(*args), stdout=out, stderr=subprocess.STDOUT, cwd=ROOT), port
+
+
+def gateway_health(client: httpx.Client, url: str, proc, tmp_path, status: int | None = None) -> httpx.Response:
+    """The gateway's first ``/health`` answer (of ``status``, if given) within 60 s."""
+    deadline = time.monotonic() + 60
+    while True:
+        assert proc.poll() is None, (tmp_path / "gateway.log").read_text()
+        try:
+            got = client.get(f"{url}/health")
+            if status is None or got.status_code == status:
+                return got
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the gateway never answered as expected"
+        time.sleep(0.2)
+
+
+def transcribe_over_http(client: httpx.Client, url: str) -> httpx.Response:
+    return client.post(
+        f"{url}/v1/audio/transcriptions",
+        data={"model": "whisper-tiny.en"},
+        files={"file": (CLIP.name, CLIP.read_bytes(), "audio/wav")},
+    )
+
+
+def test_https_gateway_with_backend_token_and_certificate(secured, tmp_path):
+    pki = secured.pki
+    proc, port = start_gateway(
+        secured, tmp_path, secured.token_file, "--tls-cert", pki.server_cert, "--tls-key", pki.server_key
+    )
     try:
         url = f"https://127.0.0.1:{port}"
         with httpx.Client(verify=ssl.create_default_context(cafile=pki.ca), timeout=60) as client:
-            deadline = time.monotonic() + 60
-            while True:
-                assert proc.poll() is None, (tmp_path / "gateway.log").read_text()
-                try:
-                    if client.get(f"{url}/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert time.monotonic() < deadline, "the HTTPS gateway never became healthy"
-                time.sleep(0.2)
-            got = client.post(
-                f"{url}/v1/audio/transcriptions",
-                data={"model": "whisper-tiny.en"},
-                files={"file": (CLIP.name, CLIP.read_bytes(), "audio/wav")},
-            )
+            gateway_health(client, url, proc, tmp_path, 200)
+            got = transcribe_over_http(client, url)
         assert got.status_code == 200, got.text
         assert got.json()["text"] == text_of(generate(secured.address, secured.security()))
         with pytest.raises(httpx.TransportError):  # plaintext HTTP to the HTTPS port
@@ -219,36 +235,16 @@ def test_https_gateway_with_backend_token_and_certificate(secured, tmp_path):
 def test_gateway_with_a_wrong_backend_token_says_so(secured, tmp_path):
     """The decoder's health is open to all, so only the gateway's own discovery sees the refusal: /health and
     the request say it is the gateway's credentials, not a backend that "did not answer"."""
-    pki = secured.pki
     wrong = tmp_path / "wrong-token"
     wrong.write_text("not-the-deployment-token-0123456789\n")
-    port = free_port()
-    args = [
-        *("serve-http", "--port", str(port), "--decoder-address", secured.address),
-        *("--backend-token-file", str(wrong), "--backend-tls-ca", pki.ca),
-        *("--backend-tls-cert", pki.client_cert, "--backend-tls-key", pki.client_key),
-    ]
-    with open(tmp_path / "gateway.log", "ab") as out:
-        proc = subprocess.Popen(encdec(*args), stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+    proc, port = start_gateway(secured, tmp_path, str(wrong))
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, (tmp_path / "gateway.log").read_text()
-            try:
-                health = httpx.get(f"{url}/health", timeout=10)
-                break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline, "the gateway never answered"
-                time.sleep(0.2)
-        assert health.status_code == 503, health.text
-        assert "refuses the gateway's credentials" in health.json()["backends"][secured.address]
-        got = httpx.post(
-            f"{url}/v1/audio/transcriptions",
-            data={"model": "whisper-tiny.en"},
-            files={"file": (CLIP.name, CLIP.read_bytes(), "audio/wav")},
-            timeout=60,
-        )
+        with httpx.Client(timeout=60) as client:
+            health = gateway_health(client, url, proc, tmp_path)
+            assert health.status_code == 503, health.text
+            assert "refuses the gateway's credentials" in health.json()["backends"][secured.address]
+            got = transcribe_over_http(client, url)
         assert got.status_code == 503, got.text
         message = got.json()["error"]["message"]
         assert "UNAUTHENTICATED" in message and "--backend-token-file" in message, message

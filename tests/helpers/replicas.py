@@ -8,11 +8,14 @@ log file, and any of them can be killed (SIGKILL: a crash) or started late.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
+
+import redis
 
 from encdec.launcher import stop_processes, wait_healthy
 from encdec.redis_server import free_ports
@@ -107,3 +110,20 @@ class Replicas:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def registered_id(url: str, address: str) -> str:
+    """The id under which the replica serving ``address`` registered in the Redis at ``url`` (``shared.registry``).
+
+    Raises:
+        AssertionError: no replica is registered at ``address``.
+    """
+    client = redis.Redis.from_url(url, decode_responses=True)
+    try:
+        for key in client.scan_iter(match="encdec:replica:*"):
+            info = json.loads(client.get(key) or "{}")
+            if info.get("address") == address:
+                return info["replica_id"]
+    finally:
+        client.close()
+    raise AssertionError(f"no replica registered at {address}")
