@@ -12,6 +12,15 @@ from shared.attention_metadata import AttentionMetadata
 from shared.device import model_device
 
 
+
+def self_cache_dtype(device: torch.device, weight_dtype: torch.dtype, cross_dtype: torch.dtype) -> torch.dtype:
+    """The self-attention KV cache's dtype: the cross pool's on a GPU; on the CPU float32 (the decode-step kernels'
+    dtype; attention upcasts a float16 / bfloat16 cross pool), bfloat16 for a bfloat16 model (``--dtype
+    bfloat16``: KV in bfloat16)."""
+    if device.type != "cpu":
+        return cross_dtype
+    return torch.bfloat16 if weight_dtype == torch.bfloat16 else torch.float32
+
 class ModelRunner:
     """Owns the self-attention KV cache; reads a caller-owned cross-attention KV cache.
 
@@ -70,8 +79,7 @@ class ModelRunner:
             block_size,
             c.num_heads,
             c.head_dim,
-            # CPU decodes in float32 even over a float16/bfloat16 cross pool (kv_transfer_dtype): attention upcasts it.
-            dtype=torch.float32 if self.device.type == "cpu" else cross_kv_cache.dtype,
+            dtype=self_cache_dtype(self.device, next(model.parameters()).dtype, cross_kv_cache.dtype),
             device=self.device,
         )
 

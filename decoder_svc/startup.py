@@ -58,7 +58,8 @@ def build_engine(config: DecoderServiceConfig, model):
     """
     cfg = model.config
     cross_dtype_bytes = KV_DTYPE_BYTES[config.kv_transfer_dtype]
-    self_dtype_bytes = 4 if config.kv_device == "cpu" else cross_dtype_bytes  # as ModelRunner allocates the self cache
+    # as ModelRunner allocates the self cache (decoder_svc.model_runner.self_cache_dtype)
+    self_dtype_bytes = (2 if config.dtype == "bfloat16" else 4) if config.kv_device == "cpu" else cross_dtype_bytes
     sizing = size_kv_cache(
         self_block_bytes=block_bytes(
             cfg.decoder_layers, config.block_size, cfg.num_heads, cfg.head_dim, self_dtype_bytes

@@ -253,6 +253,11 @@ def _add_bench(sub) -> None:
         "--int8", action="store_true", help="also run our services with --quantize int8 (opt-in int8 weights)"
     )
     p.add_argument(
+        "--bf16",
+        action="store_true",
+        help="also run our services with --dtype bfloat16 (CPUs with AVX-512 BF16 or AMX; transcripts vs HF fp32)",
+    )
+    p.add_argument(
         "--repeats",
         type=positive_int,
         default=3,

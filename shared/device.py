@@ -12,7 +12,23 @@ from __future__ import annotations
 import re
 
 DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?")
-MODEL_DTYPES = ("float32", "float16", "bfloat16")  # weight dtypes (``dtype``); half types on CUDA only
+MODEL_DTYPES = ("float32", "float16", "bfloat16")  # weight dtypes (``dtype``); float16 on CUDA only
+# /proc/cpuinfo flags of the instructions that make bfloat16 matmuls fast on the CPU (oneDNN uses them): AVX-512 BF16
+# (Intel Cooper Lake and later, AMD Zen 4 and later) or AMX (Intel Sapphire Rapids and later).
+CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_bf16_flags() -> list[str]:
+    """The ``CPU_BF16_FLAGS`` this CPU has (``/proc/cpuinfo``; empty where it cannot be read or lacks them)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    present = set(line.partition(":")[2].split())
+                    return [flag for flag in CPU_BF16_FLAGS if flag in present]
+    except OSError:
+        pass
+    return []
 
 
 def check_device_name(name: str, field: str = "device") -> None:

@@ -38,6 +38,8 @@ from shared.proto import decoder_pb2, decoder_pb2_grpc
 
 SAMPLE_RATE = 16000
 COLUMNS = ["system", "mode", "requests", "wall s", "tokens/s", "x realtime", "same as HF"]
+# Our services' flags per variant of the weights (both services get them).
+VARIANT_FLAGS = {"fp32": [], "int8": ["--quantize", "int8"], "bf16": ["--dtype", "bfloat16"]}
 
 
 def _row(
@@ -131,12 +133,13 @@ def run_ours(
     concurrencies: list[int],
     threads: int,
     address: str | None,
-    quantize: str = "none",
+    variant: str = "fp32",
     repeats: int = 1,
     model: str = "whisper-tiny.en",
 ) -> dict[int, tuple[float, list[list[int]]]]:
     """Our services end to end over gRPC (started here unless ``address`` is given): per concurrency level, the
-    median of ``repeats`` runs against the same services."""
+    median of ``repeats`` runs against the same services. ``variant``: a key of ``VARIANT_FLAGS`` (both
+    services' weights: ``fp32``, ``int8`` = ``--quantize int8``, ``bf16`` = ``--dtype bfloat16``)."""
     from encdec.launcher import Services
 
     def median_of_runs(address: str, concurrency: int) -> tuple[float, list[list[int]]]:
@@ -147,7 +150,7 @@ def run_ours(
         for c in concurrencies:
             results[c] = median_of_runs(address, c)
         return results
-    flags = ["--num-threads", str(threads), "--quantize", quantize]
+    flags = ["--num-threads", str(threads), *VARIANT_FLAGS[variant]]
     # Clips repeat across requests: turn the encoder-output cache off so every request is encoded, as
     # HF and CTranslate2 encode every one.
     with Services(
@@ -227,10 +230,11 @@ def short_form_rows(args, clips: list[str], eot: int) -> tuple[list[dict], float
                 repeats = args.repeats if mode == "batched" else 1
                 wall, tokens = run_ct2(files, compute_type, mode, args.threads, repeats, args.model)
                 rows.append(_row(f"CTranslate2 {compute_type}", mode, audio_s, wall, tokens, truth, eot))
-    for quantize in ("none", "int8") if args.int8 else ("none",):
-        name = "encdec-serve " + ("fp32" if quantize == "none" else "int8") + " (2 services, gRPC)"
+    variants = ["fp32"] + ["int8"] * bool(args.int8) + ["bf16"] * bool(getattr(args, "bf16", False))
+    for variant in variants:
+        name = f"encdec-serve {variant} (2 services, gRPC)"
         for c, (wall, tokens) in run_ours(
-            files, concurrencies, args.threads, args.address, quantize, args.repeats, args.model
+            files, concurrencies, args.threads, args.address, variant, args.repeats, args.model
         ).items():
             rows.append(_row(name, f"concurrency {c}", audio_s, wall, tokens, truth, eot))
         if args.address:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.device import MODEL_DTYPES, check_device_name, is_cuda
+from shared.device import CPU_BF16_FLAGS, MODEL_DTYPES, check_device_name, cpu_bf16_flags, is_cuda
 
 DEFAULT_MODEL = "whisper-tiny.en"
 DEFAULT_ENCODER_ADDRESS = "127.0.0.1:50061"
@@ -44,8 +44,10 @@ class ServiceConfig:
             0 = off. A port already taken is logged and metrics stay off.
         device: where the model runs: ``cpu``, ``cuda`` or ``cuda:N``
             (``shared.device``). A missing GPU fails at startup.
-        dtype: weight dtype: ``float32`` (default), or ``float16`` / ``bfloat16``
-            on a CUDA ``device`` only (docs/devices.md).
+        dtype: weight and activation dtype: ``float32`` (default); ``float16`` on a CUDA ``device`` only;
+            ``bfloat16`` on CUDA, or on a CPU with AVX-512 BF16 / AMX (``shared.device.CPU_BF16_FLAGS``; refused
+            elsewhere), where matmuls accumulate in float32 (oneDNN) and the decoder keeps both KV caches in
+            bfloat16 (docs/devices.md).
         internal_token_file: path of the secret decoder and encoder of one
             deployment share (``shared.internal_auth``): the decoder sends it
             with every Encode and signs the KV target it reserved; the encoder
@@ -139,11 +141,20 @@ class ServiceConfig:
         check_device_name(device)
         if dtype not in MODEL_DTYPES:
             raise ValueError(f"dtype must be one of: {', '.join(MODEL_DTYPES)}; got {dtype!r}")
-        if dtype != "float32" and not is_cuda(device):
+        if dtype == "bfloat16" and not is_cuda(device) and not cpu_bf16_flags():
+            raise ValueError(
+                "dtype bfloat16 on the CPU needs AVX-512 BF16 or AMX (/proc/cpuinfo flags "
+                f"{' or '.join(CPU_BF16_FLAGS)}), which this CPU lacks: without them bfloat16 matmuls are emulated "
+                "and slower than float32; use dtype float32 (or quantize int8)"
+            )
+        if dtype == "float16" and not is_cuda(device):
             raise ValueError(
                 f"dtype {dtype} is for CUDA devices (half-precision matmuls on the CPU are slow and lose "
-                "accuracy): set device cuda, or dtype float32 (or quantize int8 on the CPU)"
+                "accuracy): set device cuda, or dtype float32 or bfloat16 (CPUs with AVX-512 BF16 / AMX), or "
+                "quantize int8 on the CPU"
             )
+        if dtype == "bfloat16" and quantize != "none":
+            raise ValueError(f"quantize {quantize} takes float32 weights: use dtype float32 with it, or quantize none")
         if quantize != "none" and is_cuda(device):
             raise ValueError(
                 f"quantize {quantize} is CPU dynamic quantization (torch._int_mm on the CPU): on device {device!r} "

@@ -176,6 +176,8 @@ class DecoderServiceConfig(ServiceConfig):
         if not host or not port.isdigit():
             raise ValueError(f"kv_dist_address must be host:port, got {self.kv_dist_address!r}")
         check_port(int(port))
+        if self.dtype == "bfloat16" and not is_cuda(self.device) and self.kv_transfer_dtype == "float32":
+            object.__setattr__(self, "kv_transfer_dtype", "bfloat16")  # a bfloat16 model on the CPU: KV in bfloat16
         if self.kv_transfer_dtype not in KV_DTYPES:
             raise ValueError(
                 f"kv_transfer_dtype must be one of: {', '.join(KV_DTYPES)}; got {self.kv_transfer_dtype!r}"

@@ -75,6 +75,25 @@ def test_decoder_device_combinations_refused(kwargs, message):
         DecoderServiceConfig(**kwargs)
 
 
+def test_cpu_bfloat16_needs_avx512_bf16_or_amx(monkeypatch):
+    """``--dtype bfloat16`` on the CPU is opt-in where the CPU multiplies bfloat16 natively, refused elsewhere
+    with the flags it needs; the decoder's KV follows it into bfloat16."""
+    import shared.config.base as base
+
+    monkeypatch.setattr(base, "cpu_bf16_flags", lambda: [])
+    for cls in (DecoderServiceConfig, EncoderServiceConfig):
+        with pytest.raises(ValueError, match=r"bfloat16 on the CPU needs AVX-512 BF16 or AMX.*avx512_bf16 or amx_bf16"):
+            cls(dtype="bfloat16")
+    monkeypatch.setattr(base, "cpu_bf16_flags", lambda: ["avx512_bf16"])
+    decoder = DecoderServiceConfig(dtype="bfloat16")
+    assert decoder.kv_transfer_dtype == "bfloat16" and EncoderServiceConfig(dtype="bfloat16").dtype == "bfloat16"
+    assert DecoderServiceConfig(dtype="bfloat16", kv_transfer_dtype="float16").kv_transfer_dtype == "float16"
+    with pytest.raises(ValueError, match=r"quantize int8 takes float32 weights"):
+        DecoderServiceConfig(dtype="bfloat16", quantize="int8")
+    with pytest.raises(ValueError, match=r"dtype float16 is for CUDA devices"):
+        DecoderServiceConfig(dtype="float16")
+
+
 def test_decoder_kv_device_follows_device():
     assert DecoderServiceConfig().kv_device == "cpu"
     gpu = DecoderServiceConfig(device="cuda:0", kv_transport="cuda_ipc")
