@@ -12,7 +12,6 @@ from shared.attention_metadata import AttentionMetadata
 from shared.device import model_device
 
 
-
 def self_cache_dtype(device: torch.device, weight_dtype: torch.dtype, cross_dtype: torch.dtype) -> torch.dtype:
     """The self-attention KV cache's dtype: the cross pool's on a GPU; on the CPU float32 (the decode-step kernels'
     dtype; attention upcasts a float16 / bfloat16 cross pool), bfloat16 for a bfloat16 model (``--dtype
@@ -20,6 +19,7 @@ def self_cache_dtype(device: torch.device, weight_dtype: torch.dtype, cross_dtyp
     if device.type != "cpu":
         return cross_dtype
     return torch.bfloat16 if weight_dtype == torch.bfloat16 else torch.float32
+
 
 class ModelRunner:
     """Owns the self-attention KV cache; reads a caller-owned cross-attention KV cache.
