@@ -52,11 +52,53 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.packed_linear_pack.restype = None
     lib.packed_linear.argtypes = [ptr, ptr, ptr, ptr, ptr, size_t, size_t, size_t, ctypes.c_int, ctypes.c_int]
     lib.packed_linear.restype = ctypes.c_int
+    lib.packed_linear_isa.restype = ctypes.c_int
+    lib.packed_linear_set_isa.argtypes = [ctypes.c_int]
+    lib.packed_linear_set_isa.restype = ctypes.c_int
 
 
 _KERNEL = CKernel("packed_linear", _declare)
 _library = _KERNEL.library
 is_available = _KERNEL.is_available
+
+ISAS = {"avx2": 1, "avx512": 2}  # the micro-kernel's instruction sets (kernels/csrc/packed_linear.c ISA_*)
+
+
+def isa() -> str | None:
+    """The instruction set the micro-kernel runs on this CPU (``avx2`` or ``avx512``; the best present is chosen at
+    load), None when the kernel is not available."""
+    if not is_available():
+        return None
+    code = _library().packed_linear_isa()
+    return next((name for name, value in ISAS.items() if value == code), None)
+
+
+def use_isa(name: str | None) -> str:
+    """Runs the micro-kernel on ``name`` (``avx2``, ``avx512``; None: the best this CPU has) from now on, in this
+    process; both give bit-identical results (the tests compare each with ``F.linear`` and with each other).
+
+    Returns:
+        The instruction set now in use.
+
+    Raises:
+        RuntimeError: the kernel is not available.
+        ValueError: an unknown name, or one this CPU lacks (the message says which it has).
+    """
+    if not is_available():
+        raise RuntimeError(_UNAVAILABLE)
+    if name is not None and name not in ISAS:
+        raise ValueError(f"unknown instruction set {name!r}; choose from {', '.join(ISAS)}")
+    if _library().packed_linear_set_isa(0 if name is None else ISAS[name]) < 0:
+        raise ValueError(f"this CPU cannot run the {name} micro-kernel (best available: {_best_isa()})")
+    return isa()
+
+
+def _best_isa() -> str:
+    current = _library().packed_linear_isa()
+    _library().packed_linear_set_isa(0)
+    best = isa()
+    _library().packed_linear_set_isa(current)
+    return best
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""kernels/packed_linear.py (C, AVX2) against its torch reference ``F.linear``, on irregular shapes."""
+"""kernels/packed_linear.py (C: AVX2/FMA and AVX-512 micro-kernels) against its torch reference ``F.linear``, on
+irregular shapes; each instruction set this CPU has is tested, and they must agree bit for bit."""
 
 from __future__ import annotations
 
@@ -7,7 +8,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.packed_linear import MAX_ROWS, PackedWeight, is_available, packed_linear, reference_linear
+from kernels.packed_linear import (
+    ISAS,
+    MAX_ROWS,
+    PackedWeight,
+    is_available,
+    isa,
+    packed_linear,
+    reference_linear,
+    use_isa,
+)
 from shared.models.linear import (
     Linear,
     fused_products,
@@ -24,6 +34,25 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+
+
+ISA_FLAGS = {"avx2": {"avx2", "fma"}, "avx512": {"avx512f"}}  # what each micro-kernel needs
+
+
+@pytest.fixture(params=list(ISAS))
+def each_isa(request):
+    """Runs the test on each micro-kernel this CPU can run (the others skipped, named)."""
+    missing = ISA_FLAGS[request.param] - _cpu_flags()
+    if missing:
+        pytest.skip(f"this CPU lacks {', '.join(sorted(missing))}: the {request.param} micro-kernel cannot run here")
+    assert use_isa(request.param) == request.param == isa()
+    yield request.param
+    use_isa(None)
+
+
 def _exact(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     y = x.double() @ w.double().T
     return (y + b.double() if b is not None else y).float()
@@ -33,7 +62,7 @@ def _exact(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Te
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 32, MAX_ROWS])
 @pytest.mark.parametrize("out_features,in_features", [(1, 1), (15, 7), (16, 64), (17, 33), (1000, 384), (4099, 96)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_matches_reference(rows, out_features, in_features, with_bias):
+def test_matches_reference(rows, out_features, in_features, with_bias, each_isa):
     g = torch.Generator().manual_seed(rows * 7919 + out_features * 31 + in_features)
     x = torch.randn(rows, in_features, generator=g)
     w = torch.randn(out_features, in_features, generator=g)
@@ -250,3 +279,27 @@ def test_fused_residual_is_the_unfused_sum_bit_for_bit(activation, rows, out_fea
     assert torch.equal(linear_add(m, many, r_many), r_many + m(many))  # prefill-sized: packed too
     plain = nn.Linear(in_features, out_features)  # a layer that is not our Linear
     assert torch.equal(linear_add(plain, x, r), r + plain(x))
+
+
+def test_instruction_sets_agree_bit_for_bit_and_the_best_is_the_default():
+    """The AVX-512 micro-kernel keeps the AVX2 one's running sum per output in the same order: switching never
+    changes a token. Rows cross both kernels' row blocks (6 and 12); bias, activations and the residual too."""
+    if ISA_FLAGS["avx512"] - _cpu_flags():
+        pytest.skip("this CPU lacks avx512f: only the avx2 micro-kernel runs here")
+    assert isa() == "avx512"  # the best this CPU has, chosen at load
+    g = torch.Generator().manual_seed(5)
+    for rows in (1, 5, 6, 7, 11, 12, 13, 25, MAX_ROWS, MAX_ROWS + 3):
+        for out_features, in_features in ((17, 33), (1000, 384), (16, 64)):
+            x = torch.randn(rows, in_features, generator=g)
+            w = PackedWeight.pack(torch.randn(out_features, in_features, generator=g))
+            b = torch.randn(out_features, generator=g)
+            residual = torch.randn(rows, out_features, generator=g)
+            for activation in (None, "relu", "gelu"):
+                got = {}
+                for name in ISAS:
+                    use_isa(name)
+                    got[name] = packed_linear(x, w, b, activation=activation, residual=residual)
+                use_isa(None)
+                assert torch.equal(got["avx2"], got["avx512"]), (rows, out_features, in_features, activation)
+    with pytest.raises(ValueError, match="unknown instruction set"):
+        use_isa("sse2")
