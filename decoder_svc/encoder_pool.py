@@ -37,6 +37,7 @@ REGISTRY = "registry"  # the encoder_address that selects registry mode
 ENCODER_SERVICE = "encdec.v1.EncoderService"  # the name an encoder's health reports SERVING
 PROBE_TIMEOUT_S = 1.0  # one health Check
 REFRESH_INTERVAL_S = 1.0
+PICK_RETRY_S = 0.2  # a pick that finds no usable encoder reads the registry again this often (up to a lease TTL)
 # gRPC's default reconnect backoff grows to 120 s (1 s initial, x1.6, jittered): after an encoder restart the
 # channel could stay in TRANSIENT_FAILURE for seconds after the encoder is back. A local peer is cheap to retry.
 RECONNECT_OPTIONS = [
@@ -104,6 +105,7 @@ class EncoderPool:
         self._until_registered_again: set[str] = set()  # failed ids no health answer brings back
         self._registry_error: str | None = None  # the last refresh's failure, None when it read the registry
         self._refreshed = asyncio.Event()
+        self._refresh_lock = asyncio.Lock()  # the refresh task and a waiting pick never refresh at once
         self._task: asyncio.Task | None = None
 
     def _target(self, replica_id: str, address: str) -> EncoderTarget:
@@ -144,6 +146,10 @@ class EncoderPool:
 
     async def refresh(self) -> None:
         """Reads the registry, updates candidates and channels, and probes the encoders marked failed."""
+        async with self._refresh_lock:
+            await self._refresh()
+
+    async def _refresh(self) -> None:
         try:
             live = await asyncio.to_thread(self.registry.replicas, "encoder")
         except RegistryUnavailableError as exc:  # keep the last known encoders: they may well still serve
@@ -198,13 +204,20 @@ class EncoderPool:
 
     async def pick(self, exclude: set[str] = frozenset()) -> EncoderTarget:
         """The least loaded usable encoder (registered load + this decoder's in flight to it), ties at random;
-        ``exclude``: replica ids this call already tried.
+        ``exclude``: replica ids this call already tried. With none usable, the registry is read again every
+        ``PICK_RETRY_S`` for up to one lease TTL (an encoder (re)registers within a third of it: after its
+        restart, or after Redis came back empty) before the call gives up; the caller's deadline bounds the wait.
 
         Raises:
             UnavailableError: no candidate is left (``no_encoder_reason``).
         """
         await self._started()
         usable = self._usable(exclude)
+        give_up = asyncio.get_running_loop().time() + self.config.lease_ttl_s
+        while not usable and asyncio.get_running_loop().time() < give_up:
+            await asyncio.sleep(PICK_RETRY_S)
+            await self.refresh()
+            usable = self._usable(exclude)
         if not usable:
             raise UnavailableError(self.no_encoder_reason())
         loads = {info.replica_id: max(info.load, 0) + self._in_flight.get(info.address, 0) for info in usable}
