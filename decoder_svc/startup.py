@@ -149,7 +149,7 @@ class Replica:
         self.reaper.start()
 
     async def on_serving(self) -> None:
-        """The server serves (its first readiness probe): registers the lease (never raises: a Redis away is
+        """The server takes calls (``serve``'s ``on_serving``): registers the lease (never raises: a Redis away is
         retried on the lease's thread)."""
         if not self._leased:
             self._leased = True
@@ -206,10 +206,6 @@ def run(config: DecoderServiceConfig) -> None:
         start_metrics_server(config.metrics_port, config.host, servicer.metrics.registry)
         replica.start(servicer)
 
-        async def serving() -> str | None:  # the first probe runs once the server has started
-            await replica.on_serving()
-            return await readiness()
-
         async def on_stop() -> None:
             await servicer.close()  # its open records end FAILED first: only then does the lease go
             await replica.on_shutdown()
@@ -223,7 +219,8 @@ def run(config: DecoderServiceConfig) -> None:
             on_stop,
             drain=lambda: servicer.drain(config.shutdown_grace_s),
             # health NOT_SERVING while Redis or the encoder does not answer
-            readiness=serving,
+            readiness=readiness,
+            on_serving=replica.on_serving,
             config=config,  # public: bearer token, TLS, per-client limit, message size (shared.public_port)
         )
 

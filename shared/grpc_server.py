@@ -154,6 +154,7 @@ async def serve(
     drain: Callable[[], Awaitable[None]] | None = None,
     readiness: Readiness | None = None,
     readiness_interval_s: float = 1.0,
+    on_serving: Callable[[], Awaitable[None]] | None = None,
     *,
     config: ServiceConfig | None = None,
     public: bool = True,
@@ -175,6 +176,8 @@ async def serve(
             probe that raises counts as not ready. Health is NOT_SERVING until the
             first probe answers, and for good once the shutdown begins.
         readiness_interval_s: seconds between two readiness probes.
+        on_serving: awaited once the server takes calls (bound, started, signals handled): a replica registers
+            in the registry then (``shared.registration``), so it is never listed before it can be called.
         config: the service's settings: ``max_message_bytes`` (largest message received or sent) and, on a
             ``public`` port, the bearer token (``auth_token_file`` / ``auth_token``, ``shared.public_auth``), TLS
             (``tls_cert``, ``tls_key``, ``tls_client_ca`` for mutual TLS: ``shared.tls``) and
@@ -228,6 +231,8 @@ async def serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    if on_serving is not None:
+        await on_serving()
     await stop.wait()
     log.info("shutting down")
     if watcher is not None:

@@ -2,9 +2,9 @@
 
 ``service_lease`` builds the ``shared.registry.Lease`` of one process (a new replica id, the advertised address,
 node / ``/dev/shm`` identities, the served model names) when ``config.redis_url`` is set. ``serve_hooks`` gives
-``shared.grpc_server.serve`` the two hooks that start the lease once the server serves (its first readiness probe,
-after the model's warm-up and the bind) and stop it as the shutdown begins (before the drain), so a replica is
-listed only while it can take calls.
+``shared.grpc_server.serve`` the two hooks that start the lease once the server serves (``on_serving``: after the
+model's warm-up and the bind) and stop it as the shutdown begins (before the drain), so a replica is listed only
+while it can take calls.
 """
 
 from __future__ import annotations
@@ -73,22 +73,16 @@ def service_lease(
 
 
 def serve_hooks(lease: Lease | None) -> dict:
-    """``serve`` keyword arguments (``readiness``, ``drain``) that start ``lease`` after the server started and
-    deregister it when the shutdown begins; ``{}`` for no lease. The readiness they add always says ready."""
+    """``serve`` keyword arguments (``on_serving``, ``drain``) that register ``lease`` once the server takes calls
+    and deregister it when the shutdown begins; ``{}`` for no lease."""
     if lease is None:
         return {}
-    started = False
 
-    async def readiness() -> str | None:
-        nonlocal started
-        if not started:
-            started = True
-            await asyncio.to_thread(lease.start)  # never raises: a Redis away is retried on the lease's thread
-        return None
+    async def on_serving() -> None:
+        await asyncio.to_thread(lease.start)  # never raises: a Redis away is retried on the lease's thread
 
     async def drain() -> None:
-        if started:
-            await asyncio.to_thread(lease.stop)
-            lease.registry.close()
+        await asyncio.to_thread(lease.stop)
+        lease.registry.close()
 
-    return {"readiness": readiness, "drain": drain}
+    return {"on_serving": on_serving, "drain": drain}

@@ -295,7 +295,7 @@ class Lease:
         self.load_fn = load_fn
         self.interval_s = registry.ttl_ms / 3000.0
         self._info = info
-        self._registered = False  # a register succeeded since the last failure: renew, else register
+        self._registered = False  # registered once: a beat renews (and registers again if the key is gone)
         self._outage = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
