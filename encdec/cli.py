@@ -170,17 +170,14 @@ def client_security(args: argparse.Namespace):
         ValueError: both ``--token`` and ``--token-file``, an unreadable token file, or a lone ``--tls-cert`` /
             ``--tls-key``.
     """
+    from shared.public_auth import read_token_file
     from shared.tls import ClientSecurity
 
     token = args.token or ""
     if args.token_file:
         if args.token:
             raise ValueError("--token and --token-file are both set (or $ENCDEC_TOKEN): keep one")
-        try:
-            with open(args.token_file, encoding="ascii") as f:
-                token = f.read(4096).strip()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ValueError(f"--token-file {args.token_file!r} cannot be read as text: {exc}") from exc
+        token = read_token_file(args.token_file, "--token-file")
     return ClientSecurity(
         token=token,
         tls_ca=args.tls_ca or "",

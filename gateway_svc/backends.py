@@ -27,6 +27,7 @@ from gateway_svc.config import GatewayConfig
 from gateway_svc.errors import GatewayError
 from shared.grpc_server import GRPC_OPTIONS
 from shared.proto import decoder_pb2, decoder_pb2_grpc, embed_pb2, embed_pb2_grpc
+from shared.public_auth import read_token_file
 from shared.tls import ClientSecurity
 
 log = logging.getLogger(__name__)
@@ -99,11 +100,7 @@ def backend_security(config: GatewayConfig) -> ClientSecurity:
     """
     token = config.backend_token.strip()
     if config.backend_token_file:
-        try:
-            with open(config.backend_token_file, encoding="ascii") as f:
-                token = f.read(4096).strip()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ValueError(f"backend_token_file {config.backend_token_file!r} cannot be read as text: {exc}") from exc
+        token = read_token_file(config.backend_token_file, "backend_token_file")
         if not token:
             raise ValueError(f"backend_token_file {config.backend_token_file!r} is empty")
     security = ClientSecurity(

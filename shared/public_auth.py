@@ -20,6 +20,7 @@ METADATA_KEY = "authorization"
 SCHEME = "bearer"
 MIN_TOKEN_CHARS = 16
 MAX_TOKEN_CHARS = 4096  # well inside gRPC's 8-16 KiB request metadata limit
+TOKEN_FILE_MAX_BYTES = 64 * 1024  # read of a token file: past MAX_TOKEN_CHARS, so an overlong token is refused
 # Calls any client may make without the token: probes and tooling.
 OPEN_METHOD_PREFIXES = (
     "/grpc.health.v1.Health/",
@@ -29,6 +30,26 @@ OPEN_METHOD_PREFIXES = (
 MISSING_TOKEN = "missing bearer token: send metadata 'authorization: Bearer <token>' (encdec --token, ENCDEC_TOKEN)"
 INVALID_TOKEN = "invalid bearer token"
 _GENERATE_HINT = "generate one with: python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+
+
+def read_token_file(path: str, setting: str) -> str:
+    """The ASCII text of the token file ``path`` without its surrounding whitespace ("" for a blank file); at most
+    ``TOKEN_FILE_MAX_BYTES`` are read, so a longer token shows its length to the checks after.
+
+    Raises:
+        ValueError: the file cannot be read or is not ASCII (the message names ``setting`` and the path, never the
+            content).
+    """
+    source = f"{setting} {path!r}"
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(TOKEN_FILE_MAX_BYTES).strip()
+    except OSError as exc:
+        raise ValueError(f"{source} cannot be read: {exc.strerror or exc}") from exc
+    try:
+        return raw.decode("ascii")
+    except UnicodeDecodeError:
+        raise ValueError(f"{source} holds non-ASCII bytes; a bearer token is printable ASCII") from None
 
 
 def load_bearer_token(auth_token_file: str = "", auth_token: str = "") -> str | None:
@@ -46,16 +67,7 @@ def load_bearer_token(auth_token_file: str = "", auth_token: str = "") -> str | 
             "auth_token_file and auth_token are both set: keep one (--auth-token-file or ENCDEC_AUTH_TOKEN)"
         )
     if auth_token_file:
-        source = f"auth_token_file {auth_token_file!r}"
-        try:
-            with open(auth_token_file, "rb") as f:
-                raw = f.read(4096).strip()
-        except OSError as exc:
-            raise ValueError(f"{source} cannot be read: {exc.strerror or exc}") from exc
-        try:
-            token = raw.decode("ascii")
-        except UnicodeDecodeError:
-            raise ValueError(f"{source} holds non-ASCII bytes; a bearer token is printable ASCII") from None
+        source, token = f"auth_token_file {auth_token_file!r}", read_token_file(auth_token_file, "auth_token_file")
     elif auth_token:
         source, token = "auth_token (ENCDEC_AUTH_TOKEN)", auth_token.strip()
     else:

@@ -168,8 +168,12 @@ def test_load_bearer_token(tmp_path):
         "is empty": dict(auth_token_file=str((tmp_path / "e").resolve())),
         "at least 16": dict(auth_token="short"),
         "without spaces": dict(auth_token="a token with spaces in it"),
+        "at most 4096": dict(auth_token_file=str(tmp_path / "long")),  # read whole, not cut to a valid prefix
+        "non-ASCII": dict(auth_token_file=str(tmp_path / "latin")),
     }
     (tmp_path / "e").write_text("  \n")
+    (tmp_path / "long").write_text("x" * 266_000)
+    (tmp_path / "latin").write_bytes("é".encode("latin-1") * 20)
     for message, kwargs in cases.items():
         with pytest.raises(ValueError, match=message):
             load_bearer_token(**kwargs)
