@@ -5,7 +5,7 @@ RPC does) is ``decoder_svc.server.DecoderServicer``.
 
 As a replica (``Replica``): the decoder registers in the Redis registry under a
 lease (``shared.registration``; load = running + waiting sequences) once the
-server serves, and deregisters as the shutdown begins; the records it creates
+server serves, and deregisters once the shutdown's drain ended its requests; the records it creates
 name it as their owner; it listens for Aborts other replicas forward
 (``decoder_svc.replica_control``) and fails the requests of decoders whose
 lease expired (``decoder_svc.lost_replicas``).
@@ -16,9 +16,12 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import torch
+
 from decoder_svc.engine import DecoderEngine
 from decoder_svc.kv_budget import block_bytes, resolve_budget, size_kv_cache
 from decoder_svc.lost_replicas import LostDecoderReaper, RedisUptime
+from decoder_svc.model_runner import self_cache_dtype
 from decoder_svc.readiness import DecoderReadiness
 from decoder_svc.replica_control import ReplicaControl
 from decoder_svc.request_state import RequestStateStore
@@ -58,8 +61,9 @@ def build_engine(config: DecoderServiceConfig, model):
     """
     cfg = model.config
     cross_dtype_bytes = KV_DTYPE_BYTES[config.kv_transfer_dtype]
-    # as ModelRunner allocates the self cache (decoder_svc.model_runner.self_cache_dtype)
-    self_dtype_bytes = (2 if config.dtype == "bfloat16" else 4) if config.kv_device == "cpu" else cross_dtype_bytes
+    self_dtype_bytes = self_cache_dtype(  # the dtype ModelRunner allocates the self cache in
+        torch.device(config.kv_device), next(model.parameters()).dtype, torch_dtype(config.kv_transfer_dtype)
+    ).itemsize
     sizing = size_kv_cache(
         self_block_bytes=block_bytes(
             cfg.decoder_layers, config.block_size, cfg.num_heads, cfg.head_dim, self_dtype_bytes
