@@ -18,17 +18,32 @@ MODEL_DTYPES = ("float32", "float16", "bfloat16")  # weight dtypes (``dtype``); 
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
-def cpu_bf16_flags() -> list[str]:
-    """The ``CPU_BF16_FLAGS`` this CPU has (``/proc/cpuinfo``; empty where it cannot be read or lacks them)."""
+def cpu_info() -> dict[str, str]:
+    """The first processor's ``key: value`` lines of ``/proc/cpuinfo`` (empty where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    present = set(line.partition(":")[2].split())
-                    return [flag for flag in CPU_BF16_FLAGS if flag in present]
+            text = f.read()
     except OSError:
-        pass
-    return []
+        return {}
+    info: dict[str, str] = {}
+    for line in text.split("\n\n", 1)[0].splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            info[key.strip()] = value.strip()
+    return info
+
+
+def cpu_flags(info: dict[str, str] | None = None) -> set[str]:
+    """The CPU's feature flags (``/proc/cpuinfo`` ``flags``, ``Features`` on Arm; empty where unknown), from
+    ``info`` (a ``cpu_info()`` already read) or read now."""
+    info = cpu_info() if info is None else info
+    return set(info.get("flags", info.get("Features", "")).split())
+
+
+def cpu_bf16_flags() -> list[str]:
+    """The ``CPU_BF16_FLAGS`` this CPU has (``/proc/cpuinfo``; empty where it cannot be read or lacks them)."""
+    present = cpu_flags()
+    return [flag for flag in CPU_BF16_FLAGS if flag in present]
 
 
 def check_device_name(name: str, field: str = "device") -> None:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import os
 import platform
 import re
-from pathlib import Path
+
+from shared.device import cpu_flags, cpu_info
 
 # The /proc/cpuinfo flags that choose kernels here (torch / oneDNN / MKL and kernels/csrc), in the order shown.
 ISA_FLAGS = (
@@ -31,20 +32,6 @@ ISA_FLAGS = (
     "asimd",
     "sve",
 )
-
-
-def _cpuinfo() -> dict[str, str]:
-    """The first processor's ``key: value`` lines of ``/proc/cpuinfo`` (empty where there is none)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return {}
-    info: dict[str, str] = {}
-    for line in text.split("\n\n", 1)[0].splitlines():
-        key, sep, value = line.partition(":")
-        if sep:
-            info[key.strip()] = value.strip()
-    return info
 
 
 def _library_versions() -> dict[str, str]:
@@ -94,8 +81,8 @@ def machine_info() -> dict:
         ``cpus`` (logical CPUs), ``threads_per_core`` (0 when unknown), ``isa`` (``best_isa``), ``flags`` (the
         ``ISA_FLAGS`` present), and ``torch`` / ``mkl`` / ``onednn`` versions and torch's ``cpu_capability``.
     """
-    info = _cpuinfo()
-    flags = set(info.get("flags", info.get("Features", "")).split())
+    info = cpu_info()
+    flags = cpu_flags(info)
     try:
         threads_per_core = int(info["siblings"]) // int(info["cpu cores"])
     except (KeyError, ValueError, ZeroDivisionError):

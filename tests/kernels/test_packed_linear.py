@@ -18,6 +18,7 @@ from kernels.packed_linear import (
     reference_linear,
     use_isa,
 )
+from shared.device import cpu_flags
 from shared.models.linear import (
     Linear,
     fused_products,
@@ -34,18 +35,13 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _cpu_flags() -> set[str]:
-    with open("/proc/cpuinfo") as f:
-        return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
-
-
 ISA_FLAGS = {"avx2": {"avx2", "fma"}, "avx512": {"avx512f"}}  # what each micro-kernel needs
 
 
 @pytest.fixture(params=list(ISAS))
 def each_isa(request):
     """Runs the test on each micro-kernel this CPU can run (the others skipped, named)."""
-    missing = ISA_FLAGS[request.param] - _cpu_flags()
+    missing = ISA_FLAGS[request.param] - cpu_flags()
     if missing:
         pytest.skip(f"this CPU lacks {', '.join(sorted(missing))}: the {request.param} micro-kernel cannot run here")
     assert use_isa(request.param) == request.param == isa()
@@ -284,7 +280,7 @@ def test_fused_residual_is_the_unfused_sum_bit_for_bit(activation, rows, out_fea
 def test_instruction_sets_agree_bit_for_bit_and_the_best_is_the_default():
     """The AVX-512 micro-kernel keeps the AVX2 one's running sum per output in the same order: switching never
     changes a token. Rows cross both kernels' row blocks (6 and 12); bias, activations and the residual too."""
-    if ISA_FLAGS["avx512"] - _cpu_flags():
+    if ISA_FLAGS["avx512"] - cpu_flags():
         pytest.skip("this CPU lacks avx512f: only the avx2 micro-kernel runs here")
     assert isa() == "avx512"  # the best this CPU has, chosen at load
     g = torch.Generator().manual_seed(5)
