@@ -32,8 +32,9 @@ from shared.device import resolve_device, torch_dtype
 from shared.grpc_server import serve
 from shared.kv_transport import create_pool
 from shared.metrics import start_metrics_server
+from shared.models.bfloat16 import load_model_in, products_dtype
 from shared.models.quantize import apply_quantization
-from shared.models.registry import load_model, load_tokenizer
+from shared.models.registry import load_tokenizer
 from shared.proto import decoder_pb2_grpc
 from shared.public_port import public_port_security
 from shared.redis_url import resolve_redis_url
@@ -62,7 +63,7 @@ def build_engine(config: DecoderServiceConfig, model):
     cfg = model.config
     cross_dtype_bytes = KV_DTYPE_BYTES[config.kv_transfer_dtype]
     self_dtype_bytes = self_cache_dtype(  # the dtype ModelRunner allocates the self cache in
-        torch.device(config.kv_device), next(model.parameters()).dtype, torch_dtype(config.kv_transfer_dtype)
+        torch.device(config.kv_device), products_dtype(model), torch_dtype(config.kv_transfer_dtype)
     ).itemsize
     sizing = size_kv_cache(
         self_block_bytes=block_bytes(
@@ -181,7 +182,7 @@ def run(config: DecoderServiceConfig) -> None:
     threads = single_threaded_main(config.num_threads)  # loading stays on one thread; the engine thread gets these
     device = resolve_device(config.device)  # before anything is loaded: a missing GPU fails fast
     public_port_security(config)  # the token and TLS files fail the start now, not after the model loaded
-    model = load_model(config.model, torch_dtype(config.dtype))
+    model = load_model_in(config.model, config.dtype, device)  # bfloat16 on the CPU: shared.models.bfloat16
     apply_quantization(model, config.quantize, "decoder")  # CPU only (the config refuses int8 on CUDA)
     model.to(device)  # before the KV pools are sized: a fractional kv_cache_memory sees the weights' memory taken
     if config.quantize == "none" and (packed := model.pack_decode_weights()):  # CPU float32: kernels/packed_linear.py

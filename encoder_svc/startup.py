@@ -19,13 +19,14 @@ from encoder_svc.batcher import EncodeBatcher
 from encoder_svc.server import EncoderServicer
 from shared.compute_thread import single_threaded_main
 from shared.config import EncoderServiceConfig
-from shared.device import resolve_device, torch_dtype
+from shared.device import resolve_device
 from shared.grpc_server import serve
 from shared.internal_auth import InternalAuth
 from shared.kv_transport import WriterSet
 from shared.metrics import start_metrics_server
+from shared.models.bfloat16 import load_model_in
 from shared.models.quantize import apply_quantization
-from shared.models.registry import is_encoder_only, load_model
+from shared.models.registry import is_encoder_only
 from shared.models.whisper_features import log_mel_spectrogram
 from shared.proto import encoder_pb2_grpc
 from shared.registration import serve_hooks, service_lease
@@ -79,7 +80,7 @@ def run(config: EncoderServiceConfig) -> None:
     transports = [t.strip() for t in config.kv_transport.split(",") if t.strip()]
     # Listed in the replica registry (config.redis_url set) from the first readiness probe to the shutdown.
     lease = service_lease(config, "encoder", transports, cuda_gpu_ids(device), load_fn=lambda: batcher.in_flight)
-    model = load_model(config.model, torch_dtype(config.dtype))
+    model = load_model_in(config.model, config.dtype, device)  # bfloat16 on the CPU: shared.models.bfloat16
     apply_quantization(model, config.quantize, "encoder")  # CPU only (the config refuses int8 on CUDA)
     model.to(device)
     log.info(

@@ -11,7 +11,11 @@ Per request: TTFT (call start -> first message carrying tokens; includes
 queueing and encoding) and TPOT (time per output token after the first:
 ``(end - first) / (tokens - 1)``). Reported: p50 / p99 of both, mean
 end-to-end latency, completed requests/s and output tokens/s over the span
-from the first arrival to the last completion.
+from the first arrival to the last completion. Before the timed arrivals,
+``LONE_REQUESTS`` requests run one at a time on the idle services: their
+median TTFT is the row's ``lone TTFT ms``, and ``p99 / lone`` is how much
+waiting behind other requests adds to the worst first token (issue 24's
+online target: at most 1.3).
 
 **Rate sweep** (``--rates 0.5,1,2,4``): one run per rate, one after another
 against the same services (each starts when the previous one's requests
@@ -43,6 +47,8 @@ COLUMNS = [
     "failed",
     "TTFT p50 ms",
     "TTFT p99 ms",
+    "lone TTFT ms",
+    "p99 / lone",
     "TPOT p50 ms",
     "TPOT p99 ms",
     "e2e mean s",
@@ -51,6 +57,7 @@ COLUMNS = [
 ]
 SWEEP_COLUMNS = [*COLUMNS, "refused", "TTFT SLO ms", "met SLO %", "goodput req/s"]
 REFUSAL_CODES = ("RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED")  # the decoder's admission answers
+LONE_REQUESTS = 5  # requests sent one at a time before the timed run (the bundled clips: one each)
 
 
 def arrival_times(rate: float, duration: float, seed: int) -> list[float]:
@@ -133,11 +140,16 @@ async def _drive(address: str, make_request, offsets: list[float], progress: boo
 
         async for _ in stub.Generate(make_request(0)):  # warm-up, not counted
             pass
+        lone = []
+        for i in range(LONE_REQUESTS):  # one at a time on idle services: the TTFT nothing queues in front of
+            r = await one(i, 0.0, time.perf_counter())
+            lone += [r["ttft_s"]] if r["ttft_s"] is not None else []
+        bar.reset()
         t0 = time.perf_counter()
         results = await asyncio.gather(*(one(i, at, t0) for i, at in enumerate(offsets)))
         span = time.perf_counter() - t0
     bar.close()
-    return list(results), span
+    return [{**r, "lone_ttft_s": statistics.median(lone) if lone else None} for r in results], span
 
 
 def summarize(workload: str, rate: float, duration: float, results: list[dict]) -> dict:
@@ -150,6 +162,8 @@ def summarize(workload: str, rate: float, duration: float, results: list[dict]) 
     def ms(v: float | None) -> float | None:
         return None if v is None else v * 1000
 
+    lone = next((r["lone_ttft_s"] for r in results if r.get("lone_ttft_s") is not None), None)
+    p99 = percentile(ttft, 99)
     return {
         "workload": workload,
         "rate req/s": rate,
@@ -157,7 +171,9 @@ def summarize(workload: str, rate: float, duration: float, results: list[dict]) 
         "requests": len(results),
         "failed": len(results) - len(ok),
         "TTFT p50 ms": ms(percentile(ttft, 50)),
-        "TTFT p99 ms": ms(percentile(ttft, 99)),
+        "TTFT p99 ms": ms(p99),
+        "lone TTFT ms": ms(lone),
+        "p99 / lone": p99 / lone if p99 is not None and lone else None,
         "TPOT p50 ms": ms(percentile(tpot, 50)),
         "TPOT p99 ms": ms(percentile(tpot, 99)),
         "e2e mean s": statistics.fmean(r["end"] - r["start"] for r in ok) if ok else None,

@@ -100,6 +100,7 @@ class Linear(nn.Linear):
 
     packed: PackedWeight | None = None  # set by pack()
     onednn: torch.Tensor | None = None  # set by use_onednn(): oneDNN's packed weight for many-row inputs
+    mixed_bfloat16 = False  # set by shared.models.bfloat16.use_bfloat16_products: bfloat16 weight, float32 in and out
 
     def use_onednn(self, rows: int) -> bool:
         """Packs the weight for oneDNN when it beats ``F.linear`` on ``rows``-row products here
@@ -129,7 +130,19 @@ class Linear(nn.Linear):
         if self.onednn is not None and x.numel() > SMALL_ROWS * x.shape[-1] and packed_rows(x):
             y = activate(onednn_linear(x, self.onednn, self.bias, self.out_features), activation)
             return y if residual is None else residual + y
+        if self.mixed_bfloat16:
+            return self._bfloat16_product(x, activation, residual)
         y = activate(linear(x, self.weight, self.bias), activation)  # a residual of another shape broadcasts here
+        return y if residual is None else residual + y
+
+    def _bfloat16_product(self, x: torch.Tensor, activation: str | None, residual: torch.Tensor | None) -> torch.Tensor:
+        """A bfloat16 weight (``shared.models.bfloat16``) times a float32 (or bfloat16) input: ``x`` rounded to
+        bfloat16, one oneDNN bfloat16 product (float32 accumulation), then the bias, the activation and the residual
+        in float32; returns float32."""
+        y = F.linear(x.to(torch.bfloat16), self.weight).float()
+        if self.bias is not None:
+            y.add_(self.bias)
+        y = activate(y, activation)
         return y if residual is None else residual + y
 
 

@@ -26,6 +26,7 @@ from torch import nn
 from kernels import decode_layer
 from kernels.decode_layer import FusedDecodeLayer, LayerWeights
 from shared.attention_metadata import AttentionMetadata
+from shared.models.bfloat16 import bfloat16_attention
 from shared.models.ct2_reader import load_ct2_weights
 from shared.models.linear import Linear, PackedDecodeWeights, linear_act, linear_add, packed_product
 from shared.models.norm import LayerNorm
@@ -127,7 +128,10 @@ class EncoderLayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
         qkv = self.qkv(self.attn_norm(x)).view(b, s, 3, self.h, self.dh).permute(2, 0, 3, 1, 4)  # [3, B, H, S, Dh]
-        a = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2])  # [B, H, S, Dh]
+        if getattr(self.qkv, "mixed_bfloat16", False):  # --dtype bfloat16 on the CPU (shared.models.bfloat16)
+            a = bfloat16_attention(qkv[0], qkv[1], qkv[2])  # [B, H, S, Dh] bfloat16
+        else:
+            a = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2])  # [B, H, S, Dh]
         x = linear_add(self.attn_out, a.transpose(1, 2).reshape(b, s, d), x)
         return linear_add(self.fc2, linear_act(self.fc1, self.ffn_norm(x), "gelu", F.gelu), x)
 
@@ -336,12 +340,15 @@ class WhisperForConditionalGeneration(PackedDecodeWeights, nn.Module):
         """Every decoder layer's cross-attention K/V of an encoder output.
 
         ``[B, S, d_model]`` -> ``[num_decoder_layers, 2, B, S, num_heads, head_dim]``
-        (index 0 = K, 1 = V), in the model dtype.
+        (index 0 = K, 1 = V), in the dtype of the ``cross_kv`` weights (the model dtype; bfloat16 with
+        ``shared.models.bfloat16.use_bfloat16_products``, bias rounded to bfloat16 too).
         """
         b, s, d = encoder_out.shape
         c = self.config
-        x = encoder_out.to(self.dtype).reshape(b * s, d)  # [B*S, d]
-        out = torch.empty(c.decoder_layers, 2, b, s, c.num_heads, c.head_dim, dtype=self.dtype, device=x.device)
+        weight = getattr(self.decoder_layers[0].cross_kv, "weight", None) if c.decoder_layers else None
+        dtype = torch.bfloat16 if isinstance(weight, torch.Tensor) and weight.dtype == torch.bfloat16 else self.dtype
+        x = encoder_out.to(dtype).reshape(b * s, d)  # [B*S, d]
+        out = torch.empty(c.decoder_layers, 2, b, s, c.num_heads, c.head_dim, dtype=dtype, device=x.device)
         # Each K / V product lands in its final place (no stacked [L, B, S, 2d] copy permuted afterwards; bit-identical,
         # and faster: docs/benchmarks.md, Measurements formerly in docstrings).
         for layer_out, layer in zip(out, self.decoder_layers):
@@ -351,7 +358,7 @@ class WhisperForConditionalGeneration(PackedDecodeWeights, nn.Module):
                 continue
             for i in range(2):  # weight rows: k, then v
                 torch.addmm(
-                    proj.bias[i * d : (i + 1) * d],
+                    proj.bias[i * d : (i + 1) * d].to(dtype),
                     x,
                     proj.weight[i * d : (i + 1) * d].t(),
                     out=layer_out[i].view(b * s, d),

@@ -95,9 +95,11 @@ def test_online_table_and_json(bench_run):
     row = payload["rows"][0]
     assert table[2][0] == "bart-tiny"
     assert row["requests"] == len(payload["requests"]) and row["failed"] == 0
-    for key in ("TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "tokens/s"):
+    for key in ("TTFT p50 ms", "TTFT p99 ms", "lone TTFT ms", "TPOT p50 ms", "TPOT p99 ms", "tokens/s"):
         assert row[key] is not None and row[key] > 0, key
     assert row["TTFT p50 ms"] <= row["TTFT p99 ms"]
+    assert row["p99 / lone"] == pytest.approx(row["TTFT p99 ms"] / row["lone TTFT ms"])
+    assert len(payload["requests"]) == row["requests"]  # the lone requests before the run are not counted in it
     assert all(r["tokens"] >= 1 and r["error"] is None for r in payload["requests"])
 
 
