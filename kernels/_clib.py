@@ -16,7 +16,7 @@ import os
 from collections.abc import Callable
 from functools import lru_cache
 
-ABI_VERSION = 4  # ENCDEC_KERNELS_ABI of kernels/csrc/parallel.h: the C signatures the wrappers declare
+ABI_VERSION = 5  # ENCDEC_KERNELS_ABI of kernels/csrc/parallel.h: the C signatures the wrappers declare
 
 log = logging.getLogger(__name__)
 

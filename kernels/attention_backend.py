@@ -94,9 +94,9 @@ def paged_attention(
 def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """``kernels.paged_attention.write_kv`` (same arguments) as every backend writes: the C scatter for float32 CPU
-    caches (a fraction of the reference's time: docs/benchmarks.md, Measurements formerly in docstrings), else the
-    torch reference."""
+    """``kernels.paged_attention.write_kv`` (same arguments) as every backend writes: the C scatter for float32 or
+    bfloat16 CPU caches and float32 keys / values (a fraction of the reference's time: docs/benchmarks.md,
+    Measurements formerly in docstrings), else the torch reference."""
     TorchAttentionBackend().write_slots(k_cache, v_cache, key, value, slot_mapping)
 
 

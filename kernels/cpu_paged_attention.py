@@ -6,15 +6,19 @@ every sequence's K/V blocks into a dense copy, builds a mask and calls
 was a sizeable part of the step (gathers, SDPA, masks; measured:
 docs/benchmarks.md, Measurements formerly in docstrings). With one query per
 sequence, this C kernel reads each key and value where it lies, once, through the block table. The
-``torch`` attention backend (``kernels.attention_backends.torch_backend``) sends every call on float32 CPU
-caches here; half-precision caches and other devices go to the reference; tests/kernels/test_cpu_paged_attention.py
-compares the two. A step with several queries per sequence (a prefill, a
+``torch`` attention backend (``kernels.attention_backends.torch_backend``) sends every call with a float32 query
+and float32 or bfloat16 CPU caches here; float16 caches, half-precision queries and other devices go to the
+reference; tests/kernels/test_cpu_paged_attention.py (bfloat16 caches: test_cpu_paged_attention_bf16.py) compares
+the two. A bfloat16 cache (half the bytes a decode step reads: Whisper's cross pool) is widened to float32 exactly
+as it is read, and the math and the output are the float32 kernel's, sum for sum: its result equals the float32
+kernel's on that cache upcast, bit for bit, and the reference's (which upcasts too) to float rounding. A step with several queries per sequence (a prefill, a
 recompute after preemption, next to other sequences' decode rows) is run as
 one kernel row per query (``query_rows``: the query's own causal length), so a
 token's attention is computed the same way whether it is decoded alone, in a
 batch, or recomputed in a prefill: results do not depend on the batch. ``write_kv`` is the C
 scatter of the reference's ``write_kv`` (torch's ``index_copy_`` plus its
-padding check cost several times the scatter per layer of such a step).
+padding check cost several times the scatter per layer of such a step); into a bfloat16 cache it rounds to nearest
+even, as ``Tensor.to(torch.bfloat16)``.
 
 The C library is built by ``pip install`` (setup.py, x86-64 Linux only);
 where it is missing or the CPU lacks AVX2/FMA, ``is_available()`` is False
@@ -33,7 +37,18 @@ import torch
 from kernels._clib import CKernel
 from kernels.paged_attention import token_index
 
-__all__ = ["applies", "is_available", "paged_decode_attention", "query_rows", "write_applies", "write_kv"]
+__all__ = [
+    "CACHE_DTYPES",
+    "applies",
+    "is_available",
+    "paged_decode_attention",
+    "query_rows",
+    "write_applies",
+    "write_kv",
+]
+
+# The cache dtypes the C functions take, by their ``cache_dtype`` code (``kernels/csrc/paged_decode_attention.c``).
+CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -43,6 +58,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         i64,
         ptr,
         ptr,
+        ctypes.c_int,
         ptr,
         i64,
         ptr,
@@ -58,7 +74,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         ctypes.c_int,
     ]
     lib.paged_decode_attention.restype = ctypes.c_int
-    lib.paged_write_kv.argtypes = [ptr, ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64]
+    lib.paged_write_kv.argtypes = [ptr, ptr, i64, i64, ptr, ptr, ctypes.c_int, ptr, i64, i64, i64]
     lib.paged_write_kv.restype = ctypes.c_int
 
 
@@ -69,11 +85,12 @@ is_available = _KERNEL.is_available
 
 def applies(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether ``paged_decode_attention`` (through ``query_rows`` when a sequence has several queries) can serve
-    this call of the reference: float32 CPU query and contiguous caches, when the kernel is available."""
+    this call of the reference: a float32 CPU query and contiguous CPU caches of one dtype in ``CACHE_DTYPES``
+    (float32 or bfloat16), when the kernel is available."""
     return (
         query.dtype == torch.float32
-        and k_cache.dtype == torch.float32
-        and v_cache.dtype == torch.float32
+        and k_cache.dtype in CACHE_DTYPES
+        and v_cache.dtype == k_cache.dtype
         and query.device.type == "cpu"
         and k_cache.device.type == "cpu"
         and v_cache.device.type == "cpu"
@@ -97,9 +114,9 @@ def paged_decode_attention(
 
     Args:
         query: ``[B, H, D]`` float32 CPU, the query of sequence ``b`` in row ``b``.
-        k_cache: ``[num_blocks, block_size, H, D]`` float32 CPU, contiguous (a
-            cache is never copied).
-        v_cache: same shape as ``k_cache``.
+        k_cache: ``[num_blocks, block_size, H, D]`` float32 or bfloat16 CPU, contiguous (a
+            cache is never copied; bfloat16 elements are widened to float32 exactly as they are read).
+        v_cache: same shape and dtype as ``k_cache``.
         block_tables: ``[B, M]`` integer block ids; only the first
             ``ceil(context_lens[b] / block_size)`` of row ``b`` are read.
         context_lens: ``[B]`` keys per sequence (a causal query sits at
@@ -111,12 +128,12 @@ def paged_decode_attention(
             (default ``torch.get_num_threads()``).
 
     Returns:
-        ``[B, H, D]`` float32; zeros for a sequence with no key.
+        ``[B, H, D]`` float32 (float32 math whatever the cache dtype); zeros for a sequence with no key.
 
     Raises:
         RuntimeError: the kernel is not available (see ``is_available``).
-        ValueError: wrong dtypes, devices or shapes; a negative length or one
-            past the block table's width; a block id outside the cache.
+        ValueError: a query not float32, caches not both float32 or both bfloat16, tensors off the CPU, wrong
+            shapes; a negative length or one past the block table's width; a block id outside the cache.
     """
     lib = _library()
     if lib is None:
@@ -128,15 +145,15 @@ def paged_decode_attention(
     b, h, d = query.shape
     if (
         query.dtype != torch.float32
-        or k_cache.dtype != torch.float32
-        or v_cache.dtype != torch.float32
+        or k_cache.dtype not in CACHE_DTYPES
+        or v_cache.dtype != k_cache.dtype
         or query.device.type != "cpu"
         or k_cache.device.type != "cpu"
         or v_cache.device.type != "cpu"
     ):
         raise ValueError(
-            "paged_decode_attention takes float32 CPU query and caches, got "
-            f"{query.dtype}/{k_cache.dtype}/{v_cache.dtype} on {query.device}/{k_cache.device}"
+            "paged_decode_attention takes a float32 CPU query and float32 or bfloat16 CPU caches (both one dtype), "
+            f"got {query.dtype}/{k_cache.dtype}/{v_cache.dtype} on {query.device}/{k_cache.device}/{v_cache.device}"
         )
     if (
         k_cache.dim() != 4
@@ -174,6 +191,7 @@ def paged_decode_attention(
         q.stride(0),
         k.data_ptr(),
         v.data_ptr(),
+        CACHE_DTYPES[k.dtype],
         tables.data_ptr(),
         tables.shape[1],
         lens.data_ptr(),
@@ -228,11 +246,12 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def write_applies(
     k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
 ) -> bool:
-    """Whether ``write_kv`` can serve this call of the reference ``kernels.paged_attention.write_kv``: float32 CPU
-    contiguous caches, float32 CPU keys/values and CPU slots, when the kernel is available."""
+    """Whether ``write_kv`` can serve this call of the reference ``kernels.paged_attention.write_kv``: contiguous
+    CPU caches of one dtype in ``CACHE_DTYPES`` (float32 or bfloat16), float32 CPU keys/values and CPU slots, when
+    the kernel is available."""
     return (
-        k_cache.dtype == torch.float32
-        and v_cache.dtype == torch.float32
+        k_cache.dtype in CACHE_DTYPES
+        and v_cache.dtype == k_cache.dtype
         and key.dtype == torch.float32
         and value.dtype == torch.float32
         and k_cache.is_cpu
@@ -249,11 +268,13 @@ def write_applies(
 def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """``kernels.paged_attention.write_kv`` (one ``memcpy`` per token and cache instead of torch's ``index_copy_``).
+    """``kernels.paged_attention.write_kv`` (one ``memcpy``, or one row rounded to bfloat16, per token and cache
+    instead of torch's ``index_copy_``).
 
     Args:
-        k_cache: ``[num_blocks, block_size, H, D]`` float32 CPU, contiguous, written in place.
-        v_cache: same shape as ``k_cache``.
+        k_cache: ``[num_blocks, block_size, H, D]`` float32 or bfloat16 CPU, contiguous, written in place; into
+            bfloat16 each value is rounded to nearest even, bit for bit ``key.to(torch.bfloat16)`` (a NaN included).
+        v_cache: same shape and dtype as ``k_cache``.
         key: ``[T, H, D]`` float32 CPU.
         value: ``[T, H, D]`` float32 CPU.
         slot_mapping: ``[T]`` integer slot of each token (``block * block_size + offset``); negative slots
@@ -272,8 +293,9 @@ def write_kv(
         )
     if not write_applies(k_cache, v_cache, key, value, slot_mapping):
         raise ValueError(
-            "write_kv takes float32 CPU keys, values and contiguous caches and CPU slots, got "
-            f"{key.dtype}/{value.dtype}/{k_cache.dtype}/{v_cache.dtype} on {key.device}/{slot_mapping.device}"
+            "write_kv takes float32 CPU keys and values, contiguous float32 or bfloat16 CPU caches (both one dtype) "
+            f"and CPU slots, got {key.dtype}/{value.dtype}/{k_cache.dtype}/{v_cache.dtype} on "
+            f"{key.device}/{k_cache.device}/{slot_mapping.device}"
         )
     if (
         k_cache.dim() != 4
@@ -304,6 +326,7 @@ def write_kv(
             v.stride(0),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
+            CACHE_DTYPES[k_cache.dtype],
             slots.data_ptr(),
             t,
             row,

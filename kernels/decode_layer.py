@@ -10,7 +10,8 @@ docstrings).
 A model layer builds a ``FusedDecodeLayer`` from its packed weights (``DecoderLayer.fused_decode_layer``)
 once the weights are packed; ``FusedDecodeLayer.run`` returns None whenever the call is not a decode step
 it serves (prefill, other devices or dtypes, the torch reference's backend switched off), and the Python
-layer runs instead.
+layer runs instead. It serves float32 activations over float32 or bfloat16 self and cross caches (each its own
+dtype, ``kernels.cpu_paged_attention.CACHE_DTYPES``), as the Python layer's attention calls do.
 
 Over 300 lines: the ctypes structs must mirror ``kernels/csrc/decode_layer.c`` field for
 field, so they stay in one file with the only code that fills them (``LayerWeights``, ``FusedDecodeLayer``).
@@ -81,7 +82,19 @@ class _Step(ctypes.Structure):
 
 def _declare(lib: ctypes.CDLL) -> None:
     ptr = ctypes.c_void_p
-    lib.decode_layer.argtypes = [ctypes.POINTER(_Layer), ctypes.POINTER(_Step), ptr, ptr, ptr, ptr, ptr, ptr, ptr]
+    lib.decode_layer.argtypes = [
+        ctypes.POINTER(_Layer),
+        ctypes.POINTER(_Step),
+        ptr,
+        ptr,
+        ptr,
+        ptr,
+        _int,
+        ptr,
+        ptr,
+        _int,
+        ptr,
+    ]
     lib.decode_layer.restype = ctypes.c_int
     lib.decode_layer_scratch.argtypes = [ctypes.POINTER(_Layer), _i64]
     lib.decode_layer_scratch.restype = _i64
@@ -204,9 +217,10 @@ class FusedDecodeLayer:
         """The layer's output ``[T, d]`` for a decode step, or None when this call is not one ``decode_layer`` serves.
 
         Args:
-            x: ``[T, d]`` the layer's input.
+            x: ``[T, d]`` float32, the layer's input.
             md: the step's ``shared.attention_metadata.AttentionMetadata``.
-            self_kv, cross_kv: this layer's ``[2, num_blocks, block_size, H, D]`` caches.
+            self_kv, cross_kv: this layer's ``[2, num_blocks, block_size, H, D]`` caches, each float32 or bfloat16
+                (the new tokens' K/V are rounded to nearest even into a bfloat16 self cache).
             position_bias: T5's ``[H, N]`` decoder bias (``paged_attention``'s), or None.
 
         Raises:
@@ -226,8 +240,10 @@ class FusedDecodeLayer:
             out.data_ptr(),
             self_kv[0].data_ptr(),
             self_kv[1].data_ptr(),
+            cpu_paged_attention.CACHE_DTYPES[self_kv.dtype],
             cross_kv[0].data_ptr(),
             cross_kv[1].data_ptr(),
+            cpu_paged_attention.CACHE_DTYPES[cross_kv.dtype],
             scratch.data_ptr(),
         )
         if rc < -1:
@@ -251,8 +267,8 @@ class FusedDecodeLayer:
         ):
             return None
         if (
-            self_kv.dtype != torch.float32
-            or cross_kv.dtype != torch.float32
+            self_kv.dtype not in cpu_paged_attention.CACHE_DTYPES
+            or cross_kv.dtype not in cpu_paged_attention.CACHE_DTYPES
             or not self_kv.is_cpu
             or not cross_kv.is_cpu
             or not self_kv.is_contiguous()

@@ -122,9 +122,10 @@ class AttentionBackend(ABC):
         value: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        """``kernels.paged_attention.write_kv`` (same arguments), whatever the backend: float32 CPU caches take the C
-        scatter (``kernels.cpu_paged_attention.write_kv``); every other case (half precision, CUDA, the kernel not
-        built) the torch reference."""
+        """``kernels.paged_attention.write_kv`` (same arguments), whatever the backend: float32 or bfloat16 CPU caches
+        with float32 keys / values take the C scatter (``kernels.cpu_paged_attention.write_kv``, its bfloat16
+        rounding torch's); every other case (float16, half-precision keys, CUDA, the kernel not built) the torch
+        reference."""
         if cpu_paged_attention.write_applies(k_cache, v_cache, key, value, slot_mapping):
             cpu_paged_attention.write_kv(k_cache, v_cache, key, value, slot_mapping)
         else:

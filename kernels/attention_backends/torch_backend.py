@@ -1,11 +1,11 @@
-"""Backend ``torch`` (the default): the C kernel for float32 CPU caches, the torch references otherwise.
+"""Backend ``torch`` (the default): the C kernel for float32 / bfloat16 CPU caches, the torch references otherwise.
 
-Float32 CPU caches run ``kernels.cpu_paged_attention`` where it is built (blocks read in place, much faster than
-the reference's gather + SDPA on a decode step; measured: docs/benchmarks.md, Measurements formerly in docstrings),
-one kernel row per query (``query_rows``) when a sequence has
+Float32 queries over float32 or bfloat16 CPU caches run ``kernels.cpu_paged_attention`` where it is built (blocks
+read in place, much faster than the reference's gather + SDPA on a decode step; measured: docs/benchmarks.md,
+Measurements formerly in docstrings), one kernel row per query (``query_rows``) when a sequence has
 several: each query is computed as in a decode step, so a token's result does not depend on the rest of the batch
-nor on whether it is decoded or recomputed in a prefill. Everything else (half precision, CUDA, the kernel not
-built) runs ``kernels.paged_attention`` / ``kernels.cross_attention``.
+nor on whether it is decoded or recomputed in a prefill. Everything else (float16 caches, half-precision
+queries, CUDA, the kernel not built) runs ``kernels.paged_attention`` / ``kernels.cross_attention``.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ class TorchAttentionBackend(AttentionBackend):
         position_bias: torch.Tensor | None = None,
         step_cache: dict | None = None,
     ) -> torch.Tensor:
-        """``kernels.paged_attention.paged_attention``: the C kernel on float32 CPU caches, else the reference.
+        """``kernels.paged_attention.paged_attention``: the C kernel where ``cpu_paged_attention.applies`` (a float32
+        query, float32 or bfloat16 CPU caches), else the reference.
 
         Raises:
             ValueError: what the kernel or the reference raises (shapes, lengths, block ids).

@@ -20,12 +20,12 @@
 
 int packed_linear(const float* x, const float* wp, const float* bias, const float* residual, float* out, size_t m,
                   size_t n, size_t k, int num_threads, int activation);
-int paged_decode_attention(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache,
+int paged_decode_attention(const float* q, int64_t q_stride, const void* k_cache, const void* v_cache, int cache_dtype,
                            const int64_t* block_tables, int64_t bt_stride, const int64_t* context_lens, const float* bias,
                            int64_t bias_len, float* out, int64_t batch, int64_t num_heads, int64_t head_dim,
                            int64_t num_blocks, int64_t block_size, float scale, int num_threads);
-int paged_write_kv(const float* key, const float* value, int64_t key_stride, int64_t value_stride, float* k_cache,
-                   float* v_cache, const int64_t* slots, int64_t t, int64_t row, int64_t num_slots);
+int paged_write_kv(const float* key, const float* value, int64_t key_stride, int64_t value_stride, void* k_cache,
+                   void* v_cache, int cache_dtype, const int64_t* slots, int64_t t, int64_t row, int64_t num_slots);
 int row_norm(const float* x, const float* w, const float* b, float* out, size_t rows, size_t d, float eps, int rms,
              int num_threads);
 
@@ -80,12 +80,14 @@ static void post_norm(const decode_layer_t* L, int i, float* r, int64_t t, int n
     if (!L->pre_norm) row_norm(r, L->norm_w[i], L->norm_b[i], r, t, L->d, L->eps, L->rms, nt);
 }
 
-/* x [t, d] -> out [t, d] (out != x); self_k / self_v [num_self_blocks, block_size, H, D] (written at the new
- * tokens' slots); cross_k / cross_v [num_cross_blocks, block_size, H, D]; scratch: decode_layer_scratch floats.
+/* x [t, d] -> out [t, d] (out != x), float32; self_k / self_v [num_self_blocks, block_size, H, D] of self_dtype
+ * (written at the new tokens' slots); cross_k / cross_v [num_cross_blocks, block_size, H, D] of cross_dtype (the
+ * dtypes: paged_decode_attention's cache_dtype, 0 float32, 1 bfloat16, each passed through to the attention calls
+ * and paged_write_kv); scratch: decode_layer_scratch floats.
  * Returns 0; or the first kernel error (-2 / -3 of the attention kernels: a bad length or block id; -3 of
- * paged_write_kv: a slot past the cache), with the layer left half done. */
-int decode_layer(const decode_layer_t* L, const decode_step_t* S, const float* x, float* out, float* self_k, float* self_v,
-                 const float* cross_k, const float* cross_v, float* scratch) {
+ * paged_write_kv: a slot past the cache; -4: a dtype neither), with the layer left half done. */
+int decode_layer(const decode_layer_t* L, const decode_step_t* S, const float* x, float* out, void* self_k, void* self_v,
+                 int self_dtype, const void* cross_k, const void* cross_v, int cross_dtype, float* scratch) {
     const int64_t t = S->t, d = L->d, H = L->heads, D = L->head_dim, hd = H * D;
     const int nt = S->num_threads;
     float *h = scratch, *a = h + t * d, *b = a + t * d, *qkv = b + t * d, *attn = qkv + t * 3 * hd, *f = attn + t * hd;
@@ -96,17 +98,18 @@ int decode_layer(const decode_layer_t* L, const decode_step_t* S, const float* x
         return rc;
     /* self-attention: a = x + Attn(...) */
     packed_linear(sublayer_input(L, 0, x, h, t, nt), L->qkv_wp, L->qkv_b, NULL, qkv, t, 3 * hd, d, nt, 0);
-    CHECK(paged_write_kv(qkv + hd, qkv + 2 * hd, 3 * hd, 3 * hd, self_k, self_v, S->slots, t, hd,
+    CHECK(paged_write_kv(qkv + hd, qkv + 2 * hd, 3 * hd, 3 * hd, self_k, self_v, self_dtype, S->slots, t, hd,
                          S->num_self_blocks * S->block_size));
-    CHECK(paged_decode_attention(qkv, 3 * hd, self_k, self_v, S->block_tables, S->bt_stride, S->seq_lens,
+    CHECK(paged_decode_attention(qkv, 3 * hd, self_k, self_v, self_dtype, S->block_tables, S->bt_stride, S->seq_lens,
                                  S->position_bias, S->bias_len, attn, t, H, D, S->num_self_blocks, S->block_size,
                                  L->scale, nt));
     packed_linear(attn, L->o_wp, L->o_b, x, a, t, d, hd, nt, 0);
     post_norm(L, 0, a, t, nt);
     /* cross-attention over the encoder's blocks: b = a + Cross(...) */
     packed_linear(sublayer_input(L, 1, a, h, t, nt), L->cq_wp, L->cq_b, NULL, qkv, t, hd, d, nt, 0);
-    CHECK(paged_decode_attention(qkv, hd, cross_k, cross_v, S->cross_tables, S->cross_stride, S->encoder_lens, NULL, 0,
-                                 attn, t, H, D, S->num_cross_blocks, S->block_size, L->scale, nt));
+    CHECK(paged_decode_attention(qkv, hd, cross_k, cross_v, cross_dtype, S->cross_tables, S->cross_stride,
+                                 S->encoder_lens, NULL, 0, attn, t, H, D, S->num_cross_blocks, S->block_size, L->scale,
+                                 nt));
     packed_linear(attn, L->co_wp, L->co_b, a, b, t, d, hd, nt, 0);
     post_norm(L, 1, b, t, nt);
     /* FFN: out = b + FFN(...) */

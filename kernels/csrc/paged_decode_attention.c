@@ -1,4 +1,4 @@
-/* Decode-step attention over a paged float32 KV cache, read in place (CPU).
+/* Decode-step attention over a paged float32 or bfloat16 KV cache, read in place (CPU).
  *
  * One query per sequence (a decode step): for sequence b and head h,
  *
@@ -21,10 +21,24 @@
  * call went 135 -> 84 us (24 keys) and 220 -> 132 us (40 keys) on 2 cores.
  * Other head sizes read a sequence's K and V token by token, all heads
  * together. A batch of fewer sequences than 2 x threads is split by heads
- * as well. paged_write_kv is the scatter of write_kv (one memcpy per token). Plain C ABI, loaded with ctypes by
+ * as well. paged_write_kv is the scatter of write_kv (per token, a memcpy or a bfloat16 rounding of its row).
+ * Plain C ABI, loaded with ctypes by
  * kernels/cpu_paged_attention.py; work items go to POSIX threads (parallel.h). Block ids
  * and lengths are checked before anything is read: a bad one returns an error
  * code instead of reading outside the cache.
+ *
+ * Cache dtype: both functions take an int cache_dtype (CACHE_F32 0, CACHE_BF16 1) and untyped cache pointers,
+ * one entry point each instead of _bf16 twins, so decode_layer.c passes a layer's dtypes through unchanged. The
+ * query, the math and the output stay float32. A bfloat16 element is the high half of a float32, so reading one
+ * widens it exactly (zero-extend to 32 bits, shift left 16: AVX2's vpmovzxwd + vpslld, 8 lanes). The kernel bodies
+ * are instantiated once per dtype (always_inline with the dtype a constant) and differ only in that load and a
+ * software prefetch (PREFETCH_KEYS); the token-by-token path widens a chunk of rows and runs the float32 code
+ * itself (token_scores / token_values). So a bfloat16 cache gives bit for bit what the float32 kernel gives on the
+ * same cache upcast, every sum in the float32 kernel's order: results do not depend on the batch or the thread
+ * split, as for float32. No AVX-512 variant: 16-lane FMAs would reorder the sums (another result than the float32
+ * kernel's), and the widening is not what bounds the kernel (bfloat16 beats float32 on cache-resident shapes too;
+ * a one-shuffle widening, vbroadcasti128 + vpshufb, was no faster); AVX-512 CPUs run this AVX2 code. Writing
+ * rounds float32 to bfloat16 to nearest even (bf16_round).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -35,42 +49,83 @@
 #include "parallel.h"
 #include "simd_math.h"
 
+enum { CACHE_F32 = 0, CACHE_BF16 = 1 }; /* cache_dtype: float32, bfloat16 */
+#define INLINE __attribute__((always_inline)) static inline
+
+/* Element i of a cache row p as float32: loaded (float32) or widened exactly (bfloat16: its 16 bits become the
+ * high half of a float32). bf16 is a constant at every call, so each instantiation has only its own load. */
+TARGET INLINE __m256 load8(const void* p, int64_t i, int bf16) {
+    if (bf16)
+        return _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)((const uint16_t*)p + i))), 16));
+    return _mm256_loadu_ps((const float*)p + i);
+}
+
+TARGET INLINE float load1(const void* p, int64_t i, int bf16) {
+    if (bf16) {
+        const uint32_t u = (uint32_t)((const uint16_t*)p)[i] << 16;
+        float f;
+        memcpy(&f, &u, sizeof f);
+        return f;
+    }
+    return ((const float*)p)[i];
+}
+
+/* p + i elements. */
+INLINE const void* elem(const void* p, int64_t i, int bf16) { return (const char*)p + i * (bf16 ? 2 : 4); }
+
+/* How many keys ahead head_major prefetches a bfloat16 cache's rows. A head's pass reads D elements of every
+ * H * D row (one 128-byte run per key at D = 64, rows 1 KiB apart in block order) and without software prefetch
+ * it is bound by memory latency, not bandwidth: bfloat16 was then no faster than float32 on a Whisper-sized
+ * cross pool. 32 was the best of 8 / 16 / 32 / 48 / 64 on Zen 5. The float32 instantiation keeps its code as it
+ * was (no prefetch). */
+#define PREFETCH_KEYS 32
+
+/* The cache lines of n bfloat16 elements from p into L1. */
+INLINE void prefetch_bf16(const void* p, int64_t n) {
+    for (int64_t i = 0; i < 2 * n; i += 64) _mm_prefetch((const char*)p + i, _MM_HINT_T0);
+}
+
 
 int paged_decode_attention_supported(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
-TARGET static inline float dot(const float* a, const float* b, int64_t d) {
+/* a . b over d floats, a float32, b a cache row. */
+TARGET INLINE float dot(const float* a, const void* b, int64_t d, int bf16) {
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 16 <= d; i += 16) {
-        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b, i, bf16), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), load8(b, i + 8, bf16), acc1);
     }
-    for (; i + 8 <= d; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    for (; i + 8 <= d; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b, i, bf16), acc0);
     float s = hsum(_mm256_add_ps(acc0, acc1));
-    for (; i < d; i++) s += a[i] * b[i];
+    for (; i < d; i++) s += a[i] * load1(b, i, bf16);
     return s;
 }
 
 typedef struct {
-    const float *q, *k_cache, *v_cache, *bias;
+    const float* q;
+    const void *k_cache, *v_cache; /* float32 or bfloat16 (the instantiation of run_items says which) */
+    const float* bias;
     const int64_t *block_tables, *context_lens;
     float* out;
     int64_t num_heads, head_dim, block_size, bt_stride, bias_len, max_len, head_groups, q_stride;
     float scale;
 } attn_t;
 
-/* Scores of four keys against q (d floats, d % 8 == 0): four dot products, one horizontal reduction. */
-TARGET static inline __m128 dot4(const float* q, const float* k0, const float* k1, const float* k2, const float* k3, int64_t d) {
+/* Scores of four keys (cache rows) against q (d floats, d % 8 == 0): four dot products, one horizontal reduction. */
+TARGET INLINE __m128 dot4(const float* q, const void* k0, const void* k1, const void* k2, const void* k3, int64_t d,
+                          int bf16) {
     __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps(), s2 = _mm256_setzero_ps(), s3 = _mm256_setzero_ps();
     for (int64_t i = 0; i < d; i += 8) {
         const __m256 qv = _mm256_loadu_ps(q + i);
-        s0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), s0);
-        s1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + i), s1);
-        s2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + i), s2);
-        s3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + i), s3);
+        s0 = _mm256_fmadd_ps(qv, load8(k0, i, bf16), s0);
+        s1 = _mm256_fmadd_ps(qv, load8(k1, i, bf16), s1);
+        s2 = _mm256_fmadd_ps(qv, load8(k2, i, bf16), s2);
+        s3 = _mm256_fmadd_ps(qv, load8(k3, i, bf16), s3);
     }
     const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(s0, s1), _mm256_hadd_ps(s2, s3)); /* lanes i and i + 4: halves of s_i */
     return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
@@ -99,16 +154,29 @@ TARGET static void softmax_row(float* s, int64_t len) {
 /* Heads [h0, h1) of one sequence when head_dim % 64 == 0 (every model we serve has 64): per head, the scores four
  * keys at a time, then sum_j p_j v_j with 64 output floats held in eight registers (no read-modify-write of an
  * accumulator in memory for every key). rows[j]: key j's row in the cache; s: len + 8 floats of scratch. */
-TARGET static void head_major(const attn_t* a, const float* q, float* out, const int64_t* rows, int64_t len,
-                              int64_t h0, int64_t h1, float* s) {
+TARGET INLINE void head_major(const attn_t* a, const float* q, float* out, const int64_t* rows, int64_t len,
+                              int64_t h0, int64_t h1, float* s, int bf16) {
     const int64_t H = a->num_heads, D = a->head_dim, row = H * D;
     for (int64_t h = h0; h < h1; h++) {
-        const float *qh = q + h * D, *kc = a->k_cache + h * D, *vc = a->v_cache + h * D;
+        const float* qh = q + h * D;
+        const void *kc = elem(a->k_cache, h * D, bf16), *vc = elem(a->v_cache, h * D, bf16);
         int64_t j = 0;
-        for (; j + 4 <= len; j += 4)
-            _mm_storeu_ps(s + j, _mm_mul_ps(dot4(qh, kc + rows[j] * row, kc + rows[j + 1] * row, kc + rows[j + 2] * row,
-                                                 kc + rows[j + 3] * row, D), _mm_set1_ps(a->scale)));
-        for (; j < len; j++) s[j] = dot(qh, kc + rows[j] * row, D) * a->scale;
+        for (; j + 4 <= len; j += 4) {
+            if (bf16 && j + PREFETCH_KEYS + 4 <= len) {
+                const int64_t* r = rows + j + PREFETCH_KEYS;
+                for (int64_t d0 = 0; d0 < D; d0 += 64) {
+                    prefetch_bf16(elem(kc, r[0] * row + d0, bf16), 64);
+                    prefetch_bf16(elem(kc, r[1] * row + d0, bf16), 64);
+                    prefetch_bf16(elem(kc, r[2] * row + d0, bf16), 64);
+                    prefetch_bf16(elem(kc, r[3] * row + d0, bf16), 64);
+                }
+            }
+            _mm_storeu_ps(s + j, _mm_mul_ps(dot4(qh, elem(kc, rows[j] * row, bf16), elem(kc, rows[j + 1] * row, bf16),
+                                                 elem(kc, rows[j + 2] * row, bf16), elem(kc, rows[j + 3] * row, bf16), D,
+                                                 bf16),
+                                            _mm_set1_ps(a->scale)));
+        }
+        for (; j < len; j++) s[j] = dot(qh, elem(kc, rows[j] * row, bf16), D, bf16) * a->scale;
         if (a->bias) {
             const float* bias = a->bias + h * a->bias_len;
             for (j = 0; j < len; j++) {
@@ -121,15 +189,16 @@ TARGET static void head_major(const attn_t* a, const float* q, float* out, const
             __m256 o0 = _mm256_setzero_ps(), o1 = o0, o2 = o0, o3 = o0, o4 = o0, o5 = o0, o6 = o0, o7 = o0;
             for (j = 0; j < len; j++) {
                 const __m256 p = _mm256_set1_ps(s[j]);
-                const float* v = vc + rows[j] * row + d0;
-                o0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v), o0);
-                o1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8), o1);
-                o2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 16), o2);
-                o3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 24), o3);
-                o4 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 32), o4);
-                o5 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 40), o5);
-                o6 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 48), o6);
-                o7 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 56), o7);
+                const void* v = elem(vc, rows[j] * row + d0, bf16);
+                if (bf16 && j + PREFETCH_KEYS < len) prefetch_bf16(elem(vc, rows[j + PREFETCH_KEYS] * row + d0, bf16), 64);
+                o0 = _mm256_fmadd_ps(p, load8(v, 0, bf16), o0);
+                o1 = _mm256_fmadd_ps(p, load8(v, 8, bf16), o1);
+                o2 = _mm256_fmadd_ps(p, load8(v, 16, bf16), o2);
+                o3 = _mm256_fmadd_ps(p, load8(v, 24, bf16), o3);
+                o4 = _mm256_fmadd_ps(p, load8(v, 32, bf16), o4);
+                o5 = _mm256_fmadd_ps(p, load8(v, 40, bf16), o5);
+                o6 = _mm256_fmadd_ps(p, load8(v, 48, bf16), o6);
+                o7 = _mm256_fmadd_ps(p, load8(v, 56, bf16), o7);
             }
             float* o = out + h * D + d0;
             _mm256_storeu_ps(o, o0);
@@ -144,21 +213,77 @@ TARGET static void head_major(const attn_t* a, const float* q, float* out, const
     }
 }
 
+/* The token-by-token path (head_dim % 64 != 0) over heads [h0, h1) of a sequence, keys j0 .. j0 + n: their scores
+ * (scores[h, j], rows max_len + 8 apart) against q, and their share sum_j p[h, j] v_j[h] added to acc; k[i] / v[i]:
+ * key j0 + i's float32 row [H, D]. Not inlined: a float32 cache's rows (all keys in one call) and a bfloat16
+ * cache's rows widened to float32 (TOKEN_CHUNK keys a call) run this one machine code, so their scalar tails
+ * (D % 8) round alike whatever the compiler made of them. */
+TARGET __attribute__((noinline)) static void token_scores(const attn_t* a, const float* q, const float* const* k,
+                                                          int64_t j0, int64_t n, int64_t len, int64_t h0, int64_t h1,
+                                                          float* scores) {
+    const int64_t D = a->head_dim, stride = a->max_len + 8;
+    for (int64_t j = j0; j < j0 + n; j++) {
+        const int64_t dist = len - 1 - j, col = a->bias ? (dist < a->bias_len ? dist : a->bias_len - 1) : 0;
+        for (int64_t h = h0; h < h1; h++)
+            scores[h * stride + j] = dot(q + h * D, k[j - j0] + h * D, D, 0) * a->scale +
+                                     (a->bias ? a->bias[h * a->bias_len + col] : 0.0f);
+    }
+}
+
+TARGET __attribute__((noinline)) static void token_values(const attn_t* a, const float* const* v, int64_t j0,
+                                                          int64_t n, int64_t h0, int64_t h1, const float* scores,
+                                                          float* acc) {
+    const int64_t D = a->head_dim, stride = a->max_len + 8;
+    for (int64_t j = j0; j < j0 + n; j++) {
+        for (int64_t h = h0; h < h1; h++) {
+            const float p = scores[h * stride + j];
+            const __m256 w = _mm256_set1_ps(p);
+            float *o = acc + h * D;
+            const float* vh = v[j - j0] + h * D;
+            int64_t i = 0;
+            for (; i + 8 <= D; i += 8) _mm256_storeu_ps(o + i, _mm256_fmadd_ps(w, _mm256_loadu_ps(vh + i), _mm256_loadu_ps(o + i)));
+            for (; i < D; i++) o[i] += p * vh[i];
+        }
+    }
+}
+
+#define TOKEN_CHUNK 16 /* keys of a bfloat16 cache widened per token_scores / token_values call */
+
+/* Rows[j0 .. j0 + n) of a bfloat16 cache (row ids rows[j], H * D elements each), heads [h0, h1) widened to float32
+ * (exact) into buf [n, H, D]; ptr[i] = key j0 + i's row in buf. */
+TARGET static void widen_rows(const void* cache, const int64_t* rows, int64_t j0, int64_t n, int64_t H, int64_t D,
+                              int64_t h0, int64_t h1, float* buf, const float** ptr) {
+    for (int64_t i = 0; i < n; i++) {
+        const void* src = elem(cache, rows[j0 + i] * H * D, 1);
+        float* dst = buf + i * H * D;
+        int64_t e = h0 * D;
+        for (; e + 8 <= h1 * D; e += 8) _mm256_storeu_ps(dst + e, load8(src, e, 1));
+        for (; e < h1 * D; e++) dst[e] = load1(src, e, 1);
+        ptr[i] = dst;
+    }
+}
+
 /* Work items [begin, end): item = b * head_groups + g covers sequence b's heads [g H / G, (g + 1) H / G).
  * head_dim % 64 == 0: head_major. Otherwise keys and values are read token by token (each token's heads are
- * adjacent in the cache), once per item. */
-TARGET static void run_items(const void* ctx, size_t begin, size_t end) {
+ * adjacent in the cache), once per item (token_scores, token_values; a bfloat16 cache's rows widened first, a chunk
+ * at a time). Instantiated per cache dtype (run_items_f32, run_items_bf16). */
+TARGET INLINE void run_items(const void* ctx, size_t begin, size_t end, int bf16) {
     const attn_t* a = (const attn_t*)ctx;
     const int64_t H = a->num_heads, D = a->head_dim, bs = a->block_size, G = a->head_groups;
     float* scores = malloc(sizeof(float) * (size_t)(H * (a->max_len + 8)));  /* [heads, max_len + 8] */
     float* acc = malloc(sizeof(float) * (size_t)(H * D));
     int64_t* rows = malloc(sizeof(int64_t) * (size_t)(a->max_len + 1));  /* rows[j]: key j's row in the cache */
-    if (scores == NULL || acc == NULL || rows == NULL) {  /* cannot happen for sane sizes; leave NaN so it is seen */
+    /* Token-by-token path: ptr[j] key j's float32 row (in the cache, or widened into buf: bfloat16) */
+    const float** ptr = D % 64 ? malloc(sizeof(float*) * (size_t)(a->max_len + 1)) : NULL;
+    float* buf = D % 64 && bf16 ? malloc(sizeof(float) * (size_t)(TOKEN_CHUNK * H * D)) : NULL;
+    if (scores == NULL || acc == NULL || rows == NULL || (D % 64 && ptr == NULL) || (D % 64 && bf16 && buf == NULL)) {  /* cannot happen for sane sizes; leave NaN so it is seen */
         for (size_t it = begin; it < end; it++)
             for (int64_t i = 0; i < H * D; i++) a->out[(int64_t)it / G * H * D + i] = NAN;
         free(scores);
         free(acc);
         free(rows);
+        free(ptr);
+        free(buf);
         return;
     }
     const int64_t stride = a->max_len + 8;
@@ -171,48 +296,56 @@ TARGET static void run_items(const void* ctx, size_t begin, size_t end) {
             memset(out + h0 * D, 0, sizeof(float) * (size_t)((h1 - h0) * D));
             continue;
         }
+        for (int64_t j = 0; j < len; j++) rows[j] = table[j / bs] * bs + j % bs;
         if (D % 64 == 0) {
-            for (int64_t j = 0; j < len; j++) rows[j] = table[j / bs] * bs + j % bs;
-            head_major(a, q, out, rows, len, h0, h1, scores);
+            head_major(a, q, out, rows, len, h0, h1, scores, bf16);
             continue;
         }
-        for (int64_t j = 0; j < len; j++) {  /* scores[h, j] */
-            const float* k = a->k_cache + (table[j / bs] * bs + j % bs) * H * D;
-            const int64_t dist = len - 1 - j, col = a->bias ? (dist < a->bias_len ? dist : a->bias_len - 1) : 0;
-            for (int64_t h = h0; h < h1; h++)
-                scores[h * stride + j] = dot(q + h * D, k + h * D, D) * a->scale + (a->bias ? a->bias[h * a->bias_len + col] : 0.0f);
+        if (bf16) {
+            for (int64_t j0 = 0; j0 < len; j0 += TOKEN_CHUNK) {
+                const int64_t n = len - j0 < TOKEN_CHUNK ? len - j0 : TOKEN_CHUNK;
+                widen_rows(a->k_cache, rows, j0, n, H, D, h0, h1, buf, ptr);
+                token_scores(a, q, ptr, j0, n, len, h0, h1, scores);
+            }
+        } else {
+            for (int64_t j = 0; j < len; j++) ptr[j] = (const float*)a->k_cache + rows[j] * H * D;
+            token_scores(a, q, ptr, 0, len, len, h0, h1, scores);
         }
         for (int64_t h = h0; h < h1; h++) softmax_row(scores + h * stride, len);
         memset(acc + h0 * D, 0, sizeof(float) * (size_t)((h1 - h0) * D));
-        for (int64_t j = 0; j < len; j++) {  /* acc[h] += p[h, j] v_j[h] */
-            const float* v = a->v_cache + (table[j / bs] * bs + j % bs) * H * D;
-            for (int64_t h = h0; h < h1; h++) {
-                const float p = scores[h * stride + j];
-                const __m256 w = _mm256_set1_ps(p);
-                float *o = acc + h * D;
-                const float* vh = v + h * D;
-                int64_t i = 0;
-                for (; i + 8 <= D; i += 8) _mm256_storeu_ps(o + i, _mm256_fmadd_ps(w, _mm256_loadu_ps(vh + i), _mm256_loadu_ps(o + i)));
-                for (; i < D; i++) o[i] += p * vh[i];
+        if (bf16) {
+            for (int64_t j0 = 0; j0 < len; j0 += TOKEN_CHUNK) {
+                const int64_t n = len - j0 < TOKEN_CHUNK ? len - j0 : TOKEN_CHUNK;
+                widen_rows(a->v_cache, rows, j0, n, H, D, h0, h1, buf, ptr);
+                token_values(a, ptr, j0, n, h0, h1, scores, acc);
             }
+        } else {
+            for (int64_t j = 0; j < len; j++) ptr[j] = (const float*)a->v_cache + rows[j] * H * D;
+            token_values(a, ptr, 0, len, h0, h1, scores, acc);
         }
         memcpy(out + h0 * D, acc + h0 * D, sizeof(float) * (size_t)((h1 - h0) * D));
     }
     free(scores);
     free(acc);
     free(rows);
+    free(ptr);
+    free(buf);
 }
 
+TARGET static void run_items_f32(const void* ctx, size_t begin, size_t end) { run_items(ctx, begin, end, 0); }
+TARGET static void run_items_bf16(const void* ctx, size_t begin, size_t end) { run_items(ctx, begin, end, 1); }
+
 /* q [B, H, D] with sequence b's H * D floats contiguous at q + b * q_stride (a row of a fused q/k/v product);
- * k_cache, v_cache [num_blocks, block_size, H, D]; block_tables [B, bt_stride]; context_lens [B];
- * bias [H, bias_len] or NULL; out [B, H, D]. All else contiguous; float32 / int64.
- * Returns 0; -1 if a worker thread could not be started (its pairs then ran on the caller);
+ * k_cache, v_cache [num_blocks, block_size, H, D] of cache_dtype (CACHE_F32: float32, CACHE_BF16: bfloat16);
+ * block_tables [B, bt_stride]; context_lens [B]; bias [H, bias_len] or NULL; out [B, H, D]. All else contiguous;
+ * float32 / int64. Returns 0; -1 if a worker thread could not be started (its pairs then ran on the caller);
  * -2 if a length is negative or needs more than bt_stride blocks; -3 if a block id that would
- * be read is outside [0, num_blocks). Nothing is read or written on -2 / -3. */
-int paged_decode_attention(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache, const int64_t* block_tables,
-                           int64_t bt_stride, const int64_t* context_lens, const float* bias, int64_t bias_len, float* out,
-                           int64_t batch, int64_t num_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size,
-                           float scale, int num_threads) {
+ * be read is outside [0, num_blocks); -4 if cache_dtype is neither. Nothing is read or written on -2 / -3 / -4. */
+int paged_decode_attention(const float* q, int64_t q_stride, const void* k_cache, const void* v_cache, int cache_dtype,
+                           const int64_t* block_tables, int64_t bt_stride, const int64_t* context_lens, const float* bias,
+                           int64_t bias_len, float* out, int64_t batch, int64_t num_heads, int64_t head_dim,
+                           int64_t num_blocks, int64_t block_size, float scale, int num_threads) {
+    if (cache_dtype != CACHE_F32 && cache_dtype != CACHE_BF16) return -4;
     int64_t max_len = 0;
     for (int64_t b = 0; b < batch; b++) {
         const int64_t len = context_lens[b];
@@ -228,20 +361,53 @@ int paged_decode_attention(const float* q, int64_t q_stride, const float* k_cach
     groups = groups < 1 ? 1 : groups > num_heads ? num_heads : groups;
     attn_t a = {q, k_cache, v_cache, bias, block_tables, context_lens, out,
                 num_heads, head_dim, block_size, bt_stride, bias_len, max_len, groups, q_stride, scale};
-    return parallel_for(run_items, &a, (size_t)(batch * groups), num_threads);
+    return parallel_for(cache_dtype == CACHE_BF16 ? run_items_bf16 : run_items_f32, &a, (size_t)(batch * groups),
+                        num_threads);
+}
+
+/* float32 -> bfloat16 bits, rounded to nearest even (add 0x7fff plus the kept part's lowest bit, keep the high
+ * half: overflow rounds to +-inf, subnormals stay subnormal); a NaN becomes 0xffff, the NaN torch's vectorized
+ * CPU conversion (hence x.to(torch.bfloat16)) writes, so a written cache equals torch's bit for bit. */
+static inline uint16_t bf16_round(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return f != f ? (uint16_t)0xffff : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* dst[0 .. n) = bf16_round(src[0 .. n)), eight at a time (vpackusdw keeps each 16-bit result: all are <= 0xffff). */
+TARGET static void row_to_bf16(uint16_t* dst, const float* src, int64_t n) {
+    int64_t i = 0;
+    const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff), nan = _mm256_set1_epi32(0xffff);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 x = _mm256_loadu_ps(src + i);
+        const __m256i u = _mm256_castps_si256(x);
+        __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, bias), _mm256_and_si256(_mm256_srli_epi32(u, 16), one));
+        r = _mm256_srli_epi32(r, 16);
+        r = _mm256_blendv_epi8(nan, r, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_ORD_Q)));
+        const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08); /* lanes 0..3, 4..7 */
+        _mm_storeu_si128((__m128i*)(dst + i), _mm256_castsi256_si128(packed));
+    }
+    for (; i < n; i++) dst[i] = bf16_round(src[i]);
 }
 
 /* write_kv of kernels/paged_attention.py: token i's key and value (row = H * D floats, at key + i * key_stride and
- * value + i * value_stride) into k_cache / v_cache [num_slots, row] at slots[i]; a negative slot (a padding token)
- * is skipped. Every slot is checked first: one at or past num_slots returns -3 and nothing is written. */
-int paged_write_kv(const float* key, const float* value, int64_t key_stride, int64_t value_stride, float* k_cache,
-                   float* v_cache, const int64_t* slots, int64_t t, int64_t row, int64_t num_slots) {
+ * value + i * value_stride) into k_cache / v_cache [num_slots, row] of cache_dtype at slots[i]: copied (CACHE_F32)
+ * or rounded to nearest even (CACHE_BF16, bf16_round); a negative slot (a padding token) is skipped. Every slot is
+ * checked first: one at or past num_slots returns -3 and nothing is written; -4: cache_dtype is neither. */
+int paged_write_kv(const float* key, const float* value, int64_t key_stride, int64_t value_stride, void* k_cache,
+                   void* v_cache, int cache_dtype, const int64_t* slots, int64_t t, int64_t row, int64_t num_slots) {
+    if (cache_dtype != CACHE_F32 && cache_dtype != CACHE_BF16) return -4;
     for (int64_t i = 0; i < t; i++)
         if (slots[i] >= num_slots) return -3;
     for (int64_t i = 0; i < t; i++) {
         if (slots[i] < 0) continue;
-        memcpy(k_cache + slots[i] * row, key + i * key_stride, sizeof(float) * (size_t)row);
-        memcpy(v_cache + slots[i] * row, value + i * value_stride, sizeof(float) * (size_t)row);
+        if (cache_dtype == CACHE_BF16) {
+            row_to_bf16((uint16_t*)k_cache + slots[i] * row, key + i * key_stride, row);
+            row_to_bf16((uint16_t*)v_cache + slots[i] * row, value + i * value_stride, row);
+        } else {
+            memcpy((float*)k_cache + slots[i] * row, key + i * key_stride, sizeof(float) * (size_t)row);
+            memcpy((float*)v_cache + slots[i] * row, value + i * value_stride, sizeof(float) * (size_t)row);
+        }
     }
     return 0;
 }

@@ -2,7 +2,8 @@
 
 Same kernels, same order, same arguments: the outputs and the self-KV writes must be equal bit for bit, for a
 pre-norm RMS layer with T5's position bias (T5 v1.0), post-norm and pre-norm LayerNorm layers with biases
-(BART, mBART) and Whisper's; layers the C path does not serve keep ``fused = None``.
+(BART, mBART) and Whisper's, over float32 caches, a bfloat16 cross pool, and bfloat16 self and cross caches;
+layers the C path does not serve keep ``fused = None``.
 """
 
 from __future__ import annotations
@@ -23,8 +24,13 @@ pytestmark = pytest.mark.skipif(
 BLOCK = 4
 
 
-def _step(heads: int, head_dim: int, seed: int):
-    """A decode step of 5 sequences over shuffled blocks: metadata and random self / cross caches of one layer."""
+# (self cache, cross pool) dtypes: float32; a float32 model over a bfloat16 cross pool; both bfloat16
+CACHE_DTYPES = [(torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16)]
+
+
+def _step(heads: int, head_dim: int, seed: int, dtypes=CACHE_DTYPES[0]):
+    """A decode step of 5 sequences over shuffled blocks: metadata and random self / cross caches of one layer
+    (``dtypes``: theirs)."""
     rng = random.Random(seed)
     seq_lens, enc_lens = [1, 3, 7, 4, 9], [5, 2, 8, 3, 6]
     n_self, n_cross = [-(-n // BLOCK) for n in seq_lens], [-(-n // BLOCK) for n in enc_lens]
@@ -51,19 +57,19 @@ def _step(heads: int, head_dim: int, seed: int):
         max_encoder_len=max(enc_lens),
     )
     g = torch.Generator().manual_seed(seed)
-    self_kv = torch.randn(2, len(self_ids), BLOCK, heads, head_dim, generator=g)
-    cross_kv = torch.randn(2, len(cross_ids), BLOCK, heads, head_dim, generator=g)
+    self_kv = torch.randn(2, len(self_ids), BLOCK, heads, head_dim, generator=g).to(dtypes[0])
+    cross_kv = torch.randn(2, len(cross_ids), BLOCK, heads, head_dim, generator=g).to(dtypes[1])
     return md, self_kv, cross_kv
 
 
-def _layers_equal(model, heads: int, head_dim: int, d: int, bias_fn=None) -> int:
+def _layers_equal(model, heads: int, head_dim: int, d: int, bias_fn=None, dtypes=CACHE_DTYPES[0]) -> int:
     """Every decoder layer: C and Python outputs and self caches equal; returns how many layers were fused."""
     fused = 0
     for i, layer in enumerate(model._decoder_layers()):
         if layer.fused is None:
             continue
         fused += 1
-        md, self_kv, cross_kv = _step(heads, head_dim, seed=i)
+        md, self_kv, cross_kv = _step(heads, head_dim, seed=i, dtypes=dtypes)
         x = torch.randn(5, d, generator=torch.Generator().manual_seed(100 + i)) * 3
         extra = (bias_fn(md.max_seq_len),) if bias_fn else ()
         kv_c, kv_py = self_kv.clone(), self_kv.clone()
@@ -73,28 +79,30 @@ def _layers_equal(model, heads: int, head_dim: int, d: int, bias_fn=None) -> int
             want = layer(x, md, kv_py, cross_kv, *extra)
         finally:
             layer.fused = keep
-        assert got is not None and torch.equal(got, want), f"layer {i}"
+        assert got is not None and got.dtype == torch.float32 and torch.equal(got, want), f"layer {i}"
         assert torch.equal(kv_c, kv_py)  # the new tokens' K/V written to the same slots
         assert not torch.equal(kv_c, self_kv)
     return fused
 
 
+@pytest.mark.parametrize("dtypes", CACHE_DTYPES, ids=["fp32", "bf16-cross", "bf16"])
 @pytest.mark.parametrize("arch", ["t5", "bart", "mbart"])
-def test_text_layers_equal_the_python_layers(text_checkpoints, arch):
+def test_text_layers_equal_the_python_layers(text_checkpoints, arch, dtypes):
     model = load_model(text_checkpoints[arch])
     model.pack_decode_weights()
     c = model.config
     heads = c.num_heads
     bias_fn = model.decoder_position_bias if arch == "t5" else None
     d = c.d_model
-    assert _layers_equal(model, heads, d // heads, d, bias_fn) == c.decoder_layers
+    assert _layers_equal(model, heads, d // heads, d, bias_fn, dtypes) == c.decoder_layers
 
 
-def test_whisper_layers_equal_the_python_layers(whisper_model_dir):
+@pytest.mark.parametrize("dtypes", CACHE_DTYPES, ids=["fp32", "bf16-cross", "bf16"])
+def test_whisper_layers_equal_the_python_layers(whisper_model_dir, dtypes):
     model = load_model(whisper_model_dir)
     model.pack_decode_weights()
     c = model.config
-    assert _layers_equal(model, c.num_heads, c.head_dim, c.d_model) == c.decoder_layers
+    assert _layers_equal(model, c.num_heads, c.head_dim, c.d_model, dtypes=dtypes) == c.decoder_layers
 
 
 def test_layers_the_c_path_does_not_serve_stay_in_python(text_checkpoints):
@@ -121,6 +129,7 @@ def test_prefill_and_bad_block_ids_are_not_run(text_checkpoints):
     assert (
         layer.fused.run(x, md, self_kv.transpose(-1, -2).contiguous(), cross_kv) is None
     )  # [.., D, H]: not this layout
+    assert layer.fused.run(x, md, self_kv, cross_kv.half()) is None  # float16: not a dtype the kernels read
     md, self_kv, cross_kv = _step(c.num_heads, c.d_model // c.num_heads, seed=3)
     md.cross_block_tables[1, 0] = cross_kv.shape[1]  # one block past the cross cache
     with pytest.raises(ValueError, match="outside the KV caches"):
