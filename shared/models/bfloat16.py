@@ -20,7 +20,8 @@ from torch import nn
 
 __all__ = ["ATTENTION_CHUNK", "bfloat16_attention", "load_model_in", "products_dtype", "use_bfloat16_products"]
 
-ATTENTION_CHUNK = 128  # query rows per score block: a [H, 128, S] block of a 1500-frame window stays in L2
+ATTENTION_CHUNK = 128  # query rows per block of scores
+SCORE_BLOCK_BYTES = 3 << 20  # bfloat16 scores per block: 8 heads x 128 query rows x 1500 frames of a Whisper window
 
 
 def load_model_in(name_or_path: str, dtype: str, device: torch.device) -> nn.Module:
@@ -70,24 +71,29 @@ def products_dtype(model: nn.Module) -> torch.dtype:
 def bfloat16_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int = ATTENTION_CHUNK) -> torch.Tensor:
     """Unmasked softmax attention with bfloat16 products: ``[..., S_q, D]`` x ``[..., S_k, D]`` -> ``[..., S_q, D]`` bfloat16.
 
-    ``softmax(q k^T / sqrt(D)) v`` with q (scaled first), k and v rounded to bfloat16, each block of scores a
+    ``softmax(q k^T / sqrt(D)) v`` with q, k and v rounded to bfloat16 (q then scaled in bfloat16: exact for a
+    power-of-4 head size such as Whisper's 64), each block of scores a
     bfloat16 matmul (fp32 accumulation, scores rounded to bfloat16), the softmax computed in float32 (torch's CPU
-    softmax upcasts) and its probabilities rounded to bfloat16 for the product with v. ``chunk`` query rows at a time, so
-    the ``[..., chunk, S_k]`` scores stay in cache (torch's CPU flash attention does not use the BF16 instructions and
-    runs at its float32 speed; measured: docs/devices.md).
+    softmax upcasts) and its probabilities rounded to bfloat16 for the product with v. ``chunk`` query rows of a few
+    heads at a time (``SCORE_BLOCK_BYTES`` of scores), so the block of scores stays in cache: torch's CPU flash
+    attention does not use the BF16 instructions and runs at its float32 speed (measured: docs/devices.md).
 
     Raises:
         RuntimeError: as ``torch.matmul`` on mismatched shapes.
     """
-    scale = q.shape[-1] ** -0.5
+    lead, s_q, s_k = q.shape[:-2], q.shape[-2], k.shape[-2]
     bf16 = torch.bfloat16
-    qb = (q * scale).to(
-        bf16, memory_format=torch.contiguous_format
-    )  # one rounding of the scaled query, as SDPA scales q
-    kt = k.transpose(-1, -2).to(bf16, memory_format=torch.contiguous_format)  # [..., D, S_k]: no copy per block
-    vb = v.to(bf16, memory_format=torch.contiguous_format)
-    blocks = [
-        torch.matmul(torch.softmax(torch.matmul(qb[..., i : i + chunk, :], kt), dim=-1), vb)
-        for i in range(0, q.shape[-2], chunk)
-    ]
-    return torch.cat(blocks, dim=-2)
+    # [N, S, D] with N the flattened leading dims (batch x heads)
+    qb = (q.to(bf16) * q.shape[-1] ** -0.5).reshape(-1, s_q, q.shape[-1])
+    kt = k.to(bf16).reshape(-1, s_k, k.shape[-1]).transpose(1, 2).contiguous()  # [N, D, S_k]: no copy per block
+    vb = v.to(bf16).reshape(-1, s_k, v.shape[-1])
+    group = max(1, SCORE_BLOCK_BYTES // (2 * chunk * max(s_k, 1)))  # heads per block
+    out = []
+    for g in range(0, qb.shape[0], group):
+        q_g, kt_g, v_g = qb[g : g + group], kt[g : g + group], vb[g : g + group]
+        blocks = [
+            torch.matmul(torch.softmax(torch.matmul(q_g[:, i : i + chunk], kt_g), dim=-1), v_g)
+            for i in range(0, s_q, chunk)
+        ]
+        out.append(torch.cat(blocks, dim=1) if len(blocks) > 1 else blocks[0])
+    return torch.cat(out).view(*lead, s_q, v.shape[-1])

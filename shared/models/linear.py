@@ -135,6 +135,22 @@ class Linear(nn.Linear):
         y = activate(linear(x, self.weight, self.bias), activation)  # a residual of another shape broadcasts here
         return y if residual is None else residual + y
 
+    def bfloat16_product(self, x: torch.Tensor, activation: str | None = None) -> torch.Tensor:
+        """``act(x W^T + b)`` as bfloat16, for a ``mixed_bfloat16`` layer whose output feeds another bfloat16
+        product (attention, the FFN's second linear): ``x`` rounded to bfloat16, the bias (rounded to bfloat16)
+        added inside the oneDNN product (float32 accumulation, one rounding of the sum), the activation applied to
+        the bfloat16 result (torch computes it in float32). ``[..., in]`` -> ``[..., out]`` bfloat16.
+
+        Raises:
+            ValueError: the layer is not ``mixed_bfloat16``.
+        """
+        if not self.mixed_bfloat16:
+            raise ValueError(
+                "bfloat16_product needs a mixed_bfloat16 layer (shared.models.bfloat16.use_bfloat16_products)"
+            )
+        bias = self.bias.to(torch.bfloat16) if self.bias is not None else None
+        return activate(F.linear(x.to(torch.bfloat16), self.weight, bias), activation)
+
     def _bfloat16_product(self, x: torch.Tensor, activation: str | None, residual: torch.Tensor | None) -> torch.Tensor:
         """A bfloat16 weight (``shared.models.bfloat16``) times a float32 (or bfloat16) input: ``x`` rounded to
         bfloat16, one oneDNN bfloat16 product (float32 accumulation), then the bias, the activation and the residual

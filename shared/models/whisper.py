@@ -126,14 +126,22 @@ class EncoderLayer(nn.Module):
         self.fc2 = Linear(c.ffn_dim, c.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if getattr(self.qkv, "mixed_bfloat16", False):  # --dtype bfloat16 on the CPU (shared.models.bfloat16)
+            return self._forward_bfloat16(x)
         b, s, d = x.shape
         qkv = self.qkv(self.attn_norm(x)).view(b, s, 3, self.h, self.dh).permute(2, 0, 3, 1, 4)  # [3, B, H, S, Dh]
-        if getattr(self.qkv, "mixed_bfloat16", False):  # --dtype bfloat16 on the CPU (shared.models.bfloat16)
-            a = bfloat16_attention(qkv[0], qkv[1], qkv[2])  # [B, H, S, Dh] bfloat16
-        else:
-            a = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2])  # [B, H, S, Dh]
+        a = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2])  # [B, H, S, Dh]
         x = linear_add(self.attn_out, a.transpose(1, 2).reshape(b, s, d), x)
         return linear_add(self.fc2, linear_act(self.fc1, self.ffn_norm(x), "gelu", F.gelu), x)
+
+    def _forward_bfloat16(self, x: torch.Tensor) -> torch.Tensor:
+        """The same layer with bfloat16 products: q/k/v, attention and the FFN's hidden stay bfloat16 between
+        products; the residual stream ``x`` and the norms are float32."""
+        b, s, d = x.shape
+        qkv = self.qkv.bfloat16_product(self.attn_norm(x)).view(b, s, 3, self.h, self.dh).permute(2, 0, 3, 1, 4)
+        a = bfloat16_attention(qkv[0], qkv[1], qkv[2])  # [B, H, S, Dh] bfloat16
+        x = self.attn_out(a.transpose(1, 2).reshape(b, s, d), residual=x)
+        return self.fc2(self.fc1.bfloat16_product(self.ffn_norm(x), "gelu"), residual=x)
 
 
 class DecoderLayer(nn.Module):
