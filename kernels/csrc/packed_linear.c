@@ -27,6 +27,10 @@
  * the two give bit-identical results: the choice never changes a token. The
  * epilogue (bias, activation, residual) is the AVX2 code for both.
  *
+ * bfloat16 weights (packed_linear_bf16, CPUs with AVX-512 BF16): the same panels with k in pairs, half the
+ * bytes, x rounded to bf16 once per call, vdpbf16ps's 32 multiply-adds per instruction into fp32 sums, the same
+ * epilogue and thread split; layout and rounding at MR_BF16_MAX below.
+ *
  * Plain C ABI, loaded with ctypes by kernels/packed_linear.py (no Python.h).
  * Work is split over N across `num_threads` POSIX threads (parallel.h); the
  * AVX2/FMA and AVX-512 code is compiled per function (target attribute) and
@@ -34,6 +38,9 @@
  */
 #include <immintrin.h>
 #include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "parallel.h"
 #include "simd_math.h"
@@ -95,13 +102,14 @@ void packed_linear_pack(const float* w, float* wp, size_t n, size_t k) {
 #define REP4(M) REP3(M) M(3)
 #define REP5(M) REP4(M) M(4)
 #define REP6(M) REP5(M) M(5)
-#define ACC_DECL(i) __m256 a##i##0 = _mm256_setzero_ps(), a##i##1 = _mm256_setzero_ps(); const float* x##i = x + (i) * k;
+#define ACC_DECL(i) __m256 a##i##0 = _mm256_setzero_ps(), a##i##1 = _mm256_setzero_ps(); const float* x##i = x + (i) * ldx;
 #define ACC_STEP(i) b = _mm256_broadcast_ss(x##i + kk); a##i##0 = _mm256_fmadd_ps(b, w0, a##i##0); a##i##1 = _mm256_fmadd_ps(b, w1, a##i##1);
 #define ACC_STORE(i) acc[2 * (i)] = a##i##0; acc[2 * (i) + 1] = a##i##1;
 
 /* acc[2 i], acc[2 i + 1] = x[i, :] . panel columns 0..7, 8..15, for i < MR. */
 #define MICRO_KERNEL(MR)                                                                  \
-    TARGET static void micro_kernel_##MR(const float* pw, const float* x, size_t k, __m256* acc) { \
+    TARGET static void micro_kernel_##MR(const void* pw_, const void* x_, size_t ldx, size_t k, __m256* acc) { \
+        const float *pw = pw_, *x = x_;                                                   \
         REP##MR(ACC_DECL)                                                                 \
         for (size_t kk = 0; kk < k; kk++) {                                               \
             __m256 w0 = _mm256_loadu_ps(pw + PANEL * kk), w1 = _mm256_loadu_ps(pw + PANEL * kk + 8), b; \
@@ -111,7 +119,10 @@ void packed_linear_pack(const float* w, float* wp, size_t n, size_t k) {
     }
 MICRO_KERNEL(1) MICRO_KERNEL(2) MICRO_KERNEL(3) MICRO_KERNEL(4) MICRO_KERNEL(5) MICRO_KERNEL(6)
 
-typedef void (*micro_kernel_t)(const float*, const float*, size_t, __m256*);
+/* acc[2 i], acc[2 i + 1] = row i of x . one panel (16 outputs, as two 8-float halves), for i < MR; `steps`
+ * 64-byte weight rows per panel (k for float32, ceil(k / 2) k pairs for bfloat16), rows of x ldx 4-byte elements
+ * apart (floats or bf16 pairs). */
+typedef void (*micro_kernel_t)(const void* pw, const void* x, size_t ldx, size_t steps, __m256* acc);
 static const micro_kernel_t MICRO_KERNELS[MR_MAX + 1] = {0, micro_kernel_1, micro_kernel_2, micro_kernel_3,
                                                          micro_kernel_4, micro_kernel_5, micro_kernel_6};
 
@@ -122,12 +133,13 @@ static const micro_kernel_t MICRO_KERNELS[MR_MAX + 1] = {0, micro_kernel_1, micr
 #define REP10(M) REP9(M) M(9)
 #define REP11(M) REP10(M) M(10)
 #define REP12(M) REP11(M) M(11)
-#define ACC512_DECL(i) __m512 a##i = _mm512_setzero_ps(); const float* x##i = x + (i) * k;
+#define ACC512_DECL(i) __m512 a##i = _mm512_setzero_ps(); const float* x##i = x + (i) * ldx;
 #define ACC512_STEP(i) a##i = _mm512_fmadd_ps(_mm512_set1_ps(x##i[kk]), w, a##i);
 #define ACC512_STORE(i) acc[2 * (i)] = _mm512_castps512_ps256(a##i); \
     acc[2 * (i) + 1] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a##i), 1));
 #define MICRO_KERNEL512(MR)                                                                       \
-    TARGET512 static void micro_kernel512_##MR(const float* pw, const float* x, size_t k, __m256* acc) { \
+    TARGET512 static void micro_kernel512_##MR(const void* pw_, const void* x_, size_t ldx, size_t k, __m256* acc) { \
+        const float *pw = pw_, *x = x_;                                                           \
         REP##MR(ACC512_DECL)                                                                      \
         for (size_t kk = 0; kk < k; kk++) {                                                       \
             __m512 w = _mm512_loadu_ps(pw + PANEL * kk);                                          \
@@ -141,13 +153,113 @@ static const micro_kernel_t MICRO_KERNELS512[MR512_MAX + 1] = {
     0, micro_kernel512_1, micro_kernel512_2, micro_kernel512_3, micro_kernel512_4, micro_kernel512_5, micro_kernel512_6,
     micro_kernel512_7, micro_kernel512_8, micro_kernel512_9, micro_kernel512_10, micro_kernel512_11, micro_kernel512_12};
 
+/* bfloat16 weights (packed_linear_bf16): AVX-512 BF16's vdpbf16ps multiplies 16 lanes of bf16 pairs and adds both
+ * products to fp32 accumulators, 32 multiply-adds per instruction, at half the weight bytes of float32. Layout
+ * (packed_linear_bf16_pack), k in pairs, K padded to even with a zero:
+ *
+ *     wp[p, q, j, h] = bf16(w[16 p + j, 2 q + h])   (uint16 bits; zero for 16 p + j >= N or 2 q + h >= K)
+ *
+ * so a panel step (one k pair) is again 64 bytes, the float32 panel step's size. The x rows are rounded to bf16 the
+ * same way (round to nearest even, as torch's .to(torch.bfloat16)) into pairs x2[i, q] = (bf16(x[i, 2 q]),
+ * bf16(x[i, 2 q + 1])), once per call; each step broadcasts one pair per row ({1to16} memory operand). Per the Intel
+ * SDM's VDPBF16PS pseudocode (and as measured on AMD Zen 5), acc = fp32(fp32(acc + x[2 q + 1] w[2 q + 1]) +
+ * x[2 q] w[2 q]): the products of two bf16 are exact in fp32, so each output is one running fp32 sum over k in
+ * the order 1, 0, 3, 2, ..., with denormal inputs, products and sums taken as zero (DAZ / FTZ). */
+#define MR_BF16_MAX 16 /* rows of x per bf16 micro-kernel call: 16 accumulators of the 32 registers */
+#define PREFETCH_BYTES 8192 /* weight prefetched this far ahead, into the next panel near a panel's end: without it
+                             * a weight streamed from memory stalls the dot products of 8+ rows */
+#define TARGET_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")))
+typedef uint32_t __attribute__((may_alias)) bf16_pair_t; /* two bf16 (low: even k), written by vector stores */
+
+int packed_linear_bf16_supported(void) {
+    __builtin_cpu_init();
+    return packed_linear_supported() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+}
+
+size_t packed_linear_bf16_packed_size(size_t n, size_t k) { return (n + PANEL - 1) / PANEL * PANEL * (k + (k & 1)); }
+
+/* bf16 bits of f, rounded to nearest even; NaN -> 0x7fc0 (both as c10::BFloat16's round_to_nearest_even). */
+static uint16_t bf16_rne(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* The bf16 layout above from w [n, k] row-major: float32 (wf, rounded) or bf16 bits (wb, copied); the other NULL. */
+static void pack_bf16(const float* wf, const uint16_t* wb, uint16_t* wp, size_t n, size_t k) {
+    size_t panels = (n + PANEL - 1) / PANEL, pairs = (k + 1) / 2;
+    for (size_t p = 0; p < panels; p++)
+        for (size_t q = 0; q < pairs; q++)
+            for (size_t j = 0; j < PANEL; j++)
+                for (size_t h = 0; h < 2; h++) {
+                    size_t row = p * PANEL + j, kk = 2 * q + h;
+                    uint16_t v = 0;
+                    if (row < n && kk < k) v = wb ? wb[row * k + kk] : bf16_rne(wf[row * k + kk]);
+                    wp[((p * pairs + q) * PANEL + j) * 2 + h] = v;
+                }
+}
+
+void packed_linear_bf16_pack(const float* w, uint16_t* wp, size_t n, size_t k) { pack_bf16(w, NULL, wp, n, k); }
+
+void packed_linear_bf16_pack_bf16(const uint16_t* w, uint16_t* wp, size_t n, size_t k) { pack_bf16(NULL, w, wp, n, k); }
+
+/* x [m, k] float32 -> x2 [m, ldx] bf16 pairs: row i's ceil(k / 2) pairs (an odd K's last one padded with zero) at
+ * x2 + i ldx, the rest unused. vcvtne2ps2bf16 rounds to nearest even as bf16_rne (a NaN stays NaN; denormals become
+ * zero, as the dot product would read them). */
+TARGET_BF16 static void x_to_bf16_pairs(const float* x, bf16_pair_t* x2, size_t ldx, size_t m, size_t k) {
+    size_t pairs = (k + 1) / 2;
+    for (size_t i = 0; i < m; i++) {
+        const float* row = x + i * k;
+        uint16_t* o = (uint16_t*)(x2 + i * ldx);
+        for (size_t c = 0; c < 2 * pairs; c += 32) { /* c < k: the loads' masks read only x[i, c .. k) */
+            size_t left = k - c, lo = left < 16 ? left : 16, hi = left < 16 ? 0 : left - 16 < 16 ? left - 16 : 16;
+            size_t store = 2 * pairs - c < 32 ? 2 * pairs - c : 32;
+            __m512 a = _mm512_maskz_loadu_ps((__mmask16)((1u << lo) - 1), row + c);
+            __m512 b = _mm512_maskz_loadu_ps((__mmask16)((1u << hi) - 1), row + c + 16);
+            __m512bh v = _mm512_cvtne2ps_pbh(b, a); /* elements 0..15 from a */
+            _mm512_mask_storeu_epi16(o + c, (__mmask32)((1ull << store) - 1), (__m512i)v);
+        }
+    }
+}
+
+#define REP13(M) REP12(M) M(12)
+#define REP14(M) REP13(M) M(13)
+#define REP15(M) REP14(M) M(14)
+#define REP16(M) REP15(M) M(15)
+#define ACCBF_DECL(i) __m512 a##i = _mm512_setzero_ps(); const bf16_pair_t* x##i = x + (i) * ldx;
+/* a += x's pair (broadcast) . w: vdpbf16ps with the pair as its {1to16} memory operand, written out because GCC 12
+ * does not fold _mm512_set1_epi32 into it (a vpbroadcastd per row is slower at 16 rows); AT&T | Intel syntax. */
+#define ACCBF_STEP(i) __asm__("vdpbf16ps {%1%{1to16%}, %2, %0|%0, %2, %1%{1to16%}}" : "+v"(a##i) : "m"(x##i[q]), "v"(w));
+#define MICRO_KERNEL_BF16(MR)                                                                    \
+    TARGET_BF16 static void micro_kernel_bf16_##MR(const void* pw_, const void* x_, size_t ldx, size_t k, __m256* acc) { \
+        const uint16_t* pw = pw_;                                                                \
+        const bf16_pair_t* x = x_;                                                               \
+        REP##MR(ACCBF_DECL)                                                                      \
+        for (size_t q = 0; q < k; q++) {                                                         \
+            __m512bh w = (__m512bh)_mm512_loadu_si512(pw + 2 * PANEL * q);                       \
+            _mm_prefetch((const char*)(pw + 2 * PANEL * q) + PREFETCH_BYTES, _MM_HINT_T0);      \
+            REP##MR(ACCBF_STEP)                                                                  \
+        }                                                                                        \
+        REP##MR(ACC512_STORE)                                                                    \
+    }
+MICRO_KERNEL_BF16(1) MICRO_KERNEL_BF16(2) MICRO_KERNEL_BF16(3) MICRO_KERNEL_BF16(4) MICRO_KERNEL_BF16(5)
+MICRO_KERNEL_BF16(6) MICRO_KERNEL_BF16(7) MICRO_KERNEL_BF16(8) MICRO_KERNEL_BF16(9) MICRO_KERNEL_BF16(10)
+MICRO_KERNEL_BF16(11) MICRO_KERNEL_BF16(12) MICRO_KERNEL_BF16(13) MICRO_KERNEL_BF16(14) MICRO_KERNEL_BF16(15) MICRO_KERNEL_BF16(16)
+static const micro_kernel_t MICRO_KERNELS_BF16[MR_BF16_MAX + 1] = {
+    0, micro_kernel_bf16_1, micro_kernel_bf16_2, micro_kernel_bf16_3, micro_kernel_bf16_4, micro_kernel_bf16_5,
+    micro_kernel_bf16_6, micro_kernel_bf16_7, micro_kernel_bf16_8, micro_kernel_bf16_9, micro_kernel_bf16_10,
+    micro_kernel_bf16_11, micro_kernel_bf16_12, micro_kernel_bf16_13, micro_kernel_bf16_14, micro_kernel_bf16_15, micro_kernel_bf16_16};
+
 typedef struct {
-    const float *x, *wp, *bias, *residual;
+    const void *x, *wp; /* float32 x and weight, or bfloat16 pairs (packed_linear_bf16) */
+    const float *bias, *residual;
     float* out;
-    size_t m, n, k;
+    size_t m, n, steps, ldx; /* the micro-kernel's (see micro_kernel_t) */
     int activation;
-    const micro_kernel_t* kernels; /* MICRO_KERNELS or MICRO_KERNELS512 */
-    size_t mr_max;                 /* rows per micro-kernel call: MR_MAX or MR512_MAX */
+    const micro_kernel_t* kernels; /* MICRO_KERNELS, MICRO_KERNELS512 or MICRO_KERNELS_BF16 */
+    size_t mr_max;                 /* rows per micro-kernel call: MR_MAX, MR512_MAX or MR_BF16_MAX */
 } job_t;
 
 /* The epilogue's activation (packed_linear's `activation`). */
@@ -160,11 +272,11 @@ TARGET static inline __m256 activate(__m256 v, int activation) {
 /* Panels [first_panel, end_panel) of the output. */
 TARGET static void run_panels(const void* ctx, size_t first_panel, size_t end_panel) {
     const job_t* j = (const job_t*)ctx;
-    __m256 acc[2 * MR512_MAX];
+    __m256 acc[2 * (MR512_MAX > MR_BF16_MAX ? MR512_MAX : MR_BF16_MAX)];
     float tail[PANEL];
     for (size_t p = first_panel; p < end_panel; p++) {
         size_t n0 = p * PANEL, valid = j->n - n0 < PANEL ? j->n - n0 : PANEL;
-        const float* pw = j->wp + p * j->k * PANEL;
+        const char* pw = (const char*)j->wp + p * j->steps * 64; /* a panel step is 64 bytes in both layouts */
         __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
         if (j->bias && valid == PANEL) {
             b0 = _mm256_loadu_ps(j->bias + n0);
@@ -172,7 +284,7 @@ TARGET static void run_panels(const void* ctx, size_t first_panel, size_t end_pa
         }
         for (size_t m0 = 0; m0 < j->m; m0 += j->mr_max) {  /* the panel stays in L1/L2 across row groups */
             size_t mr = j->m - m0 < j->mr_max ? j->m - m0 : j->mr_max;
-            j->kernels[mr](pw, j->x + m0 * j->k, j->k, acc);
+            j->kernels[mr](pw, (const char*)j->x + m0 * j->ldx * 4, j->ldx, j->steps, acc);
             for (size_t i = 0; i < mr; i++) {
                 float* o = j->out + (m0 + i) * j->n + n0;
                 const float* res = j->residual ? j->residual + (m0 + i) * j->n + n0 : NULL;
@@ -208,7 +320,31 @@ int packed_linear(const float* x, const float* wp, const float* bias, const floa
     if (activation < ACT_NONE || activation > ACT_GELU) return -2;
     if (m == 0) return 0;
     int avx512 = packed_linear_isa() == ISA_AVX512;
-    job_t job = {x,          wp, bias, residual, out, m, n, k, activation, avx512 ? MICRO_KERNELS512 : MICRO_KERNELS,
+    job_t job = {x,          wp, bias, residual, out, m, n, k, k, activation, avx512 ? MICRO_KERNELS512 : MICRO_KERNELS,
                  avx512 ? MR512_MAX : MR_MAX};
     return parallel_for(run_panels, &job, (n + PANEL - 1) / PANEL, num_threads);
+}
+
+#define X2_STACK_PAIRS 8192 /* x2 of up to 32 KiB on the stack, larger ones malloc'd */
+
+/* packed_linear with wp packed by packed_linear_bf16_pack[_bf16] from w [n, k]; x, bias, residual, out as there
+ * (float32). out = act(bf16(x) bf16(w)^T + bias) + residual: the bias, activation and residual in float32 as in
+ * packed_linear. Returns 0, -1 (a worker thread could not be started: all was still computed), -2 (unknown
+ * activation), -3 (this CPU lacks AVX-512 BF16) or -4 (no memory for x's bf16 copy); nothing done on -2..-4. */
+int packed_linear_bf16(const float* x, const uint16_t* wp, const float* bias, const float* residual, float* out,
+                       size_t m, size_t n, size_t k, int num_threads, int activation) {
+    if (activation < ACT_NONE || activation > ACT_GELU) return -2;
+    if (!packed_linear_bf16_supported()) return -3;
+    if (m == 0) return 0;
+    /* Rows of x2 an odd number of 64-byte lines apart: the micro-kernel's MR rows then fall in distinct L1 sets
+     * (rows 4 KiB apart, as for K = 2048, would all share one set of 12 ways, and evict each other every step). */
+    size_t pairs = (k + 1) / 2, ldx = ((pairs + 15) / 16 | 1) * 16;
+    bf16_pair_t stack_x2[X2_STACK_PAIRS];
+    bf16_pair_t* x2 = m * ldx <= X2_STACK_PAIRS ? stack_x2 : malloc(m * ldx * sizeof *x2);
+    if (x2 == NULL) return -4;
+    x_to_bf16_pairs(x, x2, ldx, m, k);
+    job_t job = {x2, wp, bias, residual, out, m, n, pairs, ldx, activation, MICRO_KERNELS_BF16, MR_BF16_MAX};
+    int rc = parallel_for(run_panels, &job, (n + PANEL - 1) / PANEL, num_threads);
+    if (x2 != stack_x2) free(x2);
+    return rc;
 }

@@ -27,7 +27,8 @@ int parallel_for(parallel_fn fn, const void* ctx, size_t n, int num_threads);
  * a library built from other sources (an editable install not rebuilt after a pull) instead of calling it with
  * shifted arguments. 2: packed_linear's residual, paged_decode_attention's q_stride, paged_write_kv; 3: decode_layer;
  * 4: packed_linear_isa / packed_linear_set_isa (the AVX-512 micro-kernel); 5: the cache_dtype of
- * paged_decode_attention / paged_write_kv, decode_layer's self / cross cache dtypes (bfloat16 KV caches). */
+ * paged_decode_attention / paged_write_kv, decode_layer's self / cross cache dtypes (bfloat16 KV caches),
+ * packed_linear_bf16 and its packing (bfloat16 weights). */
 #define ENCDEC_KERNELS_ABI 5
 int encdec_kernels_abi(void);
 

@@ -1,5 +1,6 @@
 """kernels/packed_linear.py (C: AVX2/FMA and AVX-512 micro-kernels) against its torch reference ``F.linear``, on
-irregular shapes; each instruction set this CPU has is tested, and they must agree bit for bit."""
+irregular shapes; each instruction set this CPU has is tested, and they must agree bit for bit. bfloat16 weights
+(AVX-512 BF16) against ``reference_linear_bf16`` and against the VDPBF16PS summation order, bit for bit."""
 
 from __future__ import annotations
 
@@ -8,14 +9,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import packed_linear as packed_linear_module
 from kernels.packed_linear import (
     ISAS,
     MAX_ROWS,
     PackedWeight,
+    bf16_available,
     is_available,
     isa,
     packed_linear,
     reference_linear,
+    reference_linear_bf16,
     use_isa,
 )
 from shared.device import cpu_flags
@@ -299,3 +303,192 @@ def test_instruction_sets_agree_bit_for_bit_and_the_best_is_the_default():
                 assert torch.equal(got["avx2"], got["avx512"]), (rows, out_features, in_features, activation)
     with pytest.raises(ValueError, match="unknown instruction set"):
         use_isa("sse2")
+
+
+# bfloat16 weights ------------------------------------------------------------------------------------------------
+
+BF16_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}  # what the bf16 micro-kernel needs
+BF16_MISSING = sorted(BF16_FLAGS - cpu_flags())
+needs_bf16 = pytest.mark.skipif(
+    bool(BF16_MISSING), reason=f"this CPU lacks {', '.join(BF16_MISSING)}: the bf16 micro-kernel cannot run here"
+)
+U = 2.0**-24  # float32 unit roundoff
+
+
+def _bf16_tolerance(x, w, b, k, ref, activation):
+    """Both the kernel and F.linear sum the same K (+ bias) exact products in float32, in different orders: each is
+    within gamma_{K+1} * sum |x_k w_k| (+ |b|) of the exact sum (Higham, Accuracy and Stability of Numerical
+    Algorithms, 2nd ed., section 3.1), so they are within twice that of each other; GELU's slope is at most 1.13
+    and its float32 forms (ours, torch's) differ by up to ~2.4e-7 at the tails (kernels/csrc/simd_math.h); a
+    residual adds one rounding each (2 u |result|)."""
+    s = x.bfloat16().float().abs() @ w.bfloat16().float().abs().T
+    if b is not None:
+        s = s + b.abs()
+    slope, atol = (1.13, 5e-7) if activation == "gelu" else (1.0, 0.0)
+    return slope * 2 * (k + 1) * U * s + 2 * U * ref.abs() + atol
+
+
+def _vdpbf16ps_order(x, w, b):
+    """x w^T + b as VDPBF16PS sums it (Intel SDM, VDPBF16PS pseudocode): the bf16 operands' products (exact in
+    float32), K padded to even with a zero, each pair added odd k first, one float32 rounding per addition."""
+    xb, wb = x.bfloat16().float(), w.bfloat16().float()
+    if x.shape[-1] % 2:
+        xb, wb = F.pad(xb, (0, 1)), F.pad(wb, (0, 1))
+    acc = torch.zeros(x.shape[0], w.shape[0])
+    for q in range(0, xb.shape[-1], 2):
+        acc = acc + xb[:, q + 1 : q + 2] * wb[:, q + 1]
+        acc = acc + xb[:, q : q + 1] * wb[:, q]
+    return acc + b if b is not None else acc
+
+
+def test_bf16_available_follows_the_cpu_flags():
+    assert bf16_available() == (not BF16_MISSING)
+
+
+# rows: under / at / over the 12-row micro-kernel and the 64-row chunk; K = 1, odd K, N past a 16-feature panel
+@needs_bf16
+@pytest.mark.parametrize("rows", [1, 5, 12, 13, 25, MAX_ROWS, 70])
+@pytest.mark.parametrize(
+    "out_features,in_features", [(1, 1), (33, 1), (15, 7), (16, 64), (17, 33), (1000, 384), (4099, 97)]
+)
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("activation", [None, "relu", "gelu"])
+def test_bf16_matches_reference(rows, out_features, in_features, with_bias, activation):
+    g = torch.Generator().manual_seed(rows * 7919 + out_features * 31 + in_features)
+    x = torch.randn(rows, in_features, generator=g)
+    w = torch.randn(out_features, in_features, generator=g)
+    b = torch.randn(out_features, generator=g) if with_bias else None
+    r = torch.randn(rows, out_features, generator=g)
+    packed = PackedWeight.pack(w, torch.bfloat16)
+    assert packed.dtype == packed.data.dtype == torch.bfloat16
+    got = packed_linear(x, packed, b, activation=activation)
+    ref = reference_linear_bf16(x, w, b, activation)
+    assert got.shape == ref.shape == (rows, out_features) and got.is_contiguous()
+    tol = _bf16_tolerance(x, w, b, in_features, ref, activation)
+    assert ((got - ref).abs() <= tol).all(), ((got - ref).abs() - tol).max().item()
+    with_residual = packed_linear(x, packed, b, activation=activation, residual=r)
+    assert torch.equal(with_residual, r + got)  # one float32 rounding, as the float32 kernel's residual
+
+
+@needs_bf16
+@pytest.mark.parametrize("rows,out_features,in_features", [(1, 1, 1), (13, 17, 33), (70, 100, 96), (3, 40, 2)])
+def test_bf16_sums_in_the_vdpbf16ps_order_bit_for_bit(rows, out_features, in_features):
+    """Each output is one running float32 sum of exact bf16 products in a fixed order, so it equals the emulated
+    instruction bit for bit; the bias and the residual are one float32 addition each."""
+    g = torch.Generator().manual_seed(rows + out_features + in_features)
+    x, w = torch.randn(rows, in_features, generator=g), torch.randn(out_features, in_features, generator=g)
+    b, r = torch.randn(out_features, generator=g), torch.randn(rows, out_features, generator=g)
+    packed = PackedWeight.pack(w, torch.bfloat16)
+    want = _vdpbf16ps_order(x, w, b)
+    assert torch.equal(packed_linear(x, packed, b), want)
+    assert torch.equal(packed_linear(x, packed, b, activation="relu", residual=r), r + torch.relu(want))
+    assert torch.equal(packed_linear(x, packed), _vdpbf16ps_order(x, w, None))
+
+
+@needs_bf16
+def test_bf16_rounds_x_to_nearest_even_as_torch():
+    """With a weight of 1, the output is x as the kernel rounded it: ties (1 + 2^-8 -> 1, 1 + 3 2^-8 -> 1 + 2^-6),
+    values rounding up to the next binade or to inf, random values over many binades, +-inf and NaN."""
+    g = torch.Generator().manual_seed(9)
+    special = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 1 - 2**-10, 3.3e38, -3.4e38, 0.0, -0.0])
+    special = torch.cat([special, torch.tensor([float("inf"), -float("inf"), float("nan")])])
+    spread = torch.randn(200, generator=g) * torch.exp2(torch.randint(-100, 100, (200,), generator=g).float())
+    x = torch.cat([special, spread]).unsqueeze(1)  # 211 rows: several 64-row chunks
+    got = packed_linear(x, PackedWeight.pack(torch.ones(1, 1), torch.bfloat16))
+    torch.testing.assert_close(got, x.bfloat16().float(), rtol=0, atol=0, equal_nan=True)
+
+
+@needs_bf16
+def test_bf16_packing_layout_and_sources():
+    """wp[p, q, j, h] = bf16(w[16 p + j, 2 q + h]), zero past N and K; rounding in the packer is torch's (ties,
+    overflow to inf); a bfloat16 weight packs to the same bytes, and to its exact float32 values as float32."""
+    g = torch.Generator().manual_seed(3)
+    n, k = 37, 11
+    w = torch.randn(n, k, generator=g)
+    w[0, :4] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, 3.4e38, -float("inf")])
+    packed = PackedWeight.pack(w, torch.bfloat16)
+    panels, pairs = 3, 6
+    assert packed.data.numel() == panels * 16 * 2 * pairs
+    grid = packed.data.view(panels, pairs, 16, 2).permute(0, 2, 1, 3).reshape(panels * 16, 2 * pairs)
+    assert torch.equal(grid[:n, :k].view(torch.int16), w.bfloat16().view(torch.int16))
+    assert not grid[n:].float().any() and not grid[:, k:].float().any()
+    from_bf16 = PackedWeight.pack(w.bfloat16(), torch.bfloat16)
+    assert torch.equal(from_bf16.data.view(torch.int16), packed.data.view(torch.int16))
+    strided = torch.randn(2 * k, n, generator=g).T[:, ::2]  # non-contiguous [n, k]
+    assert torch.equal(
+        PackedWeight.pack(strided.bfloat16(), torch.bfloat16).data.view(torch.int16),
+        PackedWeight.pack(strided, torch.bfloat16).data.view(torch.int16),
+    )
+    as_fp32 = PackedWeight.pack(w.bfloat16())
+    assert as_fp32.dtype == torch.float32 and torch.equal(as_fp32.data, PackedWeight.pack(w.bfloat16().float()).data)
+
+
+@needs_bf16
+def test_bf16_rows_are_batch_and_thread_invariant():
+    """A row's outputs equal that row computed alone, whatever the batch (64-row chunks, 12-row micro-kernels) and
+    the thread count, bit for bit, bias, GELU and residual included."""
+    g = torch.Generator().manual_seed(12)
+    w, b = torch.randn(333, 49, generator=g), torch.randn(333, generator=g)
+    packed = PackedWeight.pack(w, torch.bfloat16)
+    x, r = torch.randn(2 * MAX_ROWS + 7, 49, generator=g), torch.randn(2 * MAX_ROWS + 7, 333, generator=g)
+    got = packed_linear(x, packed, b, num_threads=2, activation="gelu", residual=r)
+    for threads in (1, 3, 64):
+        assert torch.equal(packed_linear(x, packed, b, num_threads=threads, activation="gelu", residual=r), got)
+    for i in (0, 11, 12, MAX_ROWS - 1, MAX_ROWS, 2 * MAX_ROWS + 6):
+        alone = packed_linear(x[i : i + 1], packed, b, num_threads=1, activation="gelu", residual=r[i : i + 1])
+        assert torch.equal(got[i], alone[0]), i
+
+
+@needs_bf16
+def test_bf16_leading_dims_non_contiguous_and_empty():
+    g = torch.Generator().manual_seed(13)
+    w = torch.randn(64, 40, generator=g).T.contiguous().T[:, :21]  # [64, 21] view with strides (1, 64)
+    x = torch.randn(2, 3, 42, generator=g)[..., ::2]  # [2, 3, 21], non-contiguous
+    got = packed_linear(x, PackedWeight.pack(w, torch.bfloat16))
+    assert got.shape == (2, 3, 64)
+    assert torch.equal(got.reshape(6, 64), _vdpbf16ps_order(x.reshape(6, 21), w, None))
+    for rows, out_features, in_features in [(0, 5, 8), (3, 0, 8), (3, 17, 0)]:
+        x, w, b = (
+            torch.randn(rows, in_features, generator=g),
+            torch.randn(out_features, in_features, generator=g),
+            torch.randn(out_features, generator=g),
+        )
+        for bias in (None, b):
+            got = packed_linear(x, PackedWeight.pack(w, torch.bfloat16), bias)
+            torch.testing.assert_close(got, reference_linear_bf16(x, w, bias))
+
+
+def test_bf16_bad_inputs_are_refused():
+    w = torch.randn(20, 8)
+    with pytest.raises(ValueError, match="dtype=torch.float16"):
+        PackedWeight.pack(w, torch.float16)
+    with pytest.raises(ValueError, match="2-D float32 CPU"):
+        PackedWeight.pack(w.half(), torch.bfloat16)
+    with pytest.raises(ValueError, match="dtype must be"):
+        PackedWeight(torch.empty(32 * 8, dtype=torch.float16), 20, 8, torch.float16)
+    with pytest.raises(ValueError, match="build it with PackedWeight.pack"):  # float32 data labelled bfloat16
+        PackedWeight(torch.empty(32 * 8), 20, 8, torch.bfloat16)
+    with pytest.raises(ValueError, match="build it with PackedWeight.pack"):  # odd K: 16 * 8 pairs, not 16 * 7
+        PackedWeight(torch.empty(32 * 7, dtype=torch.bfloat16), 20, 7, torch.bfloat16)
+    if bf16_available():
+        packed = PackedWeight.pack(w, torch.bfloat16)
+        with pytest.raises(ValueError, match="float32 CPU"):
+            packed_linear(torch.randn(2, 8).bfloat16(), packed)
+        with pytest.raises(ValueError, match="bias"):
+            packed_linear(torch.randn(2, 8), packed, torch.randn(20).bfloat16())
+        with pytest.raises(ValueError, match="activation"):
+            packed_linear(torch.randn(2, 8), packed, activation="silu")
+
+
+def test_bf16_without_the_cpu_feature_is_refused_naming_the_flag(monkeypatch):
+    """Where the CPU lacks AVX-512 BF16 (simulated: the C check answers 0), packing and products raise RuntimeError
+    naming avx512_bf16 instead of running an illegal instruction; float32 packing is unaffected."""
+    lib = packed_linear_module._library()
+    packed = PackedWeight(torch.zeros(16 * 2, dtype=torch.bfloat16), 3, 2, torch.bfloat16)  # built before the check
+    monkeypatch.setattr(lib, "packed_linear_bf16_supported", lambda: 0)
+    assert not bf16_available()
+    with pytest.raises(RuntimeError, match="avx512_bf16"):
+        PackedWeight.pack(torch.randn(3, 2), torch.bfloat16)
+    with pytest.raises(RuntimeError, match="avx512_bf16"):
+        packed_linear(torch.randn(1, 2), packed)
+    assert PackedWeight.pack(torch.randn(3, 2)).dtype == torch.float32
