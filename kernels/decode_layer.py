@@ -58,6 +58,7 @@ class _Layer(ctypes.Structure):
         ("head_dim", _i64),
         ("ffn", _i64),
         ("scale", ctypes.c_float),
+        ("weight_dtype", _int),
     ]
 
 
@@ -111,7 +112,8 @@ def is_available() -> bool:
 
 @dataclass(frozen=True)
 class LayerWeights:
-    """What ``FusedDecodeLayer`` needs of a layer; every tensor float32 CPU contiguous, biases None or ``[n]``.
+    """What ``FusedDecodeLayer`` needs of a layer; every tensor float32 CPU contiguous, biases None or ``[n]``; the six
+    packed weights all float32 or all bfloat16 (``PackedWeight.dtype``: ``packed_linear_bf16`` then).
 
     Attributes:
         norms: the self-attention, cross-attention and FFN norms as ``(weight, bias)`` (``[d]`` or None).
@@ -173,6 +175,9 @@ class FusedDecodeLayer:
                 raise ValueError(
                     f"decode_layer's {name} weight must be [{n}, {k}], got [{p.out_features}, {p.in_features}]"
                 )
+        dtypes = {p.dtype for p, _, _ in shapes.values()}
+        if len(dtypes) != 1:
+            raise ValueError(f"decode_layer's six weights must be packed in one dtype, got {sorted(map(str, dtypes))}")
         tensors = [t for pair in w.norms for t in pair] + [
             b for _, b in (w.qkv, w.o, w.cross_q, w.cross_o, w.fc1, w.fc2)
         ]
@@ -197,6 +202,7 @@ class FusedDecodeLayer:
         ):
             setattr(s, f"{name}_wp", _ptr(p.data))
             setattr(s, f"{name}_b", _ptr(b))
+        s.weight_dtype = 1 if w.qkv[0].dtype == torch.bfloat16 else 0  # packed_linear_bf16's layout, else float32
         s.activation, s.d, s.heads, s.head_dim, s.ffn, s.scale = (
             ACTIVATIONS[w.activation],
             d,
@@ -247,7 +253,10 @@ class FusedDecodeLayer:
             scratch.data_ptr(),
         )
         if rc < -1:
-            raise ValueError("decode_layer: a block id, length or slot of this step lies outside the KV caches")
+            raise ValueError(
+                f"decode_layer failed (code {rc}): a block id, length or slot of this step lies outside the KV caches, "
+                "or a bfloat16 product could not allocate its converted input"
+            )
         return out
 
     def _step(self, lib, x, md, self_kv, cross_kv, position_bias):

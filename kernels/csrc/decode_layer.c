@@ -20,6 +20,8 @@
 
 int packed_linear(const float* x, const float* wp, const float* bias, const float* residual, float* out, size_t m,
                   size_t n, size_t k, int num_threads, int activation);
+int packed_linear_bf16(const float* x, const uint16_t* wp, const float* bias, const float* residual, float* out,
+                       size_t m, size_t n, size_t k, int num_threads, int activation);
 int paged_decode_attention(const float* q, int64_t q_stride, const void* k_cache, const void* v_cache, int cache_dtype,
                            const int64_t* block_tables, int64_t bt_stride, const int64_t* context_lens, const float* bias,
                            int64_t bias_len, float* out, int64_t batch, int64_t num_heads, int64_t head_dim,
@@ -29,21 +31,23 @@ int paged_write_kv(const float* key, const float* value, int64_t key_stride, int
 int row_norm(const float* x, const float* w, const float* b, float* out, size_t rows, size_t d, float eps, int rms,
              int num_threads);
 
-/* A layer's weights (packed with packed_linear_pack) and shape; set once at load (kernels/decode_layer.py). */
+/* A layer's weights (packed with packed_linear_pack, or packed_linear_bf16_pack when weight_dtype is 1) and shape;
+ * set once at load (kernels/decode_layer.py). */
 typedef struct {
     const float *norm_w[3], *norm_b[3]; /* self, cross, FFN norms: weight, bias or NULL */
     float eps;
     int rms;      /* 1: RMS norm (T5), 0: LayerNorm */
     int pre_norm; /* 1: pre-norm, 0: post-norm */
-    const float *qkv_wp, *qkv_b; /* [3 H D, d]: q, k, v */
-    const float *o_wp, *o_b;     /* [d, H D] */
-    const float *cq_wp, *cq_b;   /* [H D, d] */
-    const float *co_wp, *co_b;   /* [d, H D] */
-    const float *f1_wp, *f1_b;   /* [ffn, d] */
-    const float *f2_wp, *f2_b;   /* [d, ffn] */
+    const void* qkv_wp; const float* qkv_b; /* [3 H D, d]: q, k, v */
+    const void* o_wp; const float* o_b;     /* [d, H D] */
+    const void* cq_wp; const float* cq_b;   /* [H D, d] */
+    const void* co_wp; const float* co_b;   /* [d, H D] */
+    const void* f1_wp; const float* f1_b;   /* [ffn, d] */
+    const void* f2_wp; const float* f2_b;   /* [d, ffn] */
     int activation;              /* of the first FFN product: packed_linear's ACT_* */
     int64_t d, heads, head_dim, ffn;
     float scale; /* on q . k (T5: 1) */
+    int weight_dtype; /* of all six packed weights: 0 float32 (packed_linear), 1 bfloat16 (packed_linear_bf16) */
 } decode_layer_t;
 
 /* What one decode step's layers share (kernels/decode_layer.py builds it once per step). */
@@ -61,6 +65,13 @@ typedef struct {
     int64_t num_self_blocks, num_cross_blocks, block_size;
     int num_threads;
 } decode_step_t;
+
+/* One of the layer's products: packed_linear or packed_linear_bf16 by the layer's weight dtype. */
+static int product(const decode_layer_t* L, const float* x, const void* wp, const float* bias, const float* residual,
+                   float* out, size_t m, size_t n, size_t k, int nt, int activation) {
+    if (L->weight_dtype == 1) return packed_linear_bf16(x, (const uint16_t*)wp, bias, residual, out, m, n, k, nt, activation);
+    return packed_linear(x, (const float*)wp, bias, residual, out, m, n, k, nt, activation);
+}
 
 /* Scratch floats decode_layer needs for t rows. */
 int64_t decode_layer_scratch(const decode_layer_t* L, int64_t t) {
@@ -97,24 +108,24 @@ int decode_layer(const decode_layer_t* L, const decode_step_t* S, const float* x
     if ((rc = (call)) < -1) \
         return rc;
     /* self-attention: a = x + Attn(...) */
-    packed_linear(sublayer_input(L, 0, x, h, t, nt), L->qkv_wp, L->qkv_b, NULL, qkv, t, 3 * hd, d, nt, 0);
+    CHECK(product(L, sublayer_input(L, 0, x, h, t, nt), L->qkv_wp, L->qkv_b, NULL, qkv, t, 3 * hd, d, nt, 0));
     CHECK(paged_write_kv(qkv + hd, qkv + 2 * hd, 3 * hd, 3 * hd, self_k, self_v, self_dtype, S->slots, t, hd,
                          S->num_self_blocks * S->block_size));
     CHECK(paged_decode_attention(qkv, 3 * hd, self_k, self_v, self_dtype, S->block_tables, S->bt_stride, S->seq_lens,
                                  S->position_bias, S->bias_len, attn, t, H, D, S->num_self_blocks, S->block_size,
                                  L->scale, nt));
-    packed_linear(attn, L->o_wp, L->o_b, x, a, t, d, hd, nt, 0);
+    CHECK(product(L, attn, L->o_wp, L->o_b, x, a, t, d, hd, nt, 0));
     post_norm(L, 0, a, t, nt);
     /* cross-attention over the encoder's blocks: b = a + Cross(...) */
-    packed_linear(sublayer_input(L, 1, a, h, t, nt), L->cq_wp, L->cq_b, NULL, qkv, t, hd, d, nt, 0);
+    CHECK(product(L, sublayer_input(L, 1, a, h, t, nt), L->cq_wp, L->cq_b, NULL, qkv, t, hd, d, nt, 0));
     CHECK(paged_decode_attention(qkv, hd, cross_k, cross_v, cross_dtype, S->cross_tables, S->cross_stride,
                                  S->encoder_lens, NULL, 0, attn, t, H, D, S->num_cross_blocks, S->block_size, L->scale,
                                  nt));
-    packed_linear(attn, L->co_wp, L->co_b, a, b, t, d, hd, nt, 0);
+    CHECK(product(L, attn, L->co_wp, L->co_b, a, b, t, d, hd, nt, 0));
     post_norm(L, 1, b, t, nt);
     /* FFN: out = b + FFN(...) */
-    packed_linear(sublayer_input(L, 2, b, h, t, nt), L->f1_wp, L->f1_b, NULL, f, t, L->ffn, d, nt, L->activation);
-    packed_linear(f, L->f2_wp, L->f2_b, b, out, t, d, L->ffn, nt, 0);
+    CHECK(product(L, sublayer_input(L, 2, b, h, t, nt), L->f1_wp, L->f1_b, NULL, f, t, L->ffn, d, nt, L->activation));
+    CHECK(product(L, f, L->f2_wp, L->f2_b, b, out, t, d, L->ffn, nt, 0));
     post_norm(L, 2, out, t, nt);
     return 0;
 #undef CHECK

@@ -35,7 +35,16 @@ from torch import nn
 from kernels.onednn_linear import linear as onednn_linear
 from kernels.onednn_linear import pack as onednn_pack
 from kernels.onednn_linear import prefer_onednn
-from kernels.packed_linear import ACTIVATIONS, PackedWeight, activate, is_available, packed_linear
+from kernels.packed_linear import (
+    ACTIVATIONS,
+    DTYPES,
+    PackedWeight,
+    activate,
+    bf16_available,
+    is_available,
+    packed_linear,
+)
+from shared.models.bfloat16 import products_dtype
 
 __all__ = [
     "FusedPacked",
@@ -236,16 +245,20 @@ def fused_products(
     return tuple(m(x) for m in linears)
 
 
-def pack_projection(weight: torch.Tensor) -> PackedWeight | None:
+def pack_projection(weight: torch.Tensor, dtype: torch.dtype | None = None) -> PackedWeight | None:
     """``weight`` (``[out, in]``: the vocabulary projection, a decoder linear) packed for ``kernels.packed_linear``.
 
-    None unless the weight is a float32 CPU tensor and the kernel is built for
-    this CPU (x86-64 with AVX2/FMA). The packed copy costs as much memory as
-    the weight.
+    ``dtype``: the packed copy's, float32 or bfloat16 (default: the weight's own). None unless the weight is a
+    float32 or bfloat16 CPU tensor and the kernel for that layout is built for this CPU (x86-64 with AVX2/FMA;
+    bfloat16 also needs AVX-512 BF16: ``kernels.packed_linear.bf16_available``). The packed copy costs as much
+    memory as the weight in ``dtype``.
     """
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not is_available():
+    dtype = dtype or weight.dtype
+    if weight.device.type != "cpu" or weight.dtype not in DTYPES or dtype not in DTYPES or not is_available():
         return None
-    return PackedWeight.pack(weight)
+    if dtype == torch.bfloat16 and not bf16_available():
+        return None
+    return PackedWeight.pack(weight, dtype=dtype)
 
 
 def vocab_projection(
@@ -289,10 +302,11 @@ class PackedDecodeWeights:
 
         Returns the bytes the packed copies take (they sit beside the weights,
         which prefills and encoders keep using); 0 when nothing was packed:
-        ``pack_projection`` says when (float32 CPU weights, kernel built for
+        ``pack_projection`` says when (float32 or bfloat16 CPU weights, kernel built for
         this CPU). Call after the weights reached their device.
         """
-        self.packed_projection = pack_projection(self._projection_weight())
+        # bfloat16 products (shared.models.bfloat16): the projection (a float32 embedding when tied) in bfloat16 too
+        self.packed_projection = pack_projection(self._projection_weight(), products_dtype(self))
         if self.packed_projection is None:
             return 0
         return self.packed_projection.data.nbytes + sum(layer.pack_decode_weights() for layer in self._decoder_layers())

@@ -2,8 +2,8 @@
 
 Same kernels, same order, same arguments: the outputs and the self-KV writes must be equal bit for bit, for a
 pre-norm RMS layer with T5's position bias (T5 v1.0), post-norm and pre-norm LayerNorm layers with biases
-(BART, mBART) and Whisper's, over float32 caches, a bfloat16 cross pool, and bfloat16 self and cross caches;
-layers the C path does not serve keep ``fused = None``.
+(BART, mBART) and Whisper's, over float32 caches, a bfloat16 cross pool, and bfloat16 self and cross caches, with
+float32 or bfloat16 packed weights (``--dtype bfloat16``); layers the C path does not serve keep ``fused = None``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from kernels import decode_layer
+from kernels.packed_linear import bf16_available
 from shared.attention_metadata import AttentionMetadata
+from shared.models.bfloat16 import use_bfloat16_products
 from shared.models.registry import load_model
 
 pytestmark = pytest.mark.skipif(
@@ -85,11 +87,25 @@ def _layers_equal(model, heads: int, head_dim: int, d: int, bias_fn=None, dtypes
     return fused
 
 
+def _load(path, weights: str):
+    """The model with its decode-step weights packed: ``fp32``, or ``bf16`` (``--dtype bfloat16`` on the CPU:
+    bfloat16 products, packed for ``packed_linear_bf16``)."""
+    model = load_model(path)
+    if weights == "bf16":
+        if not bf16_available():
+            pytest.skip("this CPU lacks avx512_bf16: bfloat16 weights are not packed")
+        use_bfloat16_products(model)
+    model.pack_decode_weights()
+    if weights == "bf16":
+        assert all(layer.fused.weights.qkv[0].dtype == torch.bfloat16 for layer in model._decoder_layers())
+    return model
+
+
+@pytest.mark.parametrize("weights", ["fp32", "bf16"])
 @pytest.mark.parametrize("dtypes", CACHE_DTYPES, ids=["fp32", "bf16-cross", "bf16"])
 @pytest.mark.parametrize("arch", ["t5", "bart", "mbart"])
-def test_text_layers_equal_the_python_layers(text_checkpoints, arch, dtypes):
-    model = load_model(text_checkpoints[arch])
-    model.pack_decode_weights()
+def test_text_layers_equal_the_python_layers(text_checkpoints, arch, dtypes, weights):
+    model = _load(text_checkpoints[arch], weights)
     c = model.config
     heads = c.num_heads
     bias_fn = model.decoder_position_bias if arch == "t5" else None
@@ -97,10 +113,10 @@ def test_text_layers_equal_the_python_layers(text_checkpoints, arch, dtypes):
     assert _layers_equal(model, heads, d // heads, d, bias_fn, dtypes) == c.decoder_layers
 
 
+@pytest.mark.parametrize("weights", ["fp32", "bf16"])
 @pytest.mark.parametrize("dtypes", CACHE_DTYPES, ids=["fp32", "bf16-cross", "bf16"])
-def test_whisper_layers_equal_the_python_layers(whisper_model_dir, dtypes):
-    model = load_model(whisper_model_dir)
-    model.pack_decode_weights()
+def test_whisper_layers_equal_the_python_layers(whisper_model_dir, dtypes, weights):
+    model = _load(whisper_model_dir, weights)
     c = model.config
     assert _layers_equal(model, c.num_heads, c.head_dim, c.d_model, dtypes=dtypes) == c.decoder_layers
 
