@@ -361,7 +361,9 @@ class WhisperForConditionalGeneration(PackedDecodeWeights, nn.Module):
         # and faster: docs/benchmarks.md, Measurements formerly in docstrings).
         for layer_out, layer in zip(out, self.decoder_layers):
             proj = layer.cross_kv
-            if not isinstance(proj, nn.Linear):  # e.g. int8 (shared.models.quantize): one product, copied into place
+            # int8 (shared.models.quantize), or oneDNN's packed weight where it won (use_onednn_encoder): one product,
+            # copied into place
+            if not isinstance(proj, nn.Linear) or getattr(proj, "onednn", None) is not None:
                 layer_out.copy_(proj(x).view(b, s, 2, c.num_heads, c.head_dim).permute(2, 0, 1, 3, 4))
                 continue
             for i in range(2):  # weight rows: k, then v
@@ -400,16 +402,13 @@ class WhisperForConditionalGeneration(PackedDecodeWeights, nn.Module):
         return self.decoder_norm(x)
 
     def use_onednn_encoder(self) -> int:
-        """The encoder layers' linears use oneDNN's packed product where it beats ``F.linear`` on a
-        window's ``max_source_positions`` rows here (``Linear.use_onednn``; float32 CPU only). Returns
-        how many do."""
+        """The encoder layers' linears and the decoder layers' ``cross_kv`` (``compute_cross_kv``) use oneDNN's
+        packed product where it beats ``F.linear`` on a window's ``max_source_positions`` rows here
+        (``Linear.use_onednn``; float32 CPU only). Returns how many do."""
         rows = self.config.max_source_positions
-        return sum(
-            lin.use_onednn(rows)
-            for layer in self.encoder_layers
-            for lin in (layer.qkv, layer.attn_out, layer.fc1, layer.fc2)
-            if isinstance(lin, Linear)
-        )
+        linears = [lin for layer in self.encoder_layers for lin in (layer.qkv, layer.attn_out, layer.fc1, layer.fc2)]
+        linears += [layer.cross_kv for layer in self.decoder_layers]
+        return sum(lin.use_onednn(rows) for lin in linears if isinstance(lin, Linear))
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
