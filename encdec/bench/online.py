@@ -57,7 +57,7 @@ COLUMNS = [
 ]
 SWEEP_COLUMNS = [*COLUMNS, "refused", "TTFT SLO ms", "met SLO %", "goodput req/s"]
 REFUSAL_CODES = ("RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED")  # the decoder's admission answers
-LONE_REQUESTS = 5  # requests sent one at a time before the timed run (the bundled clips: one each)
+LONE_REQUESTS = 10  # requests sent one at a time before the timed run (the 5 bundled clips: two each)
 
 
 def arrival_times(rate: float, duration: float, seed: int) -> list[float]:
