@@ -46,8 +46,9 @@ class ServiceConfig:
             (``shared.device``). A missing GPU fails at startup.
         dtype: weight and activation dtype: ``float32`` (default); ``float16`` on a CUDA ``device`` only;
             ``bfloat16`` on CUDA, or on a CPU with AVX-512 BF16 / AMX (``shared.device.CPU_BF16_FLAGS``; refused
-            elsewhere), where matmuls accumulate in float32 (oneDNN) and the decoder keeps both KV caches in
-            bfloat16 (docs/devices.md).
+            elsewhere), where it is mixed precision (``shared.models.bfloat16``: bfloat16 weights and products with
+            float32 accumulation, float32 residual stream, norms and softmax) and the decoder keeps both KV caches
+            in bfloat16 (docs/devices.md).
         internal_token_file: path of the secret decoder and encoder of one
             deployment share (``shared.internal_auth``): the decoder sends it
             with every Encode and signs the KV target it reserved; the encoder

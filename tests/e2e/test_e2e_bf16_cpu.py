@@ -1,5 +1,6 @@
 """``--dtype bfloat16`` on the CPU (issue 24, opt-in where the CPU has AVX-512 BF16 or AMX): encoder and decoder
-as separate processes with bfloat16 weights and activations, KV in bfloat16, real gRPC and Redis.
+as separate processes with bfloat16 weights and products (``shared.models.bfloat16``: float32 residual stream and
+norms; the decoder's products on ``packed_linear_bf16``), KV in bfloat16, real gRPC and Redis.
 
 bfloat16 keeps 8 bits of mantissa, so a close call between two tokens may go the other way than in float32:
 transcripts are compared with HF float32 by count (``encdec bench whisper --bf16`` reports it), and the test
