@@ -26,6 +26,7 @@ from decoder_svc.readiness import DecoderReadiness
 from decoder_svc.replica_control import ReplicaControl
 from decoder_svc.request_state import RequestStateStore
 from decoder_svc.server import DecoderServicer
+from kernels.calibration import calibrate_packed_isa
 from shared.compute_thread import single_threaded_main
 from shared.config import DecoderServiceConfig
 from shared.device import resolve_device, torch_dtype
@@ -187,6 +188,7 @@ def run(config: DecoderServiceConfig) -> None:
     model.to(device)  # before the KV pools are sized: a fractional kv_cache_memory sees the weights' memory taken
     if config.quantize == "none" and (packed := model.pack_decode_weights()):  # CPU float32: kernels/packed_linear.py
         log.info("decode-step weights packed for the CPU kernel (+%.0f MB)", packed / 2**20)
+        calibrate_packed_isa(model.packed_weights(), threads)  # float32 weights: the fastest micro-kernel here
     log.info(
         "decoder model %s on %s (%s%s), attention %s, stream interval %d",
         config.model,

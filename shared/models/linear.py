@@ -311,6 +311,16 @@ class PackedDecodeWeights:
             return 0
         return self.packed_projection.data.nbytes + sum(layer.pack_decode_weights() for layer in self._decoder_layers())
 
+    def packed_weights(self) -> list[PackedWeight]:
+        """One packed weight of each shape a decode step multiplies (the projection, then the packed ``Linear``
+        layers'), for ``kernels.calibration``; empty before ``pack_decode_weights`` or when nothing was packed."""
+        found = [self.packed_projection] if self.packed_projection is not None else []
+        found += [m.packed for m in self.modules() if isinstance(m, Linear) and m.packed is not None]
+        shapes: dict[tuple, PackedWeight] = {}
+        for w in found:
+            shapes.setdefault((w.out_features, w.in_features, w.dtype), w)
+        return list(shapes.values())
+
     def _vocab_projection(self, hidden: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``[N, d] -> [N, vocab]`` (+ ``bias`` ``[vocab]``) through ``vocab_projection`` (the packed copy where there is one)."""
         return vocab_projection(hidden, self._projection_weight(), self.packed_projection, bias)

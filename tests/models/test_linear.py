@@ -45,3 +45,24 @@ def test_module_keeps_nn_linear_state_dict_and_quantizes():
     model = nn.Sequential(ours)
     _to_int8_linears(model)  # what --quantize int8 swaps in
     assert isinstance(model[0], Int8Linear)
+
+
+def test_packed_weights_lists_one_weight_per_decode_shape():
+    from shared.models.registry import load_model
+
+    model = load_model("whisper-tiny.en")
+    assert model.packed_weights() == []  # nothing packed yet
+    if not model.pack_decode_weights():
+        pytest.skip("the packed kernel is not built for this CPU")
+    weights = model.packed_weights()
+    c = model.config
+    assert weights[0] is model.packed_projection
+    shapes = [(w.out_features, w.in_features) for w in weights]
+    assert len(shapes) == len(set(shapes))
+    assert set(shapes) == {
+        (c.vocab_size, c.d_model),
+        (3 * c.d_model, c.d_model),  # self-attention q/k/v
+        (c.d_model, c.d_model),
+        (c.ffn_dim, c.d_model),
+        (c.d_model, c.ffn_dim),
+    }
