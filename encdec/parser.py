@@ -352,6 +352,11 @@ def _add_seq2seq_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-hf-sequential", action="store_true", help="skip the (slow) one-at-a-time HF and CT2 runs")
     p.add_argument("--int8", action="store_true", help="also run CTranslate2 int8 and our --quantize int8")
     p.add_argument(
+        "--bf16",
+        action="store_true",
+        help="also run our services with --dtype bfloat16 (CPUs with AVX-512 BF16 or AMX; tokens vs HF fp32)",
+    )
+    p.add_argument(
         "--repeats", type=positive_int, default=3, help="timed runs of each batched system; the median is reported"
     )
     p.add_argument(

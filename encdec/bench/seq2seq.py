@@ -13,7 +13,9 @@ each decoded greedily to exactly ``--new-tokens`` tokens:
   sends a message per token, vLLM's and SGLang's default; 16 merges a
   request's tokens into messages of 16, the first token and the finish still
   at once: 32 x 64 tokens are 2048 messages or ~160). The bench client runs
-  on the same cores as the services, so each message costs twice here;
+  on the same cores as the services, so each message costs twice here.
+  ``--int8`` adds a ``--quantize int8`` row, ``--bf16`` a ``--dtype bfloat16``
+  one (CPUs with AVX-512 BF16 / AMX), both counted against HF fp32's tokens;
 - HF transformers ``generate`` (in this process, after our services stopped):
   one request at a time, and all of them as one static batch
   (``min_new_tokens = max_new_tokens``);
@@ -181,9 +183,11 @@ async def _ours_once(address: str, sources: list[list[int]], new_tokens: int) ->
         return time.perf_counter() - start, [r[0] for r in results]
 
 
-def service_args(threads: int, max_num_seqs: int, quantize: str = "none") -> tuple[list[str], list[str]]:
+def service_args(
+    threads: int, max_num_seqs: int, quantize: str = "none", dtype: str = "float32"
+) -> tuple[list[str], list[str]]:
     """(encoder, decoder) extra CLI flags for a text-model bench run."""
-    common = ["--num-threads", str(threads), "--quantize", quantize]
+    common = ["--num-threads", str(threads), "--quantize", quantize, "--dtype", dtype]
     return common, [*common, "--max-num-seqs", str(max_num_seqs)]
 
 
@@ -195,12 +199,13 @@ def run_ours(
     quantize: str = "none",
     stream_interval: int = 1,
     repeats: int = 1,
+    dtype: str = "float32",
 ) -> tuple[float, list[list[int]]]:
     """Our services (started and stopped here) on ``model_dir``: all requests at once over gRPC, ``repeats`` times
-    against the same services; the median run."""
+    against the same services; the median run. ``dtype``: both services' ``--dtype``."""
     from encdec.launcher import Services
 
-    enc, dec = service_args(threads, max(len(sources), 1), quantize)
+    enc, dec = service_args(threads, max(len(sources), 1), quantize, dtype)
     dec = [*dec, "--stream-interval", str(stream_interval)]
     with Services(model=str(model_dir), log_level="WARNING", extra_encoder_args=enc, extra_decoder_args=dec) as svc:
         return median_run(
@@ -247,6 +252,12 @@ def bench_model(name: str, args, progress: bool = True) -> list[dict]:
     if args.int8:
         ours[("int8", intervals[0])] = (
             *run_ours(model_dir, sources, n, args.threads, "int8", intervals[0], args.repeats),
+            load()[0],
+        )
+    if getattr(args, "bf16", False):
+        say("our services, --dtype bfloat16 ...")
+        ours[("bf16", intervals[0])] = (
+            *run_ours(model_dir, sources, n, args.threads, "none", intervals[0], args.repeats, "bfloat16"),
             load()[0],
         )
     say("HF generate ...")
