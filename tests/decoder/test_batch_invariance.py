@@ -1,4 +1,5 @@
-"""Batched must equal one-at-a-time, bit for bit, on CPU float32 (``DecoderEngine`` over tiny random checkpoints).
+"""Batched must equal one-at-a-time, bit for bit, on the CPU in float32 and in ``--dtype bfloat16`` (bfloat16 packed
+weights and KV; ``DecoderEngine`` over tiny random checkpoints).
 
 A request's tokens and their log-probabilities (``TokenLogprobs``, float32 values compared with ``==``) are the same
 whether it runs alone or in a continuous batch whose other members join, finish and are preempted around it, and
@@ -20,8 +21,10 @@ from helpers.text_paged import encode_batch
 
 from decoder_svc.engine import DecoderEngine
 from decoder_svc.sampling_params import SamplingParams
+from kernels.packed_linear import bf16_available
 from shared.kv_transport import write_blocks
-from shared.models.registry import load_model, load_tokenizer
+from shared.models.bfloat16 import load_model_in
+from shared.models.registry import load_tokenizer
 
 BLOCK = 4
 NEW = 40
@@ -35,13 +38,14 @@ def run(
     num_self_blocks: int,
     params: SamplingParams,
     arrivals: dict[int, list[str]] | None = None,
+    cross_dtype: torch.dtype = torch.float32,
 ) -> tuple[dict[str, list[tuple[int, float]]], int]:
     """Drives a ``DecoderEngine`` to the end, playing the encoder with each source's cross KV ``kv[rid]``;
     ``arrivals``: step -> request ids added then (all at step 0 if None).
     Returns each request's ``(token id, logprob)`` list and the number of preemptions seen."""
     c = model.config
     n_cross = sum(-(-len(s) // BLOCK) for s in sources.values())
-    cross = torch.zeros(c.decoder_layers, 2, n_cross, BLOCK, c.num_heads, c.head_dim)
+    cross = torch.zeros(c.decoder_layers, 2, n_cross, BLOCK, c.num_heads, c.head_dim, dtype=cross_dtype)
     engine = DecoderEngine(model, tokenizer, cross, num_self_blocks=num_self_blocks, block_size=BLOCK)
     preempted = []
     real = engine.scheduler._preempt
@@ -62,11 +66,15 @@ def run(
     return out, len(preempted)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ["bart", "t5"])
-def test_alone_batched_and_preempted_runs_are_bit_identical(text_checkpoints, arch):
+def test_alone_batched_and_preempted_runs_are_bit_identical(text_checkpoints, arch, dtype):
     path = text_checkpoints[arch]
-    model, tokenizer = load_model(path), load_tokenizer(path)
-    model.pack_decode_weights()  # as the decoder service loads it
+    if dtype == "bfloat16" and not bf16_available():
+        pytest.skip("this CPU lacks avx512_bf16: --dtype bfloat16 is refused here")
+    model, tokenizer = load_model_in(path, dtype, torch.device("cpu")), load_tokenizer(path)
+    model.pack_decode_weights()  # as the decoder service loads it (bfloat16: packed_linear_bf16, KV in bfloat16)
+    cross_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
     rng = random.Random(3)
     sources = {f"r{i}": tokenizer(sentence(rng, 3 + 7 * i))["input_ids"] for i in range(6)}
     # Each source encoded alone, the same cross KV in every run: the decoder's invariance is what is measured here
@@ -74,14 +82,24 @@ def test_alone_batched_and_preempted_runs_are_bit_identical(text_checkpoints, ar
     kv = {rid: encode_batch(model, [src])[0] for rid, src in sources.items()}
     params = SamplingParams(max_tokens=NEW, ignore_eos=True, logprobs=True)
     per_request = -(-(NEW + 1) // BLOCK)
-    alone = {rid: run(model, tokenizer, {rid: src}, kv, per_request, params)[0][rid] for rid, src in sources.items()}
+    alone = {
+        rid: run(model, tokenizer, {rid: src}, kv, per_request, params, cross_dtype=cross_dtype)[0][rid]
+        for rid, src in sources.items()
+    }
     assert all(len(v) == NEW for v in alone.values())
     # Staggered joins in a pool large enough for all: decode rows next to other requests' prefills.
     staggered, none = run(
-        model, tokenizer, sources, kv, per_request * 6, params, {2 * i: [rid] for i, rid in enumerate(sources)}
+        model,
+        tokenizer,
+        sources,
+        kv,
+        per_request * 6,
+        params,
+        {2 * i: [rid] for i, rid in enumerate(sources)},
+        cross_dtype,
     )
     assert none == 0 and staggered == alone
     # Half the self blocks all six need: sequences are preempted and recomputed while the others decode.
-    squeezed, preemptions = run(model, tokenizer, sources, kv, per_request * 3, params)
+    squeezed, preemptions = run(model, tokenizer, sources, kv, per_request * 3, params, cross_dtype=cross_dtype)
     assert preemptions > 0, "the pool was large enough: no recompute happened"
     assert squeezed == alone
