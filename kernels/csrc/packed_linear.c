@@ -8,11 +8,11 @@
  *
  *     wp[p, k, j] = w[16 p + j, k]          (zero for 16 p + j >= N)
  *
- * so one decode step reads W exactly once, front to back, and each 64-byte
- * row of a panel feeds 2 x MR fused multiply-adds (MR = up to 6 rows of x
- * whose values are broadcast). 12 accumulators + 2 weight vectors + 1
- * broadcast fill the 16 AVX2 registers; the register blocking is the classic
- * GEMM micro-kernel of Goto & van de Geijn, "Anatomy of High-Performance
+ * so one decode step reads W exactly once, front to back (software-prefetched
+ * PREFETCH_BYTES ahead), and each 64-byte row of a panel feeds 2 x MR fused
+ * multiply-adds (MR = up to 6 rows of x whose values are broadcast). 12
+ * accumulators + 2 weight vectors + 1 broadcast fill the 16 AVX2 registers;
+ * the register blocking is the classic GEMM micro-kernel of Goto & van de Geijn, "Anatomy of High-Performance
  * Matrix Multiplication" (ACM TOMS 34(3), 2008), with the packed operand
  * being the weight instead of a per-call copy.
  *
@@ -48,6 +48,12 @@
 #define PANEL 16 /* output features per panel: two 8-float AVX registers */
 #define MR_MAX 6 /* rows of x per AVX2 micro-kernel call */
 #define MR512_MAX 12 /* rows of x per AVX-512 micro-kernel call */
+#define PREFETCH_BYTES 8192 /* every micro-kernel (float32 and bf16) prefetches the weight this far ahead, one 64-byte
+                             * line per panel step, into the next panel near a panel's end (a thread's panels are
+                             * adjacent): without it a weight streamed from memory stalls the dot products of a few
+                             * rows; float32: 8 / 12 / 16 KiB alike on AMD Zen 5, 2 and 4 KiB slower */
+#define X_ALIAS_FLOATS 1024 /* x rows this many floats (4 KiB) apart share L1 sets (packed_linear's padded copy) */
+#define X_COPY_MIN_WEIGHT ((size_t)1 << 21) /* weight elements (N K) from which packed_linear copies such x rows */
 #define ISA_AVX2 1
 #define ISA_AVX512 2
 #define TARGET512 __attribute__((target("avx512f,avx2,fma")))
@@ -113,6 +119,7 @@ void packed_linear_pack(const float* w, float* wp, size_t n, size_t k) {
         REP##MR(ACC_DECL)                                                                 \
         for (size_t kk = 0; kk < k; kk++) {                                               \
             __m256 w0 = _mm256_loadu_ps(pw + PANEL * kk), w1 = _mm256_loadu_ps(pw + PANEL * kk + 8), b; \
+            _mm_prefetch((const char*)(pw + PANEL * kk) + PREFETCH_BYTES, _MM_HINT_T0);   \
             REP##MR(ACC_STEP)                                                             \
         }                                                                                 \
         REP##MR(ACC_STORE)                                                                \
@@ -143,6 +150,7 @@ static const micro_kernel_t MICRO_KERNELS[MR_MAX + 1] = {0, micro_kernel_1, micr
         REP##MR(ACC512_DECL)                                                                      \
         for (size_t kk = 0; kk < k; kk++) {                                                       \
             __m512 w = _mm512_loadu_ps(pw + PANEL * kk);                                          \
+            _mm_prefetch((const char*)(pw + PANEL * kk) + PREFETCH_BYTES, _MM_HINT_T0);           \
             REP##MR(ACC512_STEP)                                                                  \
         }                                                                                         \
         REP##MR(ACC512_STORE)                                                                     \
@@ -166,8 +174,6 @@ static const micro_kernel_t MICRO_KERNELS512[MR512_MAX + 1] = {
  * x[2 q] w[2 q]): the products of two bf16 are exact in fp32, so each output is one running fp32 sum over k in
  * the order 1, 0, 3, 2, ..., with denormal inputs, products and sums taken as zero (DAZ / FTZ). */
 #define MR_BF16_MAX 16 /* rows of x per bf16 micro-kernel call: 16 accumulators of the 32 registers */
-#define PREFETCH_BYTES 8192 /* weight prefetched this far ahead, into the next panel near a panel's end: without it
-                             * a weight streamed from memory stalls the dot products of 8+ rows */
 #define TARGET_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")))
 typedef uint32_t __attribute__((may_alias)) bf16_pair_t; /* two bf16 (low: even k), written by vector stores */
 
@@ -320,9 +326,27 @@ int packed_linear(const float* x, const float* wp, const float* bias, const floa
     if (activation < ACT_NONE || activation > ACT_GELU) return -2;
     if (m == 0) return 0;
     int avx512 = packed_linear_isa() == ISA_AVX512;
-    job_t job = {x,          wp, bias, residual, out, m, n, k, k, activation, avx512 ? MICRO_KERNELS512 : MICRO_KERNELS,
+    /* AVX-512 reads 12 rows of x per step: rows a multiple of 4 KiB apart (K % 1024 == 0) fall in one L1 set,
+     * 12 lines plus the streamed weight's in a set of 12 ways (AMD Zen 5), and evict each other. A copy with rows
+     * an odd number of 64-byte lines apart puts them in distinct sets (as packed_linear_bf16's x2); the kernel
+     * reads the same floats, so the sums are unchanged. Made only where it measured faster on Zen 5: two or more
+     * full 12-row blocks (the later blocks read the panel from cache, so the misses on x are what they wait on) and a weight
+     * of X_COPY_MIN_WEIGHT elements or more (the copy, on the calling thread, costs more than it saves on smaller
+     * ones). AVX2's 6 rows fit the ways (a copy measured no faster there). No memory for the copy: x as it is. */
+    size_t ldx = k;
+    float* xp = NULL;
+    if (avx512 && m >= 2 * MR512_MAX && k % X_ALIAS_FLOATS == 0 && n * k >= X_COPY_MIN_WEIGHT) {
+        xp = malloc(m * (k + 16) * sizeof *xp);
+        if (xp) {
+            ldx = k + 16; /* k / 16 lines (even) plus one */
+            for (size_t i = 0; i < m; i++) memcpy(xp + i * ldx, x + i * k, k * sizeof *xp);
+        }
+    }
+    job_t job = {xp ? xp : x, wp, bias, residual, out, m, n, k, ldx, activation, avx512 ? MICRO_KERNELS512 : MICRO_KERNELS,
                  avx512 ? MR512_MAX : MR_MAX};
-    return parallel_for(run_panels, &job, (n + PANEL - 1) / PANEL, num_threads);
+    int rc = parallel_for(run_panels, &job, (n + PANEL - 1) / PANEL, num_threads);
+    free(xp);
+    return rc;
 }
 
 #define X2_STACK_PAIRS 8192 /* x2 of up to 32 KiB on the stack, larger ones malloc'd */

@@ -31,8 +31,8 @@
  * one entry point each instead of _bf16 twins, so decode_layer.c passes a layer's dtypes through unchanged. The
  * query, the math and the output stay float32. A bfloat16 element is the high half of a float32, so reading one
  * widens it exactly (zero-extend to 32 bits, shift left 16: AVX2's vpmovzxwd + vpslld, 8 lanes). The kernel bodies
- * are instantiated once per dtype (always_inline with the dtype a constant) and differ only in that load and a
- * software prefetch (PREFETCH_KEYS); the token-by-token path widens a chunk of rows and runs the float32 code
+ * are instantiated once per dtype (always_inline with the dtype a constant) and differ only in that load and the
+ * software prefetch's distance (PREFETCH_KEYS); the token-by-token path widens a chunk of rows and runs the float32 code
  * itself (token_scores / token_values). So a bfloat16 cache gives bit for bit what the float32 kernel gives on the
  * same cache upcast, every sum in the float32 kernel's order: results do not depend on the batch or the thread
  * split, as for float32. No AVX-512 variant: 16-lane FMAs would reorder the sums (another result than the float32
@@ -74,16 +74,20 @@ TARGET INLINE float load1(const void* p, int64_t i, int bf16) {
 /* p + i elements. */
 INLINE const void* elem(const void* p, int64_t i, int bf16) { return (const char*)p + i * (bf16 ? 2 : 4); }
 
-/* How many keys ahead head_major prefetches a bfloat16 cache's rows. A head's pass reads D elements of every
- * H * D row (one 128-byte run per key at D = 64, rows 1 KiB apart in block order) and without software prefetch
- * it is bound by memory latency, not bandwidth: bfloat16 was then no faster than float32 on a Whisper-sized
- * cross pool. 32 was the best of 8 / 16 / 32 / 48 / 64 on Zen 5. The float32 instantiation keeps its code as it
- * was (no prefetch). */
-#define PREFETCH_KEYS 32
+/* How many keys ahead head_major prefetches a cache's rows. A head's pass reads D elements of every H * D row (one
+ * 128-byte run per key at D = 64 for bfloat16, 256 bytes for float32; rows 1 or 2 KiB apart in block order) and
+ * without software prefetch it is bound by memory latency, not bandwidth: bfloat16 was then no faster than float32
+ * on a Whisper-sized cross pool. bfloat16: 32 was the best of 8 / 16 / 32 / 48 / 64 on Zen 5. float32: 16, the
+ * same bytes ahead, was as fast as 32 on long contexts and faster on short ones (fewer keys prefetched in vain);
+ * 64 was slower. A pool already in L2 runs a little slower with the prefetch (its extra loads); one streamed from
+ * memory, as in a decode step over every layer, faster. */
+#define PREFETCH_KEYS_BF16 32
+#define PREFETCH_KEYS_F32 16
+#define PREFETCH_KEYS(bf16) ((bf16) ? PREFETCH_KEYS_BF16 : PREFETCH_KEYS_F32)
 
-/* The cache lines of n bfloat16 elements from p into L1. */
-INLINE void prefetch_bf16(const void* p, int64_t n) {
-    for (int64_t i = 0; i < 2 * n; i += 64) _mm_prefetch((const char*)p + i, _MM_HINT_T0);
+/* The cache lines of n cache elements (bfloat16 or float32) from p into L1. */
+INLINE void prefetch_elems(const void* p, int64_t n, int bf16) {
+    for (int64_t i = 0; i < (bf16 ? 2 : 4) * n; i += 64) _mm_prefetch((const char*)p + i, _MM_HINT_T0);
 }
 
 
@@ -162,13 +166,13 @@ TARGET INLINE void head_major(const attn_t* a, const float* q, float* out, const
         const void *kc = elem(a->k_cache, h * D, bf16), *vc = elem(a->v_cache, h * D, bf16);
         int64_t j = 0;
         for (; j + 4 <= len; j += 4) {
-            if (bf16 && j + PREFETCH_KEYS + 4 <= len) {
-                const int64_t* r = rows + j + PREFETCH_KEYS;
+            if (j + PREFETCH_KEYS(bf16) + 4 <= len) {
+                const int64_t* r = rows + j + PREFETCH_KEYS(bf16);
                 for (int64_t d0 = 0; d0 < D; d0 += 64) {
-                    prefetch_bf16(elem(kc, r[0] * row + d0, bf16), 64);
-                    prefetch_bf16(elem(kc, r[1] * row + d0, bf16), 64);
-                    prefetch_bf16(elem(kc, r[2] * row + d0, bf16), 64);
-                    prefetch_bf16(elem(kc, r[3] * row + d0, bf16), 64);
+                    prefetch_elems(elem(kc, r[0] * row + d0, bf16), 64, bf16);
+                    prefetch_elems(elem(kc, r[1] * row + d0, bf16), 64, bf16);
+                    prefetch_elems(elem(kc, r[2] * row + d0, bf16), 64, bf16);
+                    prefetch_elems(elem(kc, r[3] * row + d0, bf16), 64, bf16);
                 }
             }
             _mm_storeu_ps(s + j, _mm_mul_ps(dot4(qh, elem(kc, rows[j] * row, bf16), elem(kc, rows[j + 1] * row, bf16),
@@ -190,7 +194,8 @@ TARGET INLINE void head_major(const attn_t* a, const float* q, float* out, const
             for (j = 0; j < len; j++) {
                 const __m256 p = _mm256_set1_ps(s[j]);
                 const void* v = elem(vc, rows[j] * row + d0, bf16);
-                if (bf16 && j + PREFETCH_KEYS < len) prefetch_bf16(elem(vc, rows[j + PREFETCH_KEYS] * row + d0, bf16), 64);
+                if (j + PREFETCH_KEYS(bf16) < len)
+                    prefetch_elems(elem(vc, rows[j + PREFETCH_KEYS(bf16)] * row + d0, bf16), 64, bf16);
                 o0 = _mm256_fmadd_ps(p, load8(v, 0, bf16), o0);
                 o1 = _mm256_fmadd_ps(p, load8(v, 8, bf16), o1);
                 o2 = _mm256_fmadd_ps(p, load8(v, 16, bf16), o2);

@@ -75,6 +75,28 @@ def test_matches_reference(rows, out_features, in_features, with_bias, each_isa)
     assert (got - _exact(x, w, b)).abs().max().item() <= tol
 
 
+# in_features % 1024 == 0: rows of x 4 KiB apart, which the AVX-512 kernel reads from a copy with rows an odd number
+# of cache lines apart for 24 rows or more and weights of 2**21 elements or more (packed_linear.c X_COPY_MIN_WEIGHT);
+# fewer rows (each row alone), a smaller weight and the AVX2 kernel read x as it is.
+@pytest.mark.parametrize("rows", [2, 23, 24, 37, MAX_ROWS])
+@pytest.mark.parametrize("out_features,in_features", [(2048, 1024), (683, 3072), (40, 2048)])
+def test_rows_4_kib_apart_match_reference_each_row_alone_and_the_other_isa(rows, out_features, in_features, each_isa):
+    g = torch.Generator().manual_seed(rows * 131 + in_features)
+    x = torch.randn(rows, in_features, generator=g)
+    w = torch.randn(out_features, in_features, generator=g)
+    b = torch.randn(out_features, generator=g)
+    packed = PackedWeight.pack(w)
+    got = packed_linear(x, packed, b)
+    tol = 2 * (reference_linear(x, w, b) - _exact(x, w, b)).abs().max().item() + 4e-6 * in_features
+    assert (got - _exact(x, w, b)).abs().max().item() <= tol
+    for i in range(rows):
+        assert torch.equal(got[i], packed_linear(x[i : i + 1], packed, b)[0]), i
+    other = next(name for name in ISAS if name != each_isa)
+    if not ISA_FLAGS[other] - cpu_flags():
+        use_isa(other)
+        assert torch.equal(got, packed_linear(x, packed, b)), other
+
+
 @pytest.mark.parametrize("num_threads", [1, 2, 3, 64])
 def test_thread_split_is_bitwise_the_same(num_threads):
     """Threads split whole 16-feature panels, so every output is the same sum whatever the split."""
