@@ -10,13 +10,13 @@ from decoder_svc.scheduler import SchedulerOutput
 from kernels.attention_backend import make_attention_backend
 from shared.attention_metadata import AttentionMetadata
 from shared.device import model_device
-from shared.models.bfloat16 import products_dtype
+from shared.models.linear import products_dtype
 
 
 def self_cache_dtype(device: torch.device, weight_dtype: torch.dtype, cross_dtype: torch.dtype) -> torch.dtype:
     """The self-attention KV cache's dtype: the cross pool's on a GPU; on the CPU float32 (the decode-step kernels'
     dtype; attention upcasts a float16 / bfloat16 cross pool), bfloat16 for a model with bfloat16 products
-    (``--dtype bfloat16``, ``shared.models.bfloat16.products_dtype``: KV in bfloat16)."""
+    (``--dtype bfloat16``, ``shared.models.linear.products_dtype``: KV in bfloat16)."""
     if device.type != "cpu":
         return cross_dtype
     return torch.bfloat16 if weight_dtype == torch.bfloat16 else torch.float32

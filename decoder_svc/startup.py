@@ -33,9 +33,9 @@ from shared.device import resolve_device, torch_dtype
 from shared.grpc_server import serve
 from shared.kv_transport import create_pool
 from shared.metrics import start_metrics_server
-from shared.models.bfloat16 import load_model_in, products_dtype
+from shared.models.linear import products_dtype
 from shared.models.quantize import apply_quantization
-from shared.models.registry import load_tokenizer
+from shared.models.registry import load_model_in, load_tokenizer
 from shared.proto import decoder_pb2_grpc
 from shared.public_port import public_port_security
 from shared.redis_url import resolve_redis_url
@@ -183,7 +183,7 @@ def run(config: DecoderServiceConfig) -> None:
     threads = single_threaded_main(config.num_threads)  # loading stays on one thread; the engine thread gets these
     device = resolve_device(config.device)  # before anything is loaded: a missing GPU fails fast
     public_port_security(config)  # the token and TLS files fail the start now, not after the model loaded
-    model = load_model_in(config.model, config.dtype, device)  # bfloat16 on the CPU: shared.models.bfloat16
+    model = load_model_in(config.model, config.dtype, device)  # bfloat16 on the CPU: mixed (shared.models.bfloat16)
     apply_quantization(model, config.quantize, "decoder")  # CPU only (the config refuses int8 on CUDA)
     model.to(device)  # before the KV pools are sized: a fractional kv_cache_memory sees the weights' memory taken
     if config.quantize == "none" and (packed := model.pack_decode_weights()):  # CPU float32: kernels/packed_linear.py

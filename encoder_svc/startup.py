@@ -24,9 +24,8 @@ from shared.grpc_server import serve
 from shared.internal_auth import InternalAuth
 from shared.kv_transport import WriterSet
 from shared.metrics import start_metrics_server
-from shared.models.bfloat16 import load_model_in
 from shared.models.quantize import apply_quantization
-from shared.models.registry import is_encoder_only
+from shared.models.registry import is_encoder_only, load_model_in
 from shared.models.whisper_features import log_mel_spectrogram
 from shared.proto import encoder_pb2_grpc
 from shared.registration import serve_hooks, service_lease
@@ -80,7 +79,7 @@ def run(config: EncoderServiceConfig) -> None:
     transports = [t.strip() for t in config.kv_transport.split(",") if t.strip()]
     # Listed in the replica registry (config.redis_url set) from the first readiness probe to the shutdown.
     lease = service_lease(config, "encoder", transports, cuda_gpu_ids(device), load_fn=lambda: batcher.in_flight)
-    model = load_model_in(config.model, config.dtype, device)  # bfloat16 on the CPU: shared.models.bfloat16
+    model = load_model_in(config.model, config.dtype, device)  # bfloat16 on the CPU: mixed (shared.models.bfloat16)
     apply_quantization(model, config.quantize, "encoder")  # CPU only (the config refuses int8 on CUDA)
     model.to(device)
     log.info(

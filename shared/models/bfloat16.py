@@ -1,71 +1,27 @@
 """``--dtype bfloat16`` on the CPU: bfloat16 products, float32 everything else (mixed precision).
 
 On a CPU with AVX-512 BF16 or AMX (``shared.device.CPU_BF16_FLAGS``; the config refuses the dtype elsewhere)
-the model is loaded in float32 and then ``use_bfloat16_products`` stores every ``shared.models.linear.Linear``
-weight in bfloat16. A product then rounds its float32 input to bfloat16 (round to nearest even, torch's
-``.to(torch.bfloat16)``), multiplies in oneDNN with float32 accumulation and returns float32; biases,
+the model is loaded in float32 (``shared.models.registry.load_model_in``) and then
+``shared.models.linear.use_bfloat16_products`` stores every ``Linear`` weight in bfloat16. A product then
+rounds its float32 input to bfloat16 (round to nearest even, torch's ``.to(torch.bfloat16)``), multiplies in oneDNN with float32 accumulation and returns float32; biases,
 activations, residual adds, norms, softmax, embeddings and positions stay float32. This is the split of
 torch's CPU autocast (``torch.autocast("cpu", torch.bfloat16)``: linear / matmul / conv in bfloat16,
 norms and softmax in float32) with the weights cast once at load instead of per call. Keeping the
 residual stream in float32 is what keeps Whisper's transcripts equal to float32's more often than a model
 cast whole to bfloat16 (measured: docs/devices.md).
 
-A GPU keeps torch's plain half precision (``load_model(dtype=...)``, everything in that dtype).
+A GPU keeps torch's plain half precision (``load_model(dtype=...)``, everything in that dtype). This module
+holds the attention of that scheme; the weight conversion lives with ``Linear``.
 """
 
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-__all__ = ["ATTENTION_CHUNK", "bfloat16_attention", "load_model_in", "products_dtype", "use_bfloat16_products"]
+__all__ = ["ATTENTION_CHUNK", "SCORE_BLOCK_BYTES", "bfloat16_attention"]
 
 ATTENTION_CHUNK = 128  # query rows per block of scores
 SCORE_BLOCK_BYTES = 3 << 20  # bfloat16 scores per block: 8 heads x 128 query rows x 1500 frames of a Whisper window
-
-
-def load_model_in(name_or_path: str, dtype: str, device: torch.device) -> nn.Module:
-    """``shared.models.registry.load_model`` for ``--dtype`` ``dtype`` (``float32``, ``float16``, ``bfloat16``) on
-    ``device``, on the CPU still: bfloat16 for a CPU ``device`` loads float32 and then ``use_bfloat16_products``.
-
-    Raises:
-        ModelNotFoundError: as ``load_model``.
-    """
-    from shared.device import torch_dtype
-    from shared.models.registry import load_model
-
-    if dtype == "bfloat16" and device.type == "cpu":
-        model = load_model(name_or_path, torch.float32)
-        use_bfloat16_products(model)
-        return model
-    return load_model(name_or_path, torch_dtype(dtype))
-
-
-def use_bfloat16_products(model: nn.Module) -> int:
-    """Stores the weight of every ``Linear`` (``shared.models.linear``) of ``model`` in bfloat16 and marks it
-    ``mixed_bfloat16`` (biases stay float32); returns how many. Call on a float32 CPU model before
-    ``pack_decode_weights``. Convolutions (Whisper's two, 2% of its encoder's time) keep float32 weights: they see
-    the unrounded log-mel features."""
-    from shared.models.linear import Linear
-
-    count = 0
-    for module in model.modules():
-        if isinstance(module, Linear) and module.weight.dtype == torch.float32:
-            module.weight = nn.Parameter(module.weight.detach().to(torch.bfloat16), requires_grad=False)
-            module.mixed_bfloat16 = True
-            count += 1
-    return count
-
-
-def products_dtype(model: nn.Module) -> torch.dtype:
-    """The dtype of ``model``'s product weights: its first ``Linear``'s (bfloat16 after ``use_bfloat16_products``),
-    else its first parameter's."""
-    from shared.models.linear import Linear
-
-    for module in model.modules():
-        if isinstance(module, Linear):
-            return module.weight.dtype
-    return next(model.parameters()).dtype
 
 
 def bfloat16_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int = ATTENTION_CHUNK) -> torch.Tensor:

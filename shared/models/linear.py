@@ -44,10 +44,11 @@ from kernels.packed_linear import (
     is_available,
     packed_linear,
 )
-from shared.models.bfloat16 import products_dtype
 
 __all__ = [
     "FusedPacked",
+    "products_dtype",
+    "use_bfloat16_products",
     "Linear",
     "PackedDecodeWeights",
     "SMALL_ROWS",
@@ -109,7 +110,7 @@ class Linear(nn.Linear):
 
     packed: PackedWeight | None = None  # set by pack()
     onednn: torch.Tensor | None = None  # set by use_onednn(): oneDNN's packed weight for many-row inputs
-    mixed_bfloat16 = False  # set by shared.models.bfloat16.use_bfloat16_products: bfloat16 weight, float32 in and out
+    mixed_bfloat16 = False  # set by use_bfloat16_products: bfloat16 weight, float32 in and out
 
     def use_onednn(self, rows: int) -> bool:
         """Packs the weight for oneDNN when it beats ``F.linear`` on ``rows``-row products here
@@ -154,9 +155,7 @@ class Linear(nn.Linear):
             ValueError: the layer is not ``mixed_bfloat16``.
         """
         if not self.mixed_bfloat16:
-            raise ValueError(
-                "bfloat16_product needs a mixed_bfloat16 layer (shared.models.bfloat16.use_bfloat16_products)"
-            )
+            raise ValueError("bfloat16_product needs a mixed_bfloat16 layer (use_bfloat16_products)")
         bias = self.bias.to(torch.bfloat16) if self.bias is not None else None
         return activate(F.linear(x.to(torch.bfloat16), self.weight, bias), activation)
 
@@ -324,3 +323,26 @@ class PackedDecodeWeights:
     def _vocab_projection(self, hidden: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``[N, d] -> [N, vocab]`` (+ ``bias`` ``[vocab]``) through ``vocab_projection`` (the packed copy where there is one)."""
         return vocab_projection(hidden, self._projection_weight(), self.packed_projection, bias)
+
+
+def use_bfloat16_products(model: nn.Module) -> int:
+    """Stores the weight of every ``Linear`` (``shared.models.linear``) of ``model`` in bfloat16 and marks it
+    ``mixed_bfloat16`` (biases stay float32); returns how many. Call on a float32 CPU model before
+    ``pack_decode_weights``. Convolutions (Whisper's two, 2% of its encoder's time) keep float32 weights: they see
+    the unrounded log-mel features."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, Linear) and module.weight.dtype == torch.float32:
+            module.weight = nn.Parameter(module.weight.detach().to(torch.bfloat16), requires_grad=False)
+            module.mixed_bfloat16 = True
+            count += 1
+    return count
+
+
+def products_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype of ``model``'s product weights: its first ``Linear``'s (bfloat16 after ``use_bfloat16_products``),
+    else its first parameter's."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            return module.weight.dtype
+    return next(model.parameters()).dtype

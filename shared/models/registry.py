@@ -270,6 +270,24 @@ def load_model(
     return _ARCHITECTURES[arch]().from_pretrained(path, dtype=dtype).to(device)
 
 
+def load_model_in(name_or_path: str, dtype: str, device: torch.device) -> torch.nn.Module:
+    """``load_model`` for ``--dtype`` ``dtype`` (``float32``, ``float16``, ``bfloat16``) on ``device`` (the caller
+    moves the model there): bfloat16 for a CPU ``device`` loads float32 and then
+    ``shared.models.linear.use_bfloat16_products`` (mixed precision: ``shared.models.bfloat16``).
+
+    Raises:
+        ModelNotFoundError: as ``load_model``.
+    """
+    from shared.device import torch_dtype
+    from shared.models.linear import use_bfloat16_products
+
+    if dtype == "bfloat16" and device.type == "cpu":
+        model = load_model(name_or_path, torch.float32)
+        use_bfloat16_products(model)
+        return model
+    return load_model(name_or_path, torch_dtype(dtype))
+
+
 def load_tokenizer(name_or_path: str | Path):
     """The tokenizer of a model: Whisper's ``tokenizer.json``, else the HF directory's own (``AutoTokenizer``).
 

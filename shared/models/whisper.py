@@ -349,7 +349,7 @@ class WhisperForConditionalGeneration(PackedDecodeWeights, nn.Module):
 
         ``[B, S, d_model]`` -> ``[num_decoder_layers, 2, B, S, num_heads, head_dim]``
         (index 0 = K, 1 = V), in the dtype of the ``cross_kv`` weights (the model dtype; bfloat16 with
-        ``shared.models.bfloat16.use_bfloat16_products``, bias rounded to bfloat16 too).
+        ``shared.models.linear.use_bfloat16_products``, bias rounded to bfloat16 too).
         """
         b, s, d = encoder_out.shape
         c = self.config

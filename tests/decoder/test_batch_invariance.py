@@ -23,8 +23,7 @@ from decoder_svc.engine import DecoderEngine
 from decoder_svc.sampling_params import SamplingParams
 from kernels.packed_linear import bf16_available
 from shared.kv_transport import write_blocks
-from shared.models.bfloat16 import load_model_in
-from shared.models.registry import load_tokenizer
+from shared.models.registry import load_model_in, load_tokenizer
 
 BLOCK = 4
 NEW = 40

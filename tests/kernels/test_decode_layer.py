@@ -16,7 +16,7 @@ import torch
 from kernels import decode_layer
 from kernels.packed_linear import bf16_available
 from shared.attention_metadata import AttentionMetadata
-from shared.models.bfloat16 import use_bfloat16_products
+from shared.models.linear import use_bfloat16_products
 from shared.models.registry import load_model
 
 pytestmark = pytest.mark.skipif(

@@ -8,8 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from kernels.packed_linear import activate
-from shared.models.bfloat16 import bfloat16_attention, load_model_in, products_dtype, use_bfloat16_products
-from shared.models.linear import Linear
+from shared.models.bfloat16 import bfloat16_attention
+from shared.models.linear import Linear, products_dtype, use_bfloat16_products
+from shared.models.registry import load_model_in
 
 BF16_EPS = 2.0**-8  # bfloat16's relative rounding step (8 bits of significand): one rounding is within half of it
 
