@@ -16,19 +16,28 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _case(lens: list[int], heads: int, head_dim: int, block_size: int, seed: int, spare_blocks: int = 5):
-    """Random caches with each sequence's blocks at shuffled, non-contiguous ids; table columns past a length hold junk ids."""
+def _case(
+    lens: list[int],
+    heads: int,
+    head_dim: int,
+    block_size: int,
+    seed: int,
+    spare_blocks: int = 5,
+    dtype: torch.dtype = torch.float32,
+):
+    """Random ``dtype`` caches with each sequence's blocks at shuffled, non-contiguous ids (table columns past a
+    length hold junk ids); a float32 query."""
     g = torch.Generator().manual_seed(seed)
     width = max(1, max(-(-n // block_size) for n in lens))
     num_blocks = len(lens) * width + spare_blocks
-    k_cache = torch.randn(num_blocks, block_size, heads, head_dim, generator=g)
-    v_cache = torch.randn(num_blocks, block_size, heads, head_dim, generator=g)
+    k_cache = torch.randn(num_blocks, block_size, heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, heads, head_dim, generator=g).to(dtype)
     tables = torch.randperm(num_blocks, generator=g)[: len(lens) * width].view(len(lens), width)
     query = torch.randn(len(lens), heads, head_dim, generator=g)
     return query, k_cache, v_cache, tables, torch.tensor(lens)
 
 
-def _reference(query, k_cache, v_cache, tables, lens, scale, bias=None):
+def _reference(query, k_cache, v_cache, tables, lens, scale, bias=None, causal=True):
     return reference(
         query,
         k_cache,
@@ -36,7 +45,7 @@ def _reference(query, k_cache, v_cache, tables, lens, scale, bias=None):
         tables,
         lens,
         torch.arange(len(lens) + 1),
-        causal=True,
+        causal=causal,
         scale=scale,
         max_query_len=1,
         position_bias=bias,

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_cpu_paged_attention import _case as case_of
+from test_cpu_paged_attention import _reference
 
 from kernels import attention_backend, cpu_paged_attention
 from kernels.attention_backends.torch_backend import TorchAttentionBackend
@@ -25,32 +27,9 @@ pytestmark = pytest.mark.skipif(
 BF16 = torch.bfloat16
 
 
-def _case(lens: list[int], heads: int, head_dim: int, block_size: int, seed: int, spare_blocks: int = 5):
-    """bfloat16 caches with each sequence's blocks at shuffled ids (table columns past a length: junk ids); a
-    float32 query."""
-    g = torch.Generator().manual_seed(seed)
-    width = max(1, max(-(-n // block_size) for n in lens))
-    num_blocks = len(lens) * width + spare_blocks
-    k_cache = torch.randn(num_blocks, block_size, heads, head_dim, generator=g).to(BF16)
-    v_cache = torch.randn(num_blocks, block_size, heads, head_dim, generator=g).to(BF16)
-    tables = torch.randperm(num_blocks, generator=g)[: len(lens) * width].view(len(lens), width)
-    query = torch.randn(len(lens), heads, head_dim, generator=g)
-    return query, k_cache, v_cache, tables, torch.tensor(lens)
-
-
-def _reference(query, k_cache, v_cache, tables, lens, scale, bias=None, causal=True):
-    return reference(
-        query,
-        k_cache,
-        v_cache,
-        tables,
-        lens,
-        torch.arange(len(lens) + 1),
-        causal=causal,
-        scale=scale,
-        max_query_len=1,
-        position_bias=bias,
-    )
+def _case(*args, **kwargs):
+    """``test_cpu_paged_attention._case`` with bfloat16 caches (the same values, rounded)."""
+    return case_of(*args, **kwargs, dtype=BF16)
 
 
 # lengths 1, under / at / over a block, past the 8-lane vectors and the 4-key groups; head dims with a scalar
