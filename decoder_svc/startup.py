@@ -63,9 +63,10 @@ def build_engine(config: DecoderServiceConfig, model):
     """
     cfg = model.config
     cross_dtype_bytes = KV_DTYPE_BYTES[config.kv_transfer_dtype]
-    self_dtype_bytes = self_cache_dtype(  # the dtype ModelRunner allocates the self cache in
+    self_dtype = self_cache_dtype(  # the dtype ModelRunner allocates the self cache in
         torch.device(config.kv_device), products_dtype(model), torch_dtype(config.kv_transfer_dtype)
-    ).itemsize
+    )
+    self_dtype_bytes = self_dtype.itemsize
     sizing = size_kv_cache(
         self_block_bytes=block_bytes(
             cfg.decoder_layers, config.block_size, cfg.num_heads, cfg.head_dim, self_dtype_bytes
@@ -98,7 +99,14 @@ def build_engine(config: DecoderServiceConfig, model):
         max_num_batched_tokens=config.max_num_batched_tokens,
         attention_backend=config.attention_backend,
     )
-    log.info("%s; %d tokens per block (%s)", sizing.describe(config.max_num_seqs), config.block_size, pool.spec.segment)
+    log.info(
+        "%s; %d tokens per block, self KV %s, cross KV %s (%s)",
+        sizing.describe(config.max_num_seqs),
+        config.block_size,
+        str(self_dtype).removeprefix("torch."),
+        config.kv_transfer_dtype,
+        pool.spec.segment,
+    )
     return engine, pool
 
 

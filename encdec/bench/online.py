@@ -117,7 +117,7 @@ async def _drive(address: str, make_request, offsets: list[float], progress: boo
     async with grpc.aio.insecure_channel(address, options=GRPC_OPTIONS) as channel:
         stub = decoder_pb2_grpc.DecoderServiceStub(channel)
 
-        async def one(i: int, at: float, t0: float) -> dict:
+        async def one(i: int, at: float, t0: float, counted: bool = True) -> dict:
             await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
             start = time.perf_counter()
             first, n, error = None, 0, None
@@ -129,7 +129,7 @@ async def _drive(address: str, make_request, offsets: list[float], progress: boo
             except grpc.aio.AioRpcError as exc:
                 error = f"{exc.code().name}: {exc.details()}"
             end = time.perf_counter()
-            bar.update(1)
+            bar.update(1 if counted else 0)
             return {
                 "arrival_s": at,
                 "start": start - t0,
@@ -145,9 +145,8 @@ async def _drive(address: str, make_request, offsets: list[float], progress: boo
         lone = []
         for i in range(LONE_REQUESTS):  # one at a time on idle services: the TTFT nothing queues in front of
             await asyncio.sleep(LONE_GAP_S)  # idle first, as before an arrival of the run (not back to back)
-            r = await one(i, 0.0, time.perf_counter())
+            r = await one(i, 0.0, time.perf_counter(), counted=False)
             lone += [r["ttft_s"]] if r["ttft_s"] is not None else []
-        bar.reset()
         t0 = time.perf_counter()
         results = await asyncio.gather(*(one(i, at, t0) for i, at in enumerate(offsets)))
         span = time.perf_counter() - t0

@@ -49,8 +49,10 @@ class DecoderServiceConfig(ServiceConfig):
             cross KV to land once Encode answered, and the bound on pairing
             (seconds); past it the request fails with UNAVAILABLE.
         kv_transfer_dtype: dtype of the cross-KV pool, hence of what the
-            encoder writes / sends: ``float32`` (default), ``float16`` or
-            ``bfloat16`` (half the bytes; accuracy in docs/kv_transport.md).
+            encoder writes / sends: ``float32``, ``float16`` or ``bfloat16``
+            (half the bytes; accuracy in docs/kv_transport.md); empty (the
+            default): ``bfloat16`` for ``dtype bfloat16`` on the CPU, else
+            ``float32``. An explicit value is kept whatever the ``dtype``.
         encode_timeout_s: an Encode call slower than this fails the request
             with UNAVAILABLE and frees its blocks (seconds); the time waiting for
             an unreachable encoder counts (``decoder_svc.encode_client``), and
@@ -136,7 +138,7 @@ class DecoderServiceConfig(ServiceConfig):
     num_cross_blocks: int = 0
     kv_transport: str = "shm"
     kv_dist_address: str = "127.0.0.1:0"
-    kv_transfer_dtype: str = "float32"
+    kv_transfer_dtype: str = ""
     encode_timeout_s: float = 120.0
     max_decode_hold_ms: float = 1000.0
     decode_hold_gap_steps: int = 20
@@ -176,8 +178,9 @@ class DecoderServiceConfig(ServiceConfig):
         if not host or not port.isdigit():
             raise ValueError(f"kv_dist_address must be host:port, got {self.kv_dist_address!r}")
         check_port(int(port))
-        if self.dtype == "bfloat16" and not is_cuda(self.device) and self.kv_transfer_dtype == "float32":
-            object.__setattr__(self, "kv_transfer_dtype", "bfloat16")  # a bfloat16 model on the CPU: KV in bfloat16
+        if not self.kv_transfer_dtype:  # a bfloat16 model on the CPU: KV in bfloat16 unless set
+            cpu_bf16 = self.dtype == "bfloat16" and not is_cuda(self.device)
+            object.__setattr__(self, "kv_transfer_dtype", "bfloat16" if cpu_bf16 else "float32")
         if self.kv_transfer_dtype not in KV_DTYPES:
             raise ValueError(
                 f"kv_transfer_dtype must be one of: {', '.join(KV_DTYPES)}; got {self.kv_transfer_dtype!r}"

@@ -88,6 +88,8 @@ def test_cpu_bfloat16_needs_avx512_bf16_or_amx(monkeypatch):
     decoder = DecoderServiceConfig(dtype="bfloat16")
     assert decoder.kv_transfer_dtype == "bfloat16" and EncoderServiceConfig(dtype="bfloat16").dtype == "bfloat16"
     assert DecoderServiceConfig(dtype="bfloat16", kv_transfer_dtype="float16").kv_transfer_dtype == "float16"
+    assert DecoderServiceConfig(dtype="bfloat16", kv_transfer_dtype="float32").kv_transfer_dtype == "float32"  # kept
+    assert DecoderServiceConfig().kv_transfer_dtype == "float32"
     with pytest.raises(ValueError, match=r"quantize int8 takes float32 weights"):
         DecoderServiceConfig(dtype="bfloat16", quantize="int8")
     with pytest.raises(ValueError, match=r"dtype float16 is for CUDA devices"):
