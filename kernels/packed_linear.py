@@ -35,6 +35,9 @@ rounding only.
 The C library is built by ``pip install`` (setup.py, x86-64 only); where it
 is missing or the CPU lacks AVX2/FMA, ``is_available()`` is False and callers
 keep ``F.linear``. Inference only: outputs carry no autograd graph.
+
+Over 300 lines: one C kernel's wrapper per file (its ctypes declarations, both weight layouts'
+``PackedWeight``, the argument checks, the instruction-set switch and the torch references).
 """
 
 from __future__ import annotations

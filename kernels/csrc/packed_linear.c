@@ -19,7 +19,8 @@
  * Summation order: each output is one running fp32 sum over k (MKL splits k
  * differently), so results differ from F.linear by float rounding only.
  *
- * Instruction sets, chosen at run time (packed_linear_isa): AVX2/FMA, and on
+ * Instruction sets, chosen at run time (packed_linear_isa; the decoder times both at start and keeps the faster:
+ * kernels/calibration.py): AVX2/FMA, and on
  * CPUs with AVX-512F a micro-kernel that holds a whole panel in one 512-bit
  * register, up to MR512_MAX = 12 rows per call (12 accumulators hide the FMA
  * latency; the broadcast of x is the FMA's embedded {1to16} operand). Each
@@ -35,6 +36,9 @@
  * Work is split over N across `num_threads` POSIX threads (parallel.h); the
  * AVX2/FMA and AVX-512 code is compiled per function (target attribute) and
  * refused at run time on CPUs without it.
+ *
+ * Over 300 lines: the float32 (AVX2, AVX-512) and bfloat16 micro-kernels share the packing scheme, the epilogue
+ * and the thread split.
  */
 #include <immintrin.h>
 #include <stddef.h>

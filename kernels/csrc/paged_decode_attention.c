@@ -27,6 +27,9 @@
  * and lengths are checked before anything is read: a bad one returns an error
  * code instead of reading outside the cache.
  *
+ * Over 300 lines: one kernel (scores, softmax, weighted values) in its two layouts and two cache dtypes, with the
+ * cache write; they share the helpers and must keep one summation order.
+ *
  * Cache dtype: both functions take an int cache_dtype (CACHE_F32 0, CACHE_BF16 1) and untyped cache pointers,
  * one entry point each instead of _bf16 twins, so decode_layer.c passes a layer's dtypes through unchanged. The
  * query, the math and the output stay float32. A bfloat16 element is the high half of a float32, so reading one

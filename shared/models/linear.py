@@ -21,6 +21,9 @@ prefills included: its rows' results do not depend on the other rows, so a
 token recomputed in a prefill (after a preemption) or batched with others gets
 the numbers it gets decoded alone. Long prefills run somewhat slower than
 MKL would; they are rare in a decoder (prompts of 1-4 tokens).
+
+Over 300 lines: the ``Linear`` layer with every form of its product (small-row, packed, fused, oneDNN,
+bfloat16 mixed precision) and the packing of a model's decode-step weights, which choose among them.
 """
 
 from __future__ import annotations
