@@ -57,14 +57,15 @@ def _serve_http(args: argparse.Namespace) -> int:
 def _services(args: argparse.Namespace, log_level: str = "INFO"):
     from encdec.launcher import Services
 
+    dtype = ["--dtype", args.dtype] if getattr(args, "dtype", None) else []
     return Services(
         log_level=log_level,
         model=args.model,
         redis_url=args.redis_url or os.environ.get("REDIS_URL"),
         encoder_port=args.encoder_port,
         decoder_port=args.decoder_port,
-        extra_encoder_args=shlex.split(args.encoder_args),
-        extra_decoder_args=shlex.split(args.decoder_args),
+        extra_encoder_args=[*dtype, *shlex.split(args.encoder_args)],  # a later --dtype (the service's own) wins
+        extra_decoder_args=[*dtype, *shlex.split(args.decoder_args)],
         embed_model=args.embed_model,
         embed_port=args.embed_port,
         http_port=None if getattr(args, "no_http", True) else args.http_port,

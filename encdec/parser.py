@@ -170,6 +170,12 @@ def _add_services(
     p.add_argument(
         "--embed-model", default=None, help="also serve this encoder-only model (EmbedService, /v1/embeddings)"
     )
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="weights of both the encoder and the decoder: float32 (default), bfloat16 (a CPU with AVX-512 BF16 / "
+        "AMX, or CUDA), float16 (CUDA); a --dtype in --encoder-args / --decoder-args wins for that service",
+    )
     p.add_argument("--encoder-port", type=int, default=encoder_port, help="0 picks a free port")
     p.add_argument("--decoder-port", type=int, default=decoder_port, help="0 picks a free port")
     p.add_argument("--embed-port", type=int, default=embed_port, help="with --embed-model; 0 picks a free port")

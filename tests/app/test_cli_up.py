@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 import grpc
+import pytest
 from helpers.cli import encdec
 
 from encdec import DATA_DIR
@@ -121,3 +122,41 @@ def test_ctrl_c_lets_the_decoder_drain_into_its_local_redis(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def _cmdline_of(service: str, port: str) -> list[str]:
+    """The argv of the ``serve-encoder`` / ``serve-decoder`` process listening on ``port``."""
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = cmdline.read_text().split("\0")
+        except OSError:  # exited meanwhile
+            continue
+        if service in argv and "--port" in argv and argv[argv.index("--port") + 1] == port:
+            return argv
+    raise LookupError(service, port)
+
+
+def test_up_dtype_reaches_both_services_and_a_service_flag_wins(redis_url):
+    from shared.device import cpu_bf16_flags
+
+    if not cpu_bf16_flags():
+        pytest.skip("this CPU has neither avx512_bf16 nor amx_bf16: --dtype bfloat16 is refused here")
+    proc = _up("--redis-url", redis_url, "--no-http", "--dtype", "bfloat16", "--decoder-args=--dtype float32")
+    try:
+        address = _ready_address(proc)
+        assert address, "encdec up did not become ready"
+        port = address.rsplit(":", 1)[1]
+        decoder = _cmdline_of("serve-decoder", port)
+        encoder_port = decoder[decoder.index("--encoder-address") + 1].rsplit(":", 1)[1]
+        encoder = _cmdline_of("serve-encoder", encoder_port)
+        last_dtype = lambda argv: argv[len(argv) - 1 - argv[::-1].index("--dtype") + 1]
+        assert last_dtype(encoder) == "bfloat16" and last_dtype(decoder) == "float32"
+        with grpc.insecure_channel(address) as channel:
+            stub = decoder_pb2_grpc.DecoderServiceStub(channel)
+            text = "".join(
+                m.text for m in stub.Generate(decoder_pb2.GenerateRequest(audio=CLIP.read_bytes()), timeout=120)
+            )
+        assert len(text.split()) >= 4, text  # a bfloat16 encoder behind a float32 decoder transcribes
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=60)
