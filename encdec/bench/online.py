@@ -106,7 +106,10 @@ def _workload(args):
     )
 
 
-async def _drive(address: str, make_request, offsets: list[float], progress: bool) -> tuple[list[dict], float]:
+async def _drive(
+    address: str, make_request, offsets: list[float], progress: bool
+) -> tuple[list[dict], float, float | None]:
+    """The lone requests, then one request per offset: (per-request results, span s, median lone TTFT s or None)."""
     import grpc
     from tqdm import tqdm
 
@@ -151,11 +154,14 @@ async def _drive(address: str, make_request, offsets: list[float], progress: boo
         results = await asyncio.gather(*(one(i, at, t0) for i, at in enumerate(offsets)))
         span = time.perf_counter() - t0
     bar.close()
-    return [{**r, "lone_ttft_s": statistics.median(lone) if lone else None} for r in results], span
+    return list(results), span, statistics.median(lone) if lone else None
 
 
-def summarize(workload: str, rate: float, duration: float, results: list[dict]) -> dict:
-    """One table row from per-request results (times in ms / s as the column names say)."""
+def summarize(
+    workload: str, rate: float, duration: float, results: list[dict], lone_ttft_s: float | None = None
+) -> dict:
+    """One table row from per-request results and the lone requests' median TTFT (times in ms / s as the column
+    names say)."""
     ok = [r for r in results if r["error"] is None]
     ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
     tpot = [r["tpot_s"] for r in ok if r["tpot_s"] is not None]
@@ -164,7 +170,6 @@ def summarize(workload: str, rate: float, duration: float, results: list[dict]) 
     def ms(v: float | None) -> float | None:
         return None if v is None else v * 1000
 
-    lone = next((r["lone_ttft_s"] for r in results if r.get("lone_ttft_s") is not None), None)
     p99 = percentile(ttft, 99)
     return {
         "workload": workload,
@@ -174,8 +179,8 @@ def summarize(workload: str, rate: float, duration: float, results: list[dict]) 
         "failed": len(results) - len(ok),
         "TTFT p50 ms": ms(percentile(ttft, 50)),
         "TTFT p99 ms": ms(p99),
-        "lone TTFT ms": ms(lone),
-        "p99 / lone": p99 / lone if p99 is not None and lone else None,
+        "lone TTFT ms": ms(lone_ttft_s),
+        "p99 / lone": p99 / lone_ttft_s if p99 is not None and lone_ttft_s else None,
         "TPOT p50 ms": ms(percentile(tpot, 50)),
         "TPOT p99 ms": ms(percentile(tpot, 99)),
         "e2e mean s": statistics.fmean(r["end"] - r["start"] for r in ok) if ok else None,
@@ -199,9 +204,16 @@ def parse_rates(text: str) -> list[float]:
     return rates
 
 
-def summarize_sweep(workload: str, rate: float, duration: float, results: list[dict], ttft_slo_s: float) -> dict:
+def summarize_sweep(
+    workload: str,
+    rate: float,
+    duration: float,
+    results: list[dict],
+    ttft_slo_s: float,
+    lone_ttft_s: float | None = None,
+) -> dict:
     """One rate-sweep row: ``summarize``'s columns plus refusals and goodput (TTFT within ``ttft_slo_s``)."""
-    row = summarize(workload, rate, duration, results)
+    row = summarize(workload, rate, duration, results, lone_ttft_s)
     refused = sum(1 for r in results if r["error"] and r["error"].split(":", 1)[0] in REFUSAL_CODES)
     met = [r for r in results if r["error"] is None and r["ttft_s"] is not None and r["ttft_s"] <= ttft_slo_s]
     ok = [r for r in results if r["error"] is None]
@@ -229,8 +241,8 @@ def _sweep(args, model, make_request, progress: bool) -> tuple[list[dict], list[
             offsets = arrival_times(rate, args.duration, args.seed)
             if progress:
                 print(f"[online sweep] {len(offsets)} arrivals at {rate} req/s", file=sys.stderr, flush=True)
-            results, _ = asyncio.run(_drive(address, make_request, offsets, progress))
-            rows.append(summarize_sweep(args.workload, rate, args.duration, results, args.ttft_slo_ms / 1000))
+            results, _, lone = asyncio.run(_drive(address, make_request, offsets, progress))
+            rows.append(summarize_sweep(args.workload, rate, args.duration, results, args.ttft_slo_ms / 1000, lone))
             requests += [{**r, "rate": rate} for r in results]
         return rows, requests
 
@@ -280,7 +292,7 @@ def run(args, progress: bool = True) -> dict:
             flush=True,
         )
     if args.address:
-        results, _ = asyncio.run(_drive(args.address, make_request, offsets, progress))
+        results, _, lone = asyncio.run(_drive(args.address, make_request, offsets, progress))
     else:
         from encdec.launcher import Services
 
@@ -291,8 +303,8 @@ def run(args, progress: bool = True) -> dict:
             extra_encoder_args=flags,
             extra_decoder_args=[*flags, "--max-num-seqs", str(args.max_num_seqs), "--encoder-cache", "0"],
         ) as svc:  # repeated clips are encoded each time
-            results, _ = asyncio.run(_drive(svc.decoder_address, make_request, offsets, progress))
-    row = summarize(args.workload, args.rate, args.duration, results)
+            results, _, lone = asyncio.run(_drive(svc.decoder_address, make_request, offsets, progress))
+    row = summarize(args.workload, args.rate, args.duration, results, lone)
     return {
         "bench": "online",
         "workload": args.workload,
