@@ -43,11 +43,10 @@ def calibrate_packed_isa(
     weights = [w for w in weights if w.dtype == torch.float32]
     if not packed_linear.is_available() or not weights:
         return {}
-    best_present = packed_linear.use_isa(None)
-    candidates = [name for name in packed_linear.ISAS if _runs(name)]
-    packed_linear.use_isa(best_present)
+    candidates = packed_linear.isas_present()
     if len(candidates) < 2:
         return {}
+    best_present = packed_linear.use_isa(None)
     inputs = [torch.randn(rows, w.in_features) for w in weights]
     times = {}
     for name in candidates:
@@ -72,12 +71,3 @@ def _best(x: torch.Tensor, weight: PackedWeight, num_threads: int, repeats: int)
         packed_linear.packed_linear(x, weight, num_threads=num_threads)
         best = min(best, time.perf_counter() - start)
     return best
-
-
-def _runs(name: str) -> bool:
-    """Whether this CPU can run the ``name`` micro-kernel (``use_isa`` refuses the ones it lacks)."""
-    try:
-        packed_linear.use_isa(name)
-    except ValueError:
-        return False
-    return True

@@ -58,6 +58,7 @@ __all__ = [
     "activate",
     "bf16_available",
     "is_available",
+    "isas_present",
     "packed_linear",
     "packed_size",
     "reference_linear",
@@ -139,6 +140,18 @@ def use_isa(name: str | None) -> str:
     if _library().packed_linear_set_isa(0 if name is None else ISAS[name]) < 0:
         raise ValueError(f"this CPU cannot run the {name} micro-kernel (best available: {_best_isa()})")
     return isa()
+
+
+def isas_present() -> list[str]:
+    """The micro-kernel's instruction sets this CPU runs, in ``ISAS`` order (``[]`` when the kernel is not
+    available); the one in use stays in use."""
+    if not is_available():
+        return []
+    lib = _library()
+    current = lib.packed_linear_isa()
+    present = [name for name, code in ISAS.items() if lib.packed_linear_set_isa(code) >= 0]
+    lib.packed_linear_set_isa(current)
+    return present
 
 
 def _best_isa() -> str:

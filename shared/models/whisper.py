@@ -353,8 +353,8 @@ class WhisperForConditionalGeneration(PackedDecodeWeights, nn.Module):
         """
         b, s, d = encoder_out.shape
         c = self.config
-        weight = getattr(self.decoder_layers[0].cross_kv, "weight", None) if c.decoder_layers else None
-        dtype = torch.bfloat16 if isinstance(weight, torch.Tensor) and weight.dtype == torch.bfloat16 else self.dtype
+        mixed = c.decoder_layers and getattr(self.decoder_layers[0].cross_kv, "mixed_bfloat16", False)
+        dtype = torch.bfloat16 if mixed else self.dtype
         x = encoder_out.to(dtype).reshape(b * s, d)  # [B*S, d]
         out = torch.empty(c.decoder_layers, 2, b, s, c.num_heads, c.head_dim, dtype=dtype, device=x.device)
         # Each K / V product lands in its final place (no stacked [L, B, S, 2d] copy permuted afterwards; bit-identical,

@@ -13,18 +13,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _isas() -> list[str]:
-    present = []
-    for name in packed_linear.ISAS:
-        try:
-            packed_linear.use_isa(name)
-            present.append(name)
-        except ValueError:
-            pass
-    packed_linear.use_isa(None)
-    return present
-
-
 @pytest.fixture(autouse=True)
 def restore_isa():
     yield
@@ -32,14 +20,14 @@ def restore_isa():
 
 
 def test_measures_every_isa_present_and_keeps_one_of_them():
-    if len(_isas()) < 2:
+    if len(packed_linear.isas_present()) < 2:
         pytest.skip("this CPU lacks avx512f: one micro-kernel, nothing to choose")
     g = torch.Generator().manual_seed(0)
     weights = [PackedWeight.pack(torch.randn(n, k, generator=g)) for n, k in ((700, 96), (96, 300))]
     x = torch.randn(9, 96, generator=g)
     before = packed_linear.packed_linear(x, weights[0])
     times = calibration.calibrate_packed_isa(weights, num_threads=2, rows=4, repeats=2)
-    assert set(times) == set(_isas()) and all(t > 0 for t in times.values())
+    assert set(times) == set(packed_linear.isas_present()) and all(t > 0 for t in times.values())
     assert packed_linear.isa() in times
     assert torch.equal(packed_linear.packed_linear(x, weights[0]), before)  # the choice never changes a result
 
@@ -53,7 +41,7 @@ def test_measures_every_isa_present_and_keeps_one_of_them():
     ],
 )
 def test_another_isa_replaces_the_best_present_only_past_the_margin(monkeypatch, fake, chosen):
-    if _isas() != ["avx2", "avx512"]:
+    if packed_linear.isas_present() != ["avx2", "avx512"]:
         pytest.skip("this CPU lacks avx512f: one micro-kernel, nothing to choose")
     monkeypatch.setattr(calibration, "_best", lambda x, w, threads, repeats: fake[packed_linear.isa()])
     weight = PackedWeight.pack(torch.randn(32, 16))

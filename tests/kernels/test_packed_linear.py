@@ -17,6 +17,7 @@ from kernels.packed_linear import (
     bf16_available,
     is_available,
     isa,
+    isas_present,
     packed_linear,
     reference_linear,
     reference_linear_bf16,
@@ -51,6 +52,11 @@ def each_isa(request):
     assert use_isa(request.param) == request.param == isa()
     yield request.param
     use_isa(None)
+
+
+def test_isas_present_are_the_ones_the_cpu_flags_allow_and_the_one_in_use_stays(each_isa):
+    assert isas_present() == [name for name, needed in ISA_FLAGS.items() if needed <= cpu_flags()]
+    assert isa() == each_isa
 
 
 def _exact(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
