@@ -1,16 +1,16 @@
 """The decoder service's RPCs (``DecoderService``): convert, call, convert back; and the shutdown drain.
 
-One Generate: validate the call and parse its input (``decoder_svc.convert``,
-``decoder_svc.inputs``), record QUEUED in Redis and open the request's
-session (``decoder_svc.request_session``), which runs it through the engine
-thread (``decoder_svc.engine_loop``) and the encoder
-(``decoder_svc.encode_client``) and yields its stream messages. Errors leave
+One Generate: validate the call and parse its input (``decoder_svc.session.convert``,
+``decoder_svc.session.inputs``), record QUEUED in Redis and open the request's
+session (``decoder_svc.session.request_session``), which runs it through the engine
+thread (``decoder_svc.core.engine_loop``) and the encoder
+(``decoder_svc.session.encode_client``) and yields its stream messages. Errors leave
 the handlers as exceptions; ``shared.grpc_server.ErrorStatusInterceptor``
 turns them into status codes (``shared.errors.status_for``).
 
 GetRequest and Abort work from any replica: the record in Redis names the
 request's owner, and an Abort for a request running on another replica is
-forwarded to it through Redis (``decoder_svc.replica_control``).
+forwarded to it through Redis (``decoder_svc.replicas.replica_control``).
 """
 
 from __future__ import annotations
@@ -21,16 +21,16 @@ import logging
 import time
 import uuid
 
-from decoder_svc import convert
-from decoder_svc.encode_client import EncodeClient
-from decoder_svc.engine import DecoderEngine
-from decoder_svc.inputs import parse_input
-from decoder_svc.kv_budget import max_concurrent_requests
-from decoder_svc.limits import apply_request_limits
-from decoder_svc.request_session import RequestSession
-from decoder_svc.request_state import RedisUnavailableError, RequestState, RequestStateStore
-from decoder_svc.sessions import Sessions
-from decoder_svc.whisper_session import WhisperSession
+from decoder_svc.core.engine import DecoderEngine
+from decoder_svc.core.kv_budget import max_concurrent_requests
+from decoder_svc.replicas.request_state import RedisUnavailableError, RequestState, RequestStateStore
+from decoder_svc.session import convert
+from decoder_svc.session.encode_client import EncodeClient
+from decoder_svc.session.inputs import parse_input
+from decoder_svc.session.limits import apply_request_limits
+from decoder_svc.session.request_session import RequestSession
+from decoder_svc.session.sessions import Sessions
+from decoder_svc.session.whisper_session import WhisperSession
 from shared.config import DecoderServiceConfig
 from shared.errors import InvalidRequestError, NotFoundError, UnavailableError
 from shared.metrics import DecoderMetrics
@@ -67,17 +67,17 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         self.engine = engine
         self.served_names = model_names(config.model)
         self.draining = False  # SIGTERM: new Generate calls are refused, running ones get shutdown_grace_s
-        self.readiness = (
-            None  # the health probe (decoder_svc.readiness), set by start-up: Redis known down fails at once
-        )
-        self.control = None  # decoder_svc.replica_control.ReplicaControl, set by start-up: Abort of others' requests
+        # the health probe (decoder_svc.session.readiness), set by start-up: Redis known down fails at once
+        self.readiness = None
+        # decoder_svc.replicas.replica_control.ReplicaControl, set by start-up: Abort of others' requests
+        self.control = None
         self.parsing = 0  # Generate calls past the draining check, not yet in `sessions.active` (parsing their input)
         self.metrics = DecoderMetrics()
         self.metrics.watch_engine(engine.stats, engine.scheduler)
         self.sessions = Sessions(config, engine, store, EncodeClient(config, pool, self.metrics), self.metrics)
         self.metrics.watch_admission(self.sessions.admission)
         bm = engine.block_manager
-        self.max_concurrent_requests = max_concurrent_requests(  # as decoder_svc.kv_budget sized the pools
+        self.max_concurrent_requests = max_concurrent_requests(  # as decoder_svc.core.kv_budget sized the pools
             bm.num_self_blocks,
             bm.num_cross_blocks,
             bm.num_blocks_for(max(engine.max_total_len - 1, 1)),
@@ -120,7 +120,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
     async def Generate(self, request, context):
         arrival = time.monotonic()
         request_id = request.request_id or uuid.uuid4().hex
-        ticket = None  # its place in the admission queue (decoder_svc.admission)
+        ticket = None  # its place in the admission queue (decoder_svc.session.admission)
         self.parsing += 1  # the drain waits for it as for a running request
         try:
             if self.draining:

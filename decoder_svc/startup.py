@@ -7,8 +7,8 @@ As a replica (``Replica``): the decoder registers in the Redis registry under a
 lease (``shared.registration``; load = running + waiting sequences) once the
 server serves, and deregisters once the shutdown's drain ended its requests; the records it creates
 name it as their owner; it listens for Aborts other replicas forward
-(``decoder_svc.replica_control``) and fails the requests of decoders whose
-lease expired (``decoder_svc.lost_replicas``).
+(``decoder_svc.replicas.replica_control``) and fails the requests of decoders whose
+lease expired (``decoder_svc.replicas.lost_replicas``).
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ import logging
 
 import torch
 
-from decoder_svc.engine import DecoderEngine
-from decoder_svc.kv_budget import block_bytes, resolve_budget, size_kv_cache
-from decoder_svc.lost_replicas import LostDecoderReaper, RedisUptime
-from decoder_svc.model_runner import self_cache_dtype
-from decoder_svc.readiness import DecoderReadiness
-from decoder_svc.replica_control import ReplicaControl
-from decoder_svc.request_state import RequestStateStore
+from decoder_svc.core.engine import DecoderEngine
+from decoder_svc.core.kv_budget import block_bytes, resolve_budget, size_kv_cache
+from decoder_svc.core.model_runner import self_cache_dtype
+from decoder_svc.replicas.lost_replicas import LostDecoderReaper, RedisUptime
+from decoder_svc.replicas.replica_control import ReplicaControl
+from decoder_svc.replicas.request_state import RequestStateStore
 from decoder_svc.server import DecoderServicer
+from decoder_svc.session.readiness import DecoderReadiness
 from kernels.calibration import calibrate_packed_isa
 from shared.compute_thread import single_threaded_main
 from shared.config import DecoderServiceConfig
@@ -54,7 +54,7 @@ def build_engine(config: DecoderServiceConfig, model):
 
     ``model`` is already on ``config.device``; the pool goes on ``kv_device``
     (the same device, as the config enforces) and the engine's self cache
-    beside it. Pool sizes come from ``decoder_svc.kv_budget.size_kv_cache`` (explicit
+    beside it. Pool sizes come from ``decoder_svc.core.kv_budget.size_kv_cache`` (explicit
     block counts, else ``kv_cache_memory``, else ``max_num_seqs``) and are
     logged with the max number of concurrent max-length requests.
 

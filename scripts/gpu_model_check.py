@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """GPU check of the models on a CUDA device (the services' ``device`` setting), in one process.
 
-Runs the decoder engine (``decoder_svc.engine.DecoderEngine``) with the encoder
+Runs the decoder engine (``decoder_svc.core.engine.DecoderEngine``) with the encoder
 service's batcher (``encoder_svc.batcher.EncodeBatcher``) writing cross KV into
 a pool on the engine's device, for:
 
@@ -51,8 +51,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the project, and tests/helpers/
-from decoder_svc.engine import DecoderEngine
-from decoder_svc.sampling_params import SamplingParams
+from decoder_svc.core.engine import DecoderEngine
+from decoder_svc.core.sampling_params import SamplingParams
 from encdec import DATA_DIR  # noqa: E402
 from encoder_svc.batcher import EncodeBatcher, EncodeItem
 from shared.device import model_device, resolve_device

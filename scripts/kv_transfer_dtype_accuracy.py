@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from helpers.paged_greedy import _Seq, build_metadata  # noqa: E402
 
-from decoder_svc.engine import DecoderEngine  # noqa: E402
+from decoder_svc.core.engine import DecoderEngine  # noqa: E402
 from encdec import DATA_DIR  # noqa: E402
 from encdec.bench.hf_whisper import build_hf_whisper  # noqa: E402
 from shared.kv_transport import write_blocks  # noqa: E402

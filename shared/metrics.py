@@ -91,7 +91,7 @@ class _EngineCollector(Collector):
 
 
 class _AdmissionCollector(Collector):
-    """Reads the decoder's admission queue (``decoder_svc.admission.AdmissionQueue``) at scrape time."""
+    """Reads the decoder's admission queue (``decoder_svc.session.admission.AdmissionQueue``) at scrape time."""
 
     def __init__(self, admission) -> None:
         self._admission = admission
@@ -183,13 +183,13 @@ class DecoderMetrics:
             stats: ``DecoderEngine.stats`` (keys ``num_running``, ``num_waiting``,
                 ``num_{self,cross}_blocks``, ``num_free_{self,cross}_blocks``,
                 ``num_model_steps``, ``num_step_sequences``).
-            scheduler: the ``decoder_svc.scheduler.Scheduler`` (``num_preemptions``,
+            scheduler: the ``decoder_svc.core.scheduler.Scheduler`` (``num_preemptions``,
                 ``encoder_cache``).
         """
         self.registry.register(_EngineCollector(stats, scheduler))
 
     def watch_admission(self, admission) -> None:
-        """Exposes the admission queue (``decoder_svc.admission.AdmissionQueue``: ``stats()``, ``num_refused``),
+        """Exposes the admission queue (``decoder_svc.session.admission.AdmissionQueue``: ``stats()``, ``num_refused``),
         read at scrape time: queued requests, the oldest one's wait, a new request's estimated wait (seconds),
         refusals by reason."""
         self.registry.register(_AdmissionCollector(admission))

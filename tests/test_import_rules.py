@@ -142,7 +142,7 @@ def test_the_circle_finder_finds_a_circle():
     assert _circles({"a": {"b"}, "b": set()}) == []
 
 
-@pytest.mark.parametrize("module", ["decoder_svc.scheduler", "decoder_svc.block_manager"])
+@pytest.mark.parametrize("module", ["decoder_svc.core.scheduler", "decoder_svc.core.block_manager"])
 def test_scheduler_and_block_manager_load_without_torch(module):
     code = f"import sys; sys.modules['torch'] = None; import {module}"  # None: any 'import torch' raises ImportError
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)

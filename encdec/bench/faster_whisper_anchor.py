@@ -36,7 +36,7 @@ TEMPERATURES = [0.0, 0.2, 0.4, 0.6, 0.8, 1.0]  # openai-whisper transcribe() / f
 
 
 def _audio(files: list[str]) -> list:
-    from decoder_svc.audio import decode_audio
+    from decoder_svc.session.audio import decode_audio
 
     return [decode_audio(Path(f).read_bytes()) for f in files]  # [N] float32 16 kHz each
 

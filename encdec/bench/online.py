@@ -21,7 +21,7 @@ online target: at most 1.3).
 against the same services (each starts when the previous one's requests
 ended), past what the machine sustains. Each row adds the requests the
 decoder refused at admission (RESOURCE_EXHAUSTED / DEADLINE_EXCEEDED,
-``decoder_svc.admission``) and the goodput: completed requests whose TTFT met
+``decoder_svc.session.admission``) and the goodput: completed requests whose TTFT met
 ``--ttft-slo-ms``, per second of the run's span (vLLM's and DistServe's
 goodput), beside the share of all requests that met it.
 """

@@ -30,7 +30,7 @@ from pathlib import Path
 import grpc
 import torch
 
-from decoder_svc.audio import decode_audio
+from decoder_svc.session.audio import decode_audio
 from encdec.bench.table import markdown_table, median_run, write_json
 from shared.models.registry import resolve_model
 from shared.models.whisper_features import log_mel_spectrogram, special_token_ids

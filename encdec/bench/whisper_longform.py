@@ -116,7 +116,7 @@ def hf_long_form(model_dir: str, threads: int, mode: str, files: list[str]) -> d
     import torch
     from transformers import WhisperFeatureExtractor
 
-    from decoder_svc.audio import decode_audio
+    from decoder_svc.session.audio import decode_audio
     from encdec.bench.hf_whisper import build_hf_whisper
     from shared.models.whisper_features import load_tokenizer, log_mel_spectrogram, special_token_ids
     from shared.models.whisper_specials import MAX_INITIAL_TIMESTAMP_INDEX
@@ -177,7 +177,7 @@ def run(args, clip_files: list[str], run_ours_long_form) -> dict:
     """Builds the recordings, runs every system (``args``: ``encdec bench whisper``'s), returns
     ``{"audio_s", "lengths_s", "columns", "rows", "ours_cpu_s"}``. ``run_ours_long_form``: our services' run
     (``encdec.bench.whisper.run_ours_long_form``, passed in so the two modules do not import each other)."""
-    from decoder_svc.audio import decode_audio
+    from decoder_svc.session.audio import decode_audio
     from encdec.bench.faster_whisper_anchor import run_anchor
     from shared.models.registry import resolve_model
 

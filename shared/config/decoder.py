@@ -24,7 +24,7 @@ class DecoderServiceConfig(ServiceConfig):
         port: gRPC port of the public API.
         encoder_address: ``host:port`` of the encoder service, or ``registry``: per Encode, a live encoder
             replica from the Redis registry that serves this model and can reach this decoder's KV pool, least
-            loaded first (``decoder_svc.encoder_pool``).
+            loaded first (``decoder_svc.replicas.encoder_pool``).
         redis_url: Redis holding request state and the replica registry.
         block_size: tokens per KV block (both cache groups).
         max_num_seqs: most sequences in the running batch.
@@ -55,12 +55,12 @@ class DecoderServiceConfig(ServiceConfig):
             ``float32``. An explicit value is kept whatever the ``dtype``.
         encode_timeout_s: an Encode call slower than this fails the request
             with UNAVAILABLE and frees its blocks (seconds); the time waiting for
-            an unreachable encoder counts (``decoder_svc.encode_client``), and
+            an unreachable encoder counts (``decoder_svc.session.encode_client``), and
             the request's gRPC deadline, if earlier, ends the call.
         max_decode_hold_ms: while requests wait for their cross KV, model steps
             are held for at most this long before one runs (milliseconds), so
             a burst starts decoding together and the encoder gets the cores it
-            shares with the decoder (``decoder_svc.engine_loop``); 0 = never hold.
+            shares with the decoder (``decoder_svc.core.engine_loop``); 0 = never hold.
             The clock starts when some sequence could step.
         decode_hold_gap_steps: when a hold ran out while the encoder delivered
             (a long burst), the requests still encoding may hold again after
@@ -74,7 +74,7 @@ class DecoderServiceConfig(ServiceConfig):
         max_audio_s: longest accepted audio (seconds); longer audio gets
             INVALID_ARGUMENT naming both lengths. Audio over Whisper's 30 s
             window is decoded long-form, window by window, in one request
-            (``decoder_svc.whisper_session``). Default 600 s (10 min, 20 or more
+            (``decoder_svc.session.whisper_session``). Default 600 s (10 min, 20 or more
             windows; 38 MB of float32 PCM, within the 64 MiB gRPC message limit).
         quantize: ``none`` or ``int8`` (opt-in int8 decoder weights and output
             projection with per-token activation scales, Whisper models; see
@@ -83,12 +83,12 @@ class DecoderServiceConfig(ServiceConfig):
             ``512MB``, ``1073741824``) or a fraction of the memory free after the
             model is loaded (``0.3`` or ``30%``; RAM on CPU, GPU memory on a
             GPU). Split between self and cross blocks in proportion to what one
-            max-length request needs of each (``decoder_svc.kv_budget``); an
+            max-length request needs of each (``decoder_svc.core.kv_budget``); an
             explicit ``num_self_blocks`` / ``num_cross_blocks`` wins for its
             group. Empty: size for ``max_num_seqs`` max-length requests.
         encoder_cache: 1 = a request whose encoder input (audio samples /
             source ids) equals that of an unfinished request shares its
-            cross-attention KV instead of being encoded (``decoder_svc.encoder_cache``); 0 = off.
+            cross-attention KV instead of being encoded (``decoder_svc.core.encoder_cache``); 0 = off.
         attention_backend: ``torch`` (default) or ``triton``: what runs the
             decoder's paged self- and cross-attention (``kernels.attention_backend``);
             ``triton`` needs the triton package and a CUDA device (or
@@ -109,7 +109,7 @@ class DecoderServiceConfig(ServiceConfig):
         max_waiting_requests: most Generate requests queued (admitted, no first
             token yet) with a priority at least as good as a new one's; beyond it
             a new request gets RESOURCE_EXHAUSTED at once, before its input is
-            parsed (``decoder_svc.admission``). The bound of a cold start's burst,
+            parsed (``decoder_svc.session.admission``). The bound of a cold start's burst,
             before the queue's service rate is measured. 32: Whisper tiny.en
             requests complete at about one a second on 2 CPU cores past capacity
             (docs/benchmarks.md, online rate sweep), so a burst of 32 waits about
@@ -124,8 +124,8 @@ class DecoderServiceConfig(ServiceConfig):
         max_input_tokens: most source tokens of a text request (0 = the model's max source positions).
         max_new_tokens: most tokens generated per sample; a larger ``max_tokens`` gets INVALID_ARGUMENT
             (0 = the model's max target length).
-        max_n: most samples per request (``n``), at most ``decoder_svc.sampling_params.MAX_N``.
-        max_beams: most beams per request, at most ``decoder_svc.sampling_params.MAX_BEAMS``.
+        max_n: most samples per request (``n``), at most ``decoder_svc.core.sampling_params.MAX_N``.
+        max_beams: most beams per request, at most ``decoder_svc.core.sampling_params.MAX_BEAMS``.
     """
 
     port: int = 50051
@@ -185,7 +185,7 @@ class DecoderServiceConfig(ServiceConfig):
             raise ValueError(
                 f"kv_transfer_dtype must be one of: {', '.join(KV_DTYPES)}; got {self.kv_transfer_dtype!r}"
             )
-        for name, top in (("max_n", 16), ("max_beams", 16)):  # decoder_svc.sampling_params.MAX_N / MAX_BEAMS
+        for name, top in (("max_n", 16), ("max_beams", 16)):  # decoder_svc.core.sampling_params.MAX_N / MAX_BEAMS
             if not 1 <= getattr(self, name) <= top:
                 raise ValueError(f"{name} must be in [1, {top}], got {getattr(self, name)}")
         for name in ("max_input_tokens", "max_new_tokens"):

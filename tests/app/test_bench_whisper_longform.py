@@ -149,7 +149,7 @@ def test_ct2_anchor_prompts_english_like_hf_on_base():
     pytest.importorskip("ctranslate2", reason="ctranslate2 is not installed (the [bench] extra)")
     import torch
 
-    from decoder_svc.audio import decode_audio
+    from decoder_svc.session.audio import decode_audio
     from encdec import DATA_DIR
     from encdec.bench.faster_whisper_anchor import run_anchor
     from encdec.bench.hf_whisper import build_hf_whisper

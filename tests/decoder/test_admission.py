@@ -1,11 +1,11 @@
-"""``decoder_svc.admission.AdmissionQueue``: limits, priority, the estimated wait and deadlines, on a fake clock."""
+"""``decoder_svc.session.admission.AdmissionQueue``: limits, priority, the estimated wait and deadlines, on a fake clock."""
 
 from __future__ import annotations
 
 import grpc
 import pytest
 
-from decoder_svc.admission import DEADLINE_MARGIN_S, AdmissionQueue, DeadlineExceededError
+from decoder_svc.session.admission import DEADLINE_MARGIN_S, AdmissionQueue, DeadlineExceededError
 from shared.errors import ResourceExhaustedError
 
 

@@ -1,4 +1,4 @@
-"""decoder_svc.audio: WAV/FLAC decoding, mixdown, resampling and the errors users see."""
+"""decoder_svc.session.audio: WAV/FLAC decoding, mixdown, resampling and the errors users see."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from decoder_svc.audio import AudioError, decode_audio, pcm_to_array
+from decoder_svc.session.audio import AudioError, decode_audio, pcm_to_array
 
 
 def _tone(rate: int, seconds: float, freq: float = 440.0, amp: float = 0.5) -> np.ndarray:

@@ -15,8 +15,8 @@ import torch
 from helpers.text_checkpoints import sentence
 from helpers.text_paged import encode_batch
 
-from decoder_svc.engine import CapacityError, DecoderEngine
-from decoder_svc.sampling_params import SamplingParams
+from decoder_svc.core.engine import CapacityError, DecoderEngine
+from decoder_svc.core.sampling_params import SamplingParams
 from shared.kv_transport import write_blocks
 from shared.models.registry import load_model, load_tokenizer
 

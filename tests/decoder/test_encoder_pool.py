@@ -1,4 +1,4 @@
-"""A decoder with ``--encoder-address registry`` picks encoders from the Redis registry (``decoder_svc.encoder_pool``).
+"""A decoder with ``--encoder-address registry`` picks encoders from the Redis registry (``decoder_svc.replicas.encoder_pool``).
 
 Real processes on loopback: a decoder started before any encoder refuses Generate with UNAVAILABLE naming the
 missing encoder; two encoders (``serve-encoder --redis-url``) register, both get Encodes; one killed with SIGKILL:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from decoder.test_engine_whisper import CLIPS, CROSS_PER_REQ, ENC_LEN, make_engine, write_cross
 
-from decoder_svc.sampling_params import SamplingParams
+from decoder_svc.core.sampling_params import SamplingParams
 from shared.models.registry import load_model
 from shared.models.whisper import load_tokenizer
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 from helpers.text_paged import encode_batch
 
-from decoder_svc.engine import DecoderEngine
-from decoder_svc.engine_loop import HOLD_GAP_STEPS, EngineLoop
-from decoder_svc.sampling_params import SamplingParams
+from decoder_svc.core.engine import DecoderEngine
+from decoder_svc.core.engine_loop import HOLD_GAP_STEPS, EngineLoop
+from decoder_svc.core.sampling_params import SamplingParams
 from shared.kv_transport import write_blocks
 from shared.models.registry import load_model, load_tokenizer
 

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from decoder_svc.engine import CapacityError, DecoderEngine
-from decoder_svc.sampling_params import SamplingParams
+from decoder_svc.core.engine import CapacityError, DecoderEngine
+from decoder_svc.core.sampling_params import SamplingParams
 from encdec import DATA_DIR
 from shared.models.registry import load_model
 from shared.models.whisper import load_tokenizer

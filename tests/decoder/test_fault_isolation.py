@@ -19,8 +19,8 @@ from helpers.text_paged import encode_batch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from decoder_svc.engine import DecoderEngine
-from decoder_svc.sampling_params import SamplingParams
+from decoder_svc.core.engine import DecoderEngine
+from decoder_svc.core.sampling_params import SamplingParams
 from shared.errors import status_for
 from shared.kv_transport import write_blocks
 from shared.models.registry import load_model, load_tokenizer
@@ -278,14 +278,14 @@ def test_fuzzed_sampling_params_never_harm_the_step(bart, fuzz_engine, kwargs):
 
 def test_documented_bounds_are_accepted_through_the_proto():
     """The proto's float fields arrive rounded to float32: each documented inclusive bound must still pass."""
-    from decoder_svc.convert import sampling_params_from_pb
-    from decoder_svc.sampling_params import (
+    from decoder_svc.core.sampling_params import (
         MAX_LENGTH_PENALTY,
         MAX_REPETITION_PENALTY,
         MAX_TEMPERATURE,
         MIN_LENGTH_PENALTY,
         MIN_REPETITION_PENALTY,
     )
+    from decoder_svc.session.convert import sampling_params_from_pb
     from shared.proto import decoder_pb2
 
     for fields in (

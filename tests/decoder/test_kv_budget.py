@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from decoder_svc.kv_budget import block_bytes, free_memory_bytes, resolve_budget, size_kv_cache
+from decoder_svc.core.kv_budget import block_bytes, free_memory_bytes, resolve_budget, size_kv_cache
 from shared.config import DecoderServiceConfig, parse_memory_size
 
 # Whisper tiny.en: 4 decoder layers, 6 heads of 64, float32, 16-token blocks.

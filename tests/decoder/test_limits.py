@@ -1,13 +1,13 @@
-"""The decoder's request limits (``decoder_svc.limits``): --max-new-tokens, --max-n, --max-beams, --max-input-tokens."""
+"""The decoder's request limits (``decoder_svc.session.limits``): --max-new-tokens, --max-n, --max-beams, --max-input-tokens."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from decoder_svc.inputs import RequestInput
-from decoder_svc.limits import apply_request_limits
-from decoder_svc.sampling_params import SamplingParams
+from decoder_svc.core.sampling_params import SamplingParams
+from decoder_svc.session.inputs import RequestInput
+from decoder_svc.session.limits import apply_request_limits
 from decoder_svc.whisper.options import WhisperJob
 from shared.config import DecoderServiceConfig
 from shared.errors import InvalidRequestError

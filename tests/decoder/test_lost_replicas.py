@@ -1,5 +1,5 @@
 """Reaping a lost decoder (real redis-server): the one-script failing of its requests, two reapers at once, the
-outage guard (``decoder_svc.lost_replicas``)."""
+outage guard (``decoder_svc.replicas.lost_replicas``)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import time
 import pytest
 import redis
 
-from decoder_svc.lost_replicas import LostDecoderReaper, RedisUptime, lost_error
-from decoder_svc.request_session import ended_elsewhere
-from decoder_svc.request_state import InvalidTransitionError, RequestState, RequestStateStore
+from decoder_svc.replicas.lost_replicas import LostDecoderReaper, RedisUptime, lost_error
+from decoder_svc.replicas.request_state import InvalidTransitionError, RequestState, RequestStateStore
+from decoder_svc.session.request_session import ended_elsewhere
 from shared.registry import ReplicaInfo, ReplicaRegistry
 
 TTL_S = 0.3

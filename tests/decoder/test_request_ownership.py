@@ -1,5 +1,5 @@
 """Request ownership in Redis (real redis-server): the owner index, the terminal upsert after Redis lost the
-records, and Abort forwarded to the owner over pub/sub (``decoder_svc.replica_control``)."""
+records, and Abort forwarded to the owner over pub/sub (``decoder_svc.replicas.replica_control``)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ import time
 import pytest
 import redis
 
-from decoder_svc.replica_control import ReplicaControl
-from decoder_svc.request_session import ended_elsewhere
-from decoder_svc.request_state import (
+from decoder_svc.replicas.replica_control import ReplicaControl
+from decoder_svc.replicas.request_state import (
     InvalidTransitionError,
     RequestState,
     RequestStateStore,
     UnknownRequestError,
 )
+from decoder_svc.session.request_session import ended_elsewhere
 from encdec.redis_server import LocalRedisServer
 from shared.registry import ReplicaInfo, ReplicaRegistry
 

@@ -7,7 +7,7 @@ import time
 import pytest
 import redis
 
-from decoder_svc.request_state import (
+from decoder_svc.replicas.request_state import (
     InvalidTransitionError,
     RequestExistsError,
     RequestRecord,

@@ -10,8 +10,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from decoder_svc.sampler import Sampler, SamplingRow
-from decoder_svc.sampling_params import SamplingParams
+from decoder_svc.core.sampler import Sampler, SamplingRow
+from decoder_svc.core.sampling_params import SamplingParams
 
 V = 97
 SUPPRESS = [3, 5, 50, 96]
@@ -117,7 +117,7 @@ def test_global_rng_untouched_and_release():
 
 def test_tiny_temperatures_are_greedy_and_never_fail_the_batch():
     """1e-45 would overflow logits / temperature; such rows sample greedily, companions are unharmed."""
-    from decoder_svc.sampling_params import SAMPLING_EPS
+    from decoder_svc.core.sampling_params import SAMPLING_EPS
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 50, generator=g) * 30
@@ -243,7 +243,7 @@ def test_mixed_batch_matches_hf_processors_and_warpers(first):
 
 
 def test_from_sequence_fills_history_only_when_needed():
-    from decoder_svc.sequence import Sequence
+    from decoder_svc.core.sequence import Sequence
 
     seq = Sequence("s", [1, 2], 4, SamplingParams(repetition_penalty=1.2, stop_token_ids=(7,)), 2, 50)
     seq.append_token(9)
@@ -284,10 +284,10 @@ def test_logprobs_are_of_the_scores_the_token_was_picked_from():
 
 def test_every_proto_sampling_field_is_implemented_or_refused():
     """A SamplingParams proto field the server does not read would be silently ignored: each one must map
-    onto a ``decoder_svc.sampling_params.SamplingParams`` attribute, and a set field outside that list is refused."""
+    onto a ``decoder_svc.core.sampling_params.SamplingParams`` attribute, and a set field outside that list is refused."""
     import dataclasses
 
-    from decoder_svc.convert import _REPEATED_SAMPLING_FIELDS, _SCALAR_SAMPLING_FIELDS
+    from decoder_svc.session.convert import _REPEATED_SAMPLING_FIELDS, _SCALAR_SAMPLING_FIELDS
     from shared.proto import decoder_pb2
 
     proto_fields = {f.name for f in decoder_pb2.SamplingParams.DESCRIPTOR.fields}

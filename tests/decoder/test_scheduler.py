@@ -7,11 +7,11 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from decoder_svc.block_manager import BlockManager
-from decoder_svc.outputs import ModelRunnerOutput
-from decoder_svc.sampling_params import SamplingParams
-from decoder_svc.scheduler import CapacityError, Scheduler
-from decoder_svc.sequence import Sequence, SequenceStatus
+from decoder_svc.core.block_manager import BlockManager
+from decoder_svc.core.outputs import ModelRunnerOutput
+from decoder_svc.core.sampling_params import SamplingParams
+from decoder_svc.core.scheduler import CapacityError, Scheduler
+from decoder_svc.core.sequence import Sequence, SequenceStatus
 
 EOS = 0
 
@@ -437,7 +437,7 @@ def test_fork_shares_full_blocks_and_copies_the_partial_one():
 
 def test_scheduler_and_block_manager_never_import_torch():
     code = (
-        "import sys, decoder_svc.scheduler, decoder_svc.block_manager, decoder_svc.sequence, decoder_svc.kv_budget; "
+        "import sys, decoder_svc.core.scheduler, decoder_svc.core.block_manager, decoder_svc.core.sequence, decoder_svc.core.kv_budget; "
         "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')); "
         "print(bad); sys.exit(1 if bad else 0)"
     )

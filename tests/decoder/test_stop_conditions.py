@@ -5,9 +5,9 @@ import random
 import pytest
 from helpers.byte_tokenizer import MULTIBYTE, byte_level_tokenizer
 
-from decoder_svc.detokenizer import REPLACEMENT_CHAR, OutputText
-from decoder_svc.sampling_params import SamplingParams
-from decoder_svc.sequence import Sequence, SequenceStatus
+from decoder_svc.core.detokenizer import REPLACEMENT_CHAR, OutputText
+from decoder_svc.core.sampling_params import SamplingParams
+from decoder_svc.core.sequence import Sequence, SequenceStatus
 
 EOS = 2
 

@@ -70,7 +70,7 @@ def served_unbounded(redis_url, tmp_path_factory):
     (site / "sitecustomize.py").write_text(
         textwrap.dedent(
             """
-            import decoder_svc.sampling_params as sp
+            import decoder_svc.core.sampling_params as sp
 
             sp.MAX_LENGTH_PENALTY = 1e4  # a range validation misses: the engine step must isolate the request
             """

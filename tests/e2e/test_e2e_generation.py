@@ -18,7 +18,7 @@ import torch
 from helpers.byte_tokenizer import byte_level_tokenizer
 from helpers.text_checkpoints import build_bart, sentence
 
-from decoder_svc.detokenizer import REPLACEMENT_CHAR
+from decoder_svc.core.detokenizer import REPLACEMENT_CHAR
 from encdec.launcher import Services
 from shared.proto import decoder_pb2, decoder_pb2_grpc
 

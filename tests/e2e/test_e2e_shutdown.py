@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from decoder_svc.request_state import RequestState, RequestStateStore
+from decoder_svc.replicas.request_state import RequestState, RequestStateStore
 from encdec import DATA_DIR
 from encdec.launcher import Services
 from shared.proto import decoder_pb2, decoder_pb2_grpc

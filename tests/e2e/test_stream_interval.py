@@ -11,7 +11,7 @@ import grpc
 import pytest
 import torch
 
-from decoder_svc.request_progress import StreamCoalescer as _Coalescer
+from decoder_svc.session.request_progress import StreamCoalescer as _Coalescer
 from encdec.launcher import Services
 from shared.models.registry import load_tokenizer
 from shared.proto import decoder_pb2, decoder_pb2_grpc

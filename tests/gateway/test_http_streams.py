@@ -86,7 +86,7 @@ def wait_idle(stub, timeout_s: float = 10.0) -> decoder_pb2.DecoderStats:
 
 
 def records_since(redis_url: str, model: str, since: float) -> list[dict]:
-    """The Redis request records (``decoder_svc.request_state``) of ``model`` created at or after ``since``."""
+    """The Redis request records (``decoder_svc.replicas.request_state``) of ``model`` created at or after ``since``."""
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     try:
         records = [client.hgetall(key) for key in client.scan_iter(match="*:request:*", count=1000)]

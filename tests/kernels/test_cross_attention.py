@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decoder_svc.block_manager import BlockPool
+from decoder_svc.core.block_manager import BlockPool
 from kernels.cross_attention import contiguous_cross_attention
 from kernels.paged_attention import paged_attention
 

@@ -182,7 +182,7 @@ def test_whisper_engine_triton_backend_same_greedy_tokens(whisper_model_dir, whi
 
     (The torch backend's tokens equal HF's: tests/decoder/test_engine_whisper.py.)
     """
-    from decoder_svc.engine import DecoderEngine
+    from decoder_svc.core.engine import DecoderEngine
     from shared.models.registry import load_model
     from shared.models.whisper import load_tokenizer
 
@@ -228,8 +228,8 @@ def test_t5_engine_triton_backend_same_greedy_tokens(tmp_path, monkeypatch):
     from helpers.text_checkpoints import build_t5
     from helpers.text_paged import encode_batch
 
-    from decoder_svc.engine import DecoderEngine
-    from decoder_svc.sampling_params import SamplingParams
+    from decoder_svc.core.engine import DecoderEngine
+    from decoder_svc.core.sampling_params import SamplingParams
     from shared.models.registry import load_model, load_tokenizer
 
     if DEVICE == "cpu":

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from decoder_svc.sampling_params import SamplingParams
+from decoder_svc.core.sampling_params import SamplingParams
 from decoder_svc.startup import build_engine
 from encdec import DATA_DIR
 from encoder_svc.batcher import EncodeBatcher, EncodeItem

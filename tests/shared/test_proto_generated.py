@@ -1,6 +1,6 @@
 """The build generates shared/proto/*_pb2*.py importable as shared.proto.*."""
 
-from decoder_svc.request_state import RequestState
+from decoder_svc.replicas.request_state import RequestState
 from shared.proto import decoder_pb2, decoder_pb2_grpc, encoder_pb2, encoder_pb2_grpc
 
 

@@ -1,0 +1,1 @@
+"""The decoder engine core: the step loop, scheduling, paged KV, the model runner, sampling."""

@@ -1,0 +1,1 @@
+"""Replicas through Redis: request state records, replica registry and control, lost replicas, the encoder pool."""

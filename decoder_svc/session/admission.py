@@ -1,0 +1,233 @@
+"""Admission control of the decoder's Generate calls: a bounded queue, an estimated wait, deadlines (no torch).
+
+A request is *queued* from its admission (the Generate call, before its input is parsed) until its first token,
+or its end: it waits for cross blocks, for its Encode, or for a batch seat. Each new call is checked at once,
+before any parsing, Redis write or KV block:
+
+- more than ``max_waiting_requests`` requests of its priority or better already queued: RESOURCE_EXHAUSTED;
+- its estimated wait (below) over ``max_queue_time_s``: RESOURCE_EXHAUSTED;
+- its gRPC deadline passed, or its estimated wait is longer than the time it has left: DEADLINE_EXCEEDED.
+
+Each message says how many requests wait and to retry later or use another replica (TEI answers 429 on a full
+queue, TGI "Model is overloaded"). Priority follows the scheduler's (``decoder_svc.core.scheduler``, vLLM's): lower
+value first, first come first served among equals. Only requests queued with a priority at least as good count
+against a new one, so a higher-priority request still enters a queue full of lower-priority ones; the worst of
+those (largest priority value, latest arrival) whose Encode has not started is then refused in its place
+(RESOURCE_EXHAUSTED, recorded FAILED), so the queue stays within its bound.
+
+A queued request whose deadline passes, or will pass within ``DEADLINE_MARGIN_S``, when the engine hands it to the
+encoder is dropped before its Encode (``Ticket.check_encode``: DEADLINE_EXCEEDED, recorded FAILED, its blocks
+freed); an Encode carries the request's deadline (``decoder_svc.session.encode_client``).
+
+**Estimated wait.** ``(ahead + 1) * gap``: ``ahead`` the requests queued with priority at least as good, ``gap``
+the mean time between two requests leaving the queue (their first token) while it was not empty: busy time per
+request, the queue's measured service rate (the last ``GAP_SAMPLES`` gaps; batching shows as gaps of ~0 between
+the requests of one batch). The gap open now (since the last departure, or since the queue filled) counts as one
+more sample, so an encoder that stopped delivering raises the estimate as it stalls. With no sample yet the
+estimate is 0: only ``max_waiting_requests`` bounds a cold start's burst.
+
+Single-threaded: every method runs on the service's event loop; ``stats`` may also be read from the metrics
+scrape thread (it copies what it reads).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from shared.errors import DeadlineExceededError, ResourceExhaustedError, ServiceError
+
+GAP_SAMPLES = 32  # departures the service-rate estimate averages over
+DEADLINE_MARGIN_S = 0.05  # a request handed to the encoder with less time left than this is not encoded
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One admitted request's place in the queue (``AdmissionQueue.admit``).
+
+    Attributes:
+        priority: the request's priority (lower = earlier).
+        admitted_at: ``time.monotonic()`` of its admission.
+        deadline: ``time.monotonic()`` by which its gRPC call ends; None without a deadline.
+        order: admission order (ties of priority: first come first served).
+        started: its first token is out (it left the queue).
+        encoding: its first Encode was sent: it is never displaced.
+        refusal: why it was displaced by a higher-priority request; delivered through ``bind``'s callback.
+    """
+
+    priority: int
+    admitted_at: float
+    deadline: float | None
+    order: int
+    started: bool = False
+    encoding: bool = False
+    refusal: ServiceError | None = None
+    _fail: Callable[[BaseException], None] | None = field(default=None, repr=False)
+    _clock: Callable[[], float] = field(default=time.monotonic, repr=False)
+
+    def bind(self, fail: Callable[[BaseException], None]) -> None:
+        """``fail(exc)`` ends the request (its session's stream); called at once if it was already displaced."""
+        self._fail = fail
+        if self.refusal is not None:
+            fail(self.refusal)
+
+    def time_left(self, now: float | None = None) -> float | None:
+        """Seconds to the deadline (negative once passed); None without one."""
+        if self.deadline is None:
+            return None
+        return self.deadline - (self._clock() if now is None else now)
+
+    def check_encode(self) -> ServiceError | None:
+        """The engine hands the request to the encoder: the error that ends it instead when it was displaced, or
+        its deadline passed or leaves less than ``DEADLINE_MARGIN_S``; else None (it may no longer be displaced)."""
+        if self.refusal is not None:
+            return self.refusal
+        left = self.time_left()
+        if left is not None and left < DEADLINE_MARGIN_S:
+            waited = self._clock() - self.admitted_at
+            return DeadlineExceededError(
+                f"the request's deadline passed while it waited {waited:.1f} s for the encoder; it was not "
+                "encoded. Retry with a longer deadline, or send it to another replica"
+            )
+        self.encoding = True
+        return None
+
+
+class AdmissionQueue:
+    """The decoder's queued requests, their estimated wait, and the admission limits.
+
+    Args:
+        max_waiting_requests: most requests queued with a priority at least as good as a new one's (>= 1).
+        max_queue_time_s: longest estimated wait a new request is admitted to (seconds, > 0).
+        clock: monotonic seconds (tests pass their own).
+
+    Raises:
+        ValueError: a limit out of range.
+    """
+
+    def __init__(
+        self, max_waiting_requests: int, max_queue_time_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        if max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
+        if not 0 < max_queue_time_s < float("inf"):
+            raise ValueError(f"max_queue_time_s must be > 0 and finite (seconds), got {max_queue_time_s}")
+        self.max_waiting_requests = max_waiting_requests
+        self.max_queue_time_s = max_queue_time_s
+        self._clock = clock
+        self._queued: dict[int, Ticket] = {}  # id(ticket) -> ticket, not yet started
+        self._orders = itertools.count()
+        self._gaps: deque[float] = deque(maxlen=GAP_SAMPLES)
+        self._last_event: float | None = None  # last departure, or when the queue last filled from empty
+        self.num_refused: dict[str, int] = {"queue_full": 0, "queue_time": 0, "deadline": 0, "displaced": 0}
+
+    # --- the queue ------------------------------------------------------------
+    def admit(self, priority: int, time_remaining: float | None) -> Ticket:
+        """Admits a new request or refuses it at once (see the module docstring).
+
+        Args:
+            priority: the request's priority (lower = earlier).
+            time_remaining: seconds left of its gRPC deadline (``context.time_remaining()``); None: none.
+
+        Returns:
+            its ticket: pass it to ``started`` at its first token and to ``leave`` at its end (or on any failure
+            before its session runs).
+
+        Raises:
+            ResourceExhaustedError: the queue is full for its priority, or its estimated wait exceeds
+                ``max_queue_time_s``.
+            DeadlineExceededError: its deadline passed, or is shorter than its estimated wait.
+        """
+        now = self._clock()
+        ahead = sum(1 for t in self._queued.values() if t.priority <= priority)
+        total = len(self._queued)
+        if ahead >= self.max_waiting_requests:
+            self.num_refused["queue_full"] += 1
+            raise ResourceExhaustedError(
+                f"this decoder is overloaded: {total} requests are waiting (max_waiting_requests="
+                f"{self.max_waiting_requests}); retry later or send the request to another replica"
+            )
+        wait = self._estimate(ahead, now)
+        if wait > self.max_queue_time_s:
+            self.num_refused["queue_time"] += 1
+            raise ResourceExhaustedError(
+                f"this decoder is overloaded: {total} requests are waiting, an estimated {wait:.1f} s "
+                f"(max_queue_time_s={self.max_queue_time_s:g}); retry later or send the request to another replica"
+            )
+        if time_remaining is not None and time_remaining < max(wait, DEADLINE_MARGIN_S):
+            self.num_refused["deadline"] += 1
+            raise DeadlineExceededError(
+                f"the request's deadline ({max(time_remaining, 0.0):.2f} s left) is shorter than its estimated "
+                f"wait of {wait:.1f} s behind {ahead} waiting requests; it was not queued. Retry with a longer "
+                "deadline, or send it to another replica"
+            )
+        deadline = None if time_remaining is None else now + time_remaining
+        ticket = Ticket(priority, now, deadline, next(self._orders), _clock=self._clock)
+        if not self._queued:
+            self._last_event = now  # a busy period starts
+        self._queued[id(ticket)] = ticket
+        if total + 1 > self.max_waiting_requests:
+            self._displace_for(ticket)
+        return ticket
+
+    def _displace_for(self, ticket: Ticket) -> None:
+        """Refuses the worst queued request of lower priority than ``ticket``'s whose Encode has not started."""
+        victims = [t for t in self._queued.values() if t.priority > ticket.priority and not t.encoding]
+        if not victims:
+            return  # every lower-priority one is being encoded already: over the bound until they start
+        victim = max(victims, key=lambda t: (t.priority, t.order))
+        self._queued.pop(id(victim))
+        self.num_refused["displaced"] += 1
+        victim.refusal = ResourceExhaustedError(
+            f"this decoder is overloaded: the request (priority {victim.priority}) was displaced from the queue by "
+            f"one of higher priority ({len(self._queued)} requests are waiting, max_waiting_requests="
+            f"{self.max_waiting_requests}); retry later or send the request to another replica"
+        )
+        if victim._fail is not None:
+            victim._fail(victim.refusal)
+
+    def started(self, ticket: Ticket | None) -> None:
+        """``ticket``'s request produced its first token: it leaves the queue (a service-rate sample)."""
+        if ticket is None or ticket.started:
+            return
+        ticket.started = True
+        if self._queued.pop(id(ticket), None) is None:
+            return
+        now = self._clock()
+        if self._last_event is not None:
+            self._gaps.append(max(now - self._last_event, 0.0))
+        self._last_event = now if self._queued else None
+
+    def leave(self, ticket: Ticket | None) -> None:
+        """``ticket``'s request ended (any way): it no longer waits. No rate sample: it was not served."""
+        if ticket is None:
+            return
+        ticket.started = True
+        if self._queued.pop(id(ticket), None) is not None and not self._queued:
+            self._last_event = None
+
+    # --- what it looks like -----------------------------------------------------
+    def _estimate(self, ahead: int, now: float) -> float:
+        """Seconds a new request with ``ahead`` requests before it is expected to wait (module docstring)."""
+        gaps = list(self._gaps)
+        if self._queued and self._last_event is not None:
+            gaps.append(max(now - self._last_event, 0.0))  # the gap open now
+        if not gaps:
+            return 0.0
+        return (ahead + 1) * sum(gaps) / len(gaps)
+
+    def stats(self) -> dict:
+        """``num_queued_requests``, ``oldest_queue_wait_s`` (the longest-waiting queued request's wait) and
+        ``estimated_queue_wait_s`` (a new request's at priority 0), for GetStats and ``/metrics``."""
+        now = self._clock()
+        queued = list(self._queued.values())
+        ahead = sum(1 for t in queued if t.priority <= 0)
+        return {
+            "num_queued_requests": len(queued),
+            "oldest_queue_wait_s": max((now - t.admitted_at for t in queued), default=0.0),
+            "estimated_queue_wait_s": self._estimate(ahead, now),
+            "max_waiting_requests": self.max_waiting_requests,
+        }

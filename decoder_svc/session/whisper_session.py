@@ -1,0 +1,319 @@
+"""One Whisper request (n = 1, one beam) on this replica: language detection, short-form and long-form decoding.
+
+``WhisperSession`` runs what ``decoder_svc.whisper.options.WhisperJob`` asks,
+each step an ordinary engine sequence batched continuously beside every other
+request's (the engine never knows a request is long-form):
+
+- **Language detection** (no language given, multilingual model): a
+  one-token sequence with prompt ``[<|startoftranscript|>]`` on the first
+  window; the language is the argmax of the language tokens' softmax at that
+  position (HF / openai-whisper ``detect_language``). Its cross-attention KV
+  is kept (``add_request(keep_cross=True)``) and the transcription of that
+  window reads it: no second Encode.
+- **Short-form** (<= 30 s, no timestamps, no VAD): one window, prompt
+  ``[<|startofprev|> prompt] <|sot|> <|lang|> <|task|> <|notimestamps|>``,
+  text streamed as decoded (``--stream-interval``). The raw logits at
+  ``<|startoftranscript|>`` (``SamplingParams.probe_position``) give
+  ``no_speech_prob``; when it is over ``no_speech_threshold`` the text is held
+  until the window ends and dropped if its average logprob is under
+  ``logprob_threshold`` (HF's skip rule) or silero-vad hears no speech in it
+  (``vad.has_speech``: Whisper says " you" over silence with a confident
+  logprob, which HF keeps), so silence never streams a word.
+  No temperature fallback here: the text streamed cannot be taken back.
+- **Long-form** (> 30 s, timestamps, or VAD): HF generate's sequential
+  algorithm (``decoder_svc.whisper.longform.LongFormState``): each window is
+  decoded with HF's timestamp rules (``TimestampRules`` as the row's
+  ``logits_rules``), judged (compression ratio, average logprob, no-speech),
+  decoded again at the next temperature over the same kept cross KV when it
+  fails, and once accepted its segments stream (and, with word timestamps, the
+  alignment heads' cross-attention over the kept KV gives its words,
+  ``decoder_svc.whisper.word_timing``). The next window's Encode is sent as
+  soon as its seek is known.
+
+Abort, disconnect and failures end the request as any other
+(``RequestSession._release``: the sequence and any kept cross blocks freed,
+the Redis record ended once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+from decoder_svc.core.sampling_params import SamplingParams
+from decoder_svc.replicas.request_state import RequestState
+from decoder_svc.session import convert
+from decoder_svc.session.inputs import RequestInput
+from decoder_svc.session.request_progress import StreamCoalescer
+from decoder_svc.session.request_session import RequestSession
+from decoder_svc.whisper import segment_output
+from decoder_svc.whisper.language import detect_language, no_speech_probability
+from decoder_svc.whisper.longform import LongFormOptions, LongFormState
+from decoder_svc.whisper.quality import Verdict, avg_logprob
+from decoder_svc.whisper.segments import split_window
+from decoder_svc.whisper.timestamp_rules import TimestampRules
+from decoder_svc.whisper.vad import has_speech
+from shared.models.whisper_features import window_features
+from shared.proto import decoder_pb2
+
+ENCODER_LEN = 1500  # cross-attention positions of one 30 s window
+HOP_LENGTH = 160  # samples per log-mel frame
+
+
+class _Aborted(Exception):
+    """The Abort RPC's output arrived: the request ends with "abort"."""
+
+
+class WhisperSession(RequestSession):
+    """A Whisper request's session (see the module docstring); ``inp.whisper`` holds its job."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.job = self.progress.input.whisper
+        self.kept_start: int | None = None  # first sample of the window whose cross KV the engine keeps
+        self.language: str | None = self.job.language
+        self.language_probability = 1.0
+        self.no_speech_prob = 0.0
+        self.segments_sent = 0
+        self.length_cut = False  # long-form: max_tokens ran out
+
+    async def _messages(self):
+        """The request's messages (``RequestSession.run`` records its end): the last one carries usage,
+        language, language_probability, duration and no_speech_prob; sets ``self.end``."""
+        progress, job = self.progress, self.job
+        final = decoder_pb2.GenerateResponse(request_id=self.request_id, finish_reason=decoder_pb2.FINISH_REASON_STOP)
+        try:
+            if len(job.pcm):
+                if self.language is None:
+                    await self._detect_language()
+                if job.long_form:
+                    async for message in self._long_form():
+                        yield message
+                else:
+                    async for message in self._short_form(final):
+                        yield message
+            else:  # the VAD found no speech: nothing to decode
+                self.no_speech_prob = 1.0
+            if self.length_cut:
+                final.finish_reason = decoder_pb2.FINISH_REASON_LENGTH
+            reason = "stop" if final.finish_reason == decoder_pb2.FINISH_REASON_STOP else "length"
+        except _Aborted:
+            final.finish_reason, reason = decoder_pb2.FINISH_REASON_ABORT, "abort"
+        self._finish_message(final)
+        state = RequestState.ABORTED if reason == "abort" else RequestState.FINISHED
+        if state is RequestState.FINISHED and not self.decoding_recorded:  # nothing to decode (VAD: no speech)
+            await self.record_progress(RequestState.DECODING)
+            self.decoding_recorded = True
+        self.end = (state, {"finish_reason": reason, **progress.usage()})
+        yield final
+
+    # -- the three kinds of sequence ------------------------------------------
+    async def _detect_language(self) -> None:
+        specials = self.job.specials
+        params = SamplingParams(max_tokens=1, probe_position=0)
+        logits = None
+        async for item in self._sequence(0, self._window_len(0), [specials.sot], params):
+            if item.probe_logits is not None:
+                logits = item.probe_logits
+        self.language, self.language_probability = detect_language(logits, specials)
+
+    async def _short_form(self, final: decoder_pb2.GenerateResponse):
+        job, specials, sessions = self.job, self.job.specials, self._sessions
+        prompt = specials.decoder_prompt(self.language, job.task, timestamps=False, previous=job.prompt_ids)
+        user_logprobs = self.params.logprobs
+        params = dataclasses.replace(
+            self.params, probe_position=prompt.index(specials.sot), logprobs=True, logprobs_before_warpers=True
+        )
+        coalesce = StreamCoalescer(sessions.config.stream_interval)
+        held: list[decoder_pb2.GenerateResponse] | None = None
+        logprobs: list[float] = []
+        rules = job.rules
+        async for item in self._sequence(0, len(job.pcm), prompt, params):
+            if item.probe_logits is not None:
+                self.no_speech_prob = no_speech_probability(item.probe_logits, specials)
+                if rules.no_speech_threshold is not None and rules.logprob_threshold is not None:
+                    held = [] if self.no_speech_prob > rules.no_speech_threshold else None
+            logprobs += [lp.logprob for lp in item.logprobs or ()]
+            self._observe_tokens(len(item.new_token_ids))
+            shown = item if user_logprobs else dataclasses.replace(item, logprobs=None)
+            message = convert.generate_response(
+                self.request_id, shown, item.text, item.finish_reason if item.finished else None, sessions.token_texts
+            )
+            if item.finished:
+                if held is not None:  # the whole held window goes out in the final message, or nothing of it
+                    silent = (logprobs and avg_logprob(logprobs) < rules.logprob_threshold) or not (
+                        await asyncio.to_thread(has_speech, job.pcm)
+                    )  # HF's skip rule, or the VAD hears no speech either
+                    text = "" if silent else "".join(m.text for m in held) + message.text
+                    for m in [] if silent else held:
+                        final.MergeFrom(m)
+                    final.MergeFrom(message)
+                    final.text = text
+                    if silent:
+                        del final.token_ids[:]
+                        del final.logprobs[:]
+                else:
+                    final.MergeFrom(message)
+                    final.text = message.text
+                held_out = coalesce.held.pop(0, None)
+                if held_out is not None:  # what the coalescer held goes before the final message
+                    yield held_out
+                return
+            if held is not None:
+                held.append(message)
+            elif (out := coalesce.add(message, len(item.new_token_ids), False)) is not None:
+                yield out
+
+    async def _long_form(self):
+        job, specials, sessions = self.job, self.job.specials, self._sessions
+        state = LongFormState(
+            specials,
+            len(job.pcm),
+            LongFormOptions(
+                language=self.language,
+                task=job.task,
+                timestamps=True,
+                condition_on_previous_text=job.condition_on_previous_text,
+                initial_prompt_ids=tuple(job.prompt_ids),
+                rules=job.rules,
+            ),
+        )
+        first, budget = True, self.params.max_tokens  # max_tokens: over the whole request, every attempt counted
+        while (plan := state.next_window()) is not None:
+            prompt = list(plan.prompt_ids)
+            max_new = plan.max_new_tokens
+            if budget is not None:
+                max_new = min(max_new, budget - self.progress.completion_tokens)
+                if max_new < 1:
+                    self.length_cut = True
+                    return
+            params = SamplingParams(
+                temperature=plan.temperature,
+                seed=self.params.seed,
+                logprobs=True,
+                logprobs_before_warpers=True,
+                probe_position=prompt.index(specials.sot),
+                logits_rules=TimestampRules(specials, begin_index=len(prompt)),
+                max_tokens=max_new,
+            )
+            generated: list[int] = []
+            logprobs: list[float] = []
+            probe = None
+            async for item in self._sequence(plan.start_sample, plan.num_samples, prompt, params):
+                generated += item.new_token_ids
+                logprobs += [lp.logprob for lp in item.logprobs or ()]
+                if item.probe_logits is not None:
+                    probe = item.probe_logits
+                self._observe_tokens(len(item.new_token_ids))
+            no_speech = no_speech_probability(probe, specials)
+            if first:
+                self.no_speech_prob, first = no_speech, False
+            rules = job.rules
+            heard_no_speech = False
+            if rules.no_speech_threshold is not None and no_speech > rules.no_speech_threshold:
+                window_pcm = job.pcm[plan.start_sample : plan.start_sample + plan.num_samples]
+                heard_no_speech = not await asyncio.to_thread(has_speech, window_pcm)
+            if budget is not None and self.progress.completion_tokens >= budget:
+                # max_tokens used up: this attempt's segments as they are (no retry), then "length"
+                segments = split_window(generated, specials, plan.seek, plan.num_frames)[0]
+                self.length_cut = True
+            else:
+                result = state.on_result(generated, logprobs, no_speech, heard_no_speech)
+                if result.verdict is Verdict.RETRY:
+                    continue  # decoded again at the next temperature, over the kept cross KV
+                segments = list(result.segments)
+                generated, logprobs = result.generated, result.token_logprobs  # the attempt taken
+            words = None
+            if segments and job.timestamps == "word":
+                words = await self._words(plan, segments, generated, logprobs)
+            messages = segment_output.segment_messages(
+                self.request_id, job, sessions.engine.tokenizer, segments, words, self.segments_sent
+            )
+            if messages.segments:
+                self.segments_sent += len(messages.segments)
+                messages.token_ids.extend(generated)
+                yield messages
+            if self.length_cut:
+                return
+
+    # -- plumbing -----------------------------------------------------------------
+    def _window_len(self, start: int) -> int:
+        return min(len(self.job.pcm) - start, 30 * 16_000)
+
+    async def _sequence(self, start: int, num_samples: int, prompt: list[int], params: SamplingParams):
+        """Adds one sequence over the window ``[start, start + num_samples)`` and yields its outputs to its end.
+
+        The window's cross KV is kept after it (for a retry, the transcription after detection, word
+        alignment); a sequence over another window first frees it and has the new window encoded.
+
+        Raises:
+            _Aborted: the Abort RPC. ResourceExhaustedError: the window can never fit the KV pools.
+            Exception: from the stream (the encoder failed, a failed step, the shutdown cut).
+        """
+        sessions, progress = self._sessions, self.progress
+        reuse = self.kept_start == start
+        if not reuse:
+            if self.kept_start is not None:
+                await sessions.loop.call(sessions.engine.release_cross, self.request_id)
+                self.kept_start = None
+            window = RequestInput(ENCODER_LEN, pcm=self.job.pcm[start : start + num_samples])
+            if self.job.features is not None:  # over 30 s: the window's slice of the whole clip's log-mel (HF)
+                window.features = window_features(
+                    self.job.features, start // HOP_LENGTH, min(num_samples // HOP_LENGTH, 3000)
+                )
+            if progress.encoder_tokens:  # a window was encoded before this one
+                progress.window += 1
+            progress.input = dataclasses.replace(progress.input, pcm=window.pcm, features=window.features)
+            progress.encoder_tokens += ENCODER_LEN
+        await self._add_sequence(
+            ENCODER_LEN, params, prompt, None if reuse else progress.input, keep_cross=True, reuse_cross=reuse
+        )
+        self.kept_start = start
+        progress.sample_completion.clear()
+        while True:
+            got = await self.stream.get()
+            if isinstance(got, BaseException):
+                raise got
+            if got.error is not None:
+                raise got.error
+            if got.finish_reason == "abort":
+                raise _Aborted()
+            if not self.decoding_recorded and self.encoding is None:  # an encoder-cache hit: no Encode of its own
+                self.decoding_recorded = True
+                await self.record_progress(RequestState.DECODING)
+            progress.count(got)
+            yield got
+            if got.finished:
+                progress.base_prompt_tokens, progress.base_completion_tokens = (
+                    progress.prompt_tokens,
+                    progress.completion_tokens,
+                )
+                progress.sample_completion.clear()
+                self.encoding = None
+                return
+
+    async def _words(self, plan, segments, generated, logprobs):
+        """Word timings of an accepted window's segments, from its kept cross KV (off the engine thread)."""
+        sessions = self._sessions
+        cross_kv = await sessions.loop.call(sessions.engine.cross_kv, self.request_id)
+        return await asyncio.to_thread(
+            segment_output.window_words,
+            sessions.engine.model,
+            sessions.engine.tokenizer,
+            self.job,
+            plan,
+            segments,
+            generated,
+            logprobs,
+            cross_kv,
+            self.language,
+        )
+
+    def _finish_message(self, final: decoder_pb2.GenerateResponse) -> None:
+        progress = self.progress
+        convert.add_usage(final, progress.usage(), progress.encoder_tokens, self.applied)
+        final.language = self.language or ""
+        # 1 when given; the detection's softmax when detected; 0 when nothing was decoded to detect it on (VAD).
+        final.language_probability = self.language_probability if self.language is not None else 0.0
+        final.duration = self.job.duration_s
+        final.no_speech_prob = self.no_speech_prob
