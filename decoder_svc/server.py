@@ -140,7 +140,12 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             ticket = self.sessions.admission.admit(request.priority, context.time_remaining())
             # Decoding and resampling audio takes a while: keep it off the event loop that serves every stream.
             inp = await asyncio.to_thread(
-                parse_input, request, self.model, self.engine.tokenizer, self.config.max_audio_s
+                parse_input,
+                request,
+                self.model,
+                self.engine.tokenizer,
+                self.config.max_audio_s,
+                self.config.decoding_rules,
             )
             params = apply_request_limits(params, inp, self.config)  # --max-new-tokens, --max-n, ... (limits.py)
             await self.sessions.create_record(request_id)  # Redis: QUEUED

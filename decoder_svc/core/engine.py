@@ -131,7 +131,9 @@ class DecoderEngine:
             keep_cross: when it finishes (not aborted) its cross blocks stay
                 reserved under ``request_id`` (``decoder_svc.core.request_queues``): for
                 another sequence of the same request over the same encoder output
-                (Whisper's fallback, language detection) or ``cross_kv``.
+                (Whisper's fallback, language detection) or ``cross_kv``. With n > 1
+                samples the first one (``request_id`` itself) keeps them; the others
+                hold their own references until they finish.
             reuse_cross: read the cross blocks kept under ``request_id``: never in
                 ``to_encode``, runnable at once.
 
@@ -139,7 +141,8 @@ class DecoderEngine:
             CapacityError: it can never fit the KV pools / batch token limit (with
                 n > 1 or beams: its ``max(n, num_beams)`` sequences at max length
                 must fit the self pool and ``max_num_seqs`` together).
-            ValueError: duplicate request id, bad encoder_len, prompt or stop_token_ids.
+            ValueError: duplicate request id, bad encoder_len, prompt or stop_token_ids;
+                keep_cross / reuse_cross with beam search.
         """
         params = sampling_params if sampling_params is not None else SamplingParams()
         prompt = list(self.default_prompt if prompt_token_ids is None else prompt_token_ids)
@@ -165,8 +168,8 @@ class DecoderEngine:
         seq = Sequence(request_id, prompt, encoder_len, params, self.eos_token_id, self.max_total_len, priority)
         if width > 1:
             self.sequence_groups.check_capacity(seq, width)
-        if (keep_cross or reuse_cross) and width > 1:
-            raise ValueError("keep_cross / reuse_cross take n = 1 and num_beams = 1")
+        if (keep_cross or reuse_cross) and params.num_beams > 1:
+            raise ValueError("keep_cross / reuse_cross take num_beams = 1")
         self.scheduler.add(seq, encoder_cache_key, keep_cross=keep_cross, reuse_cross=reuse_cross)
         if width > 1:
             self.sequence_groups.add(seq)

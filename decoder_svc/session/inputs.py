@@ -67,12 +67,13 @@ class RequestInput:
         return {"pcm": self.pcm.astype("<f4").tobytes()}
 
 
-def parse_input(request, model, tokenizer, max_audio_s: float) -> RequestInput:
+def parse_input(request, model, tokenizer, max_audio_s: float, decoding_rules: str = "openai") -> RequestInput:
     """Validates and converts ``request.input`` (and the decoder prompt) for ``model``.
 
     Args:
         max_audio_s: longest accepted audio in seconds (``--max-audio-s``);
             audio longer than 30 s is accepted up to it and decoded in windows.
+        decoding_rules: Whisper's decoding rules for a request that names none (``--decoding-rules``).
 
     Raises:
         InvalidRequestError: missing input, input of the wrong kind for the
@@ -119,6 +120,7 @@ def parse_input(request, model, tokenizer, max_audio_s: float) -> RequestInput:
                 pcm,
                 sampling,
                 model.config.num_mel_bins,
+                decoding_rules,
             )
         elif request.HasField("whisper") and request.whisper != type(request.whisper)():
             raise InvalidRequestError(

@@ -9,8 +9,13 @@ request's (the engine never knows a request is long-form):
   window; the language is the argmax of the language tokens' softmax at that
   position (HF / openai-whisper ``detect_language``). Its cross-attention KV
   is kept (``add_request(keep_cross=True)``) and the transcription of that
-  window reads it: no second Encode.
-- **Short-form** (<= 30 s, no timestamps, no VAD): one window, prompt
+  window reads it: no second Encode. Under openai rules the window is the
+  first one of speech (the VAD gate's first clip), and with
+  ``language_detection_segments`` > 1 up to that many windows are heard, the
+  first whose top language passes ``language_detection_threshold`` deciding,
+  else the language most windows chose (faster-whisper's ``detect_language``).
+- **Short-form, token-streamed** (HF rules: <= 30 s, no timestamps, no VAD;
+  openai rules: the same with a token-level sampling setting): one window, prompt
   ``[<|startofprev|> prompt] <|sot|> <|lang|> <|task|> <|notimestamps|>``,
   text streamed as decoded (``--stream-interval``). The raw logits at
   ``<|startoftranscript|>`` (``SamplingParams.probe_position``) give
@@ -20,14 +25,17 @@ request's (the engine never knows a request is long-form):
   (``vad.has_speech``: Whisper says " you" over silence with a confident
   logprob, which HF keeps), so silence never streams a word.
   No temperature fallback here: the text streamed cannot be taken back.
-- **Long-form** (> 30 s, timestamps, or VAD): HF generate's sequential
-  algorithm (``decoder_svc.whisper.longform.LongFormState``): each window is
-  decoded with HF's timestamp rules (``TimestampRules`` as the row's
-  ``logits_rules``), judged (compression ratio, average logprob, no-speech),
-  decoded again at the next temperature over the same kept cross KV when it
-  fails, and once accepted its segments stream (and, with word timestamps, the
+- **The window loop** (everything else; ``decoder_svc.whisper.longform.LongFormState``):
+  each window is decoded (with the timestamp rules, ``TimestampRules`` as the
+  row's ``logits_rules``, unless it is one window without timestamps), judged
+  (compression ratio, average logprob, no-speech), decoded again at the next
+  temperature over the same kept cross KV when it fails (under openai rules
+  as ``best_of`` samples of one sequence group, n > 1, sharing that KV; the
+  best by sum logprob / length judged), and once accepted its segments stream
+  (and, with word timestamps or ``hallucination_silence_threshold``, the
   alignment heads' cross-attention over the kept KV gives its words,
-  ``decoder_svc.whisper.word_timing``). The next window's Encode is sent as
+  ``decoder_svc.whisper.word_timing``, which under openai rules also move the
+  seek). A rejected attempt is never sent. The next window's Encode is sent as
   soon as its seek is known.
 
 Abort, disconnect and failures end the request as any other
@@ -47,9 +55,10 @@ from decoder_svc.session.inputs import RequestInput
 from decoder_svc.session.request_progress import StreamCoalescer
 from decoder_svc.session.request_session import RequestSession
 from decoder_svc.whisper import segment_output
-from decoder_svc.whisper.language import detect_language, no_speech_probability
+from decoder_svc.whisper.clips import speech_windows
+from decoder_svc.whisper.language import detect_language, language_probabilities, no_speech_probability
 from decoder_svc.whisper.longform import LongFormOptions, LongFormState
-from decoder_svc.whisper.quality import Verdict, avg_logprob
+from decoder_svc.whisper.quality import Verdict, avg_logprob, rank_samples, text_passes
 from decoder_svc.whisper.segments import split_window
 from decoder_svc.whisper.timestamp_rules import TimestampRules
 from decoder_svc.whisper.vad import has_speech
@@ -58,6 +67,13 @@ from shared.proto import decoder_pb2
 
 ENCODER_LEN = 1500  # cross-attention positions of one 30 s window
 HOP_LENGTH = 160  # samples per log-mel frame
+
+
+def window_seed(seed: int | None, seek: int, attempt: int) -> int:
+    """The sampling seed of one window attempt: from the request's ``seed`` (0 when it gave none), the window's
+    first frame and the attempt, so a fallback samples the same tokens whether the request runs alone or beside
+    others, and every attempt draws other numbers (its ``n`` samples take ``seed + i``, ``sampler.sample_seed``)."""
+    return ((seed or 0) + seek * 1_000_003 + attempt * 1_009) % 2**63
 
 
 class _Aborted(Exception):
@@ -70,7 +86,7 @@ class WhisperSession(RequestSession):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.job = self.progress.input.whisper
-        self.kept_start: int | None = None  # first sample of the window whose cross KV the engine keeps
+        self.kept_window: tuple[int, int] | None = None  # (first sample, samples) of the window whose cross KV is kept
         self.language: str | None = self.job.language
         self.language_probability = 1.0
         self.no_speech_prob = 0.0
@@ -83,7 +99,7 @@ class WhisperSession(RequestSession):
         progress, job = self.progress, self.job
         final = decoder_pb2.GenerateResponse(request_id=self.request_id, finish_reason=decoder_pb2.FINISH_REASON_STOP)
         try:
-            if len(job.pcm):
+            if len(job.pcm) and job.clips != []:  # the VAD gate may find no speech at all
                 if self.language is None:
                     await self._detect_language()
                 if job.long_form:
@@ -92,7 +108,7 @@ class WhisperSession(RequestSession):
                 else:
                     async for message in self._short_form(final):
                         yield message
-            else:  # the VAD found no speech: nothing to decode
+            else:  # the VAD (filter or gate) found no speech: nothing to decode
                 self.no_speech_prob = 1.0
             if self.length_cut:
                 final.finish_reason = decoder_pb2.FINISH_REASON_LENGTH
@@ -109,13 +125,30 @@ class WhisperSession(RequestSession):
 
     # -- the three kinds of sequence ------------------------------------------
     async def _detect_language(self) -> None:
-        specials = self.job.specials
+        job, specials = self.job, self.job.specials
         params = SamplingParams(max_tokens=1, probe_position=0)
-        logits = None
-        async for item in self._sequence(0, self._window_len(0), [specials.sot], params):
-            if item.probe_logits is not None:
-                logits = item.probe_logits
-        self.language, self.language_probability = detect_language(logits, specials)
+        if job.long_form and job.rules.openai:  # where the speech is: the windows the loop will decode
+            windows = speech_windows(job.clips, len(job.pcm), job.language_detection_segments)
+        else:
+            windows = [(0, min(len(job.pcm), 30 * 16_000))]
+        votes: dict[str, list[float]] = {}
+        for start, num_samples in windows:
+            logits = None
+            async for item in self._sequence(start, num_samples, [specials.sot], params):
+                if item.probe_logits is not None:
+                    logits = item.probe_logits
+            if len(windows) == 1:
+                self.language, self.language_probability = detect_language(logits, specials)
+                return
+            probs = language_probabilities(logits, specials)
+            code = max(probs, key=probs.get)
+            if probs[code] > job.language_detection_threshold:
+                self.language, self.language_probability = code, probs[code]
+                return
+            votes.setdefault(code, []).append(probs[code])
+        # faster-whisper: no window was sure enough, the language most windows chose (its best probability)
+        self.language = max(votes, key=lambda c: len(votes[c]))
+        self.language_probability = max(votes[self.language])
 
     async def _short_form(self, final: decoder_pb2.GenerateResponse):
         job, specials, sessions = self.job, self.job.specials, self._sessions
@@ -166,17 +199,25 @@ class WhisperSession(RequestSession):
 
     async def _long_form(self):
         job, specials, sessions = self.job, self.job.specials, self._sessions
+        rules = job.rules
+        tokenizer = sessions.engine.tokenizer
+        # Under openai rules a clip of at most 30 s with no timestamps asked is decoded without them.
+        timestamps = not rules.openai or job.timestamps != "none" or len(job.pcm) > 30 * 16_000
         state = LongFormState(
             specials,
             len(job.pcm),
             LongFormOptions(
                 language=self.language,
                 task=job.task,
-                timestamps=True,
+                timestamps=timestamps,
                 condition_on_previous_text=job.condition_on_previous_text,
                 initial_prompt_ids=tuple(job.prompt_ids),
-                rules=job.rules,
+                rules=rules,
+                clips=None if job.clips is None else tuple(job.clips),
+                word_timestamps=rules.openai and job.word_timing,
+                hallucination_silence_threshold=job.hallucination_silence_threshold,
             ),
+            decode=(lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if rules.openai else None,
         )
         first, budget = True, self.params.max_tokens  # max_tokens: over the whole request, every attempt counted
         while (plan := state.next_window()) is not None:
@@ -189,30 +230,39 @@ class WhisperSession(RequestSession):
                     return
             params = SamplingParams(
                 temperature=plan.temperature,
-                seed=self.params.seed,
+                seed=window_seed(self.params.seed, plan.seek, plan.attempt),
+                n=rules.samples_at(plan.temperature),
                 logprobs=True,
                 logprobs_before_warpers=True,
                 probe_position=prompt.index(specials.sot),
-                logits_rules=TimestampRules(specials, begin_index=len(prompt)),
+                logits_rules=TimestampRules(specials, begin_index=len(prompt)) if timestamps else None,
                 max_tokens=max_new,
+                repetition_penalty=self.params.repetition_penalty,
+                no_repeat_ngram_size=self.params.no_repeat_ngram_size,
             )
-            generated: list[int] = []
-            logprobs: list[float] = []
+            samples: dict[int, tuple[list[int], list[float]]] = {}
             probe = None
             async for item in self._sequence(plan.start_sample, plan.num_samples, prompt, params):
+                generated, logprobs = samples.setdefault(item.index, ([], []))
                 generated += item.new_token_ids
                 logprobs += [lp.logprob for lp in item.logprobs or ()]
                 if item.probe_logits is not None:
                     probe = item.probe_logits
                 self._observe_tokens(len(item.new_token_ids))
+            ordered = [samples.get(i, ([], [])) for i in range(params.n)]
+            pick = 0
+            if params.n > 1:  # openai rules' best_of: a sample that loops is never preferred (rank_samples)
+                fine = [text_passes(state.text(ids), rules.compression_ratio_threshold) for ids, _ in ordered]
+                pick = rank_samples(ordered, specials.eot, fine)
+            generated, logprobs = ordered[pick]
             no_speech = no_speech_probability(probe, specials)
             if first:
                 self.no_speech_prob, first = no_speech, False
-            rules = job.rules
             heard_no_speech = False
             if rules.no_speech_threshold is not None and no_speech > rules.no_speech_threshold:
                 window_pcm = job.pcm[plan.start_sample : plan.start_sample + plan.num_samples]
                 heard_no_speech = not await asyncio.to_thread(has_speech, window_pcm)
+            words = None
             if budget is not None and self.progress.completion_tokens >= budget:
                 # max_tokens used up: this attempt's segments as they are (no retry), then "length"
                 segments = split_window(generated, specials, plan.seek, plan.num_frames)[0]
@@ -221,14 +271,18 @@ class WhisperSession(RequestSession):
                 result = state.on_result(generated, logprobs, no_speech, heard_no_speech)
                 if result.verdict is Verdict.RETRY:
                     continue  # decoded again at the next temperature, over the kept cross KV
+                if result.needs_words:  # openai rules: the words move the seek (and may drop hallucinations)
+                    timed = await self._words(plan, result.segments, result.generated, result.token_logprobs)
+                    result = state.finish_window(timed)
+                    words = result.words
                 segments = list(result.segments)
                 generated, logprobs = result.generated, result.token_logprobs  # the attempt taken
-            words = None
-            if segments and job.timestamps == "word":
+            if segments and job.timestamps == "word" and words is None:
                 words = await self._words(plan, segments, generated, logprobs)
             messages = segment_output.segment_messages(
-                self.request_id, job, sessions.engine.tokenizer, segments, words, self.segments_sent
-            )
+                self.request_id, job, tokenizer, segments, words if job.timestamps == "word" else None,
+                self.segments_sent,
+            )  # fmt: skip
             if messages.segments:
                 self.segments_sent += len(messages.segments)
                 messages.token_ids.extend(generated)
@@ -237,11 +291,9 @@ class WhisperSession(RequestSession):
                 return
 
     # -- plumbing -----------------------------------------------------------------
-    def _window_len(self, start: int) -> int:
-        return min(len(self.job.pcm) - start, 30 * 16_000)
-
     async def _sequence(self, start: int, num_samples: int, prompt: list[int], params: SamplingParams):
-        """Adds one sequence over the window ``[start, start + num_samples)`` and yields its outputs to its end.
+        """Adds one sequence (``params.n`` samples) over the window ``[start, start + num_samples)`` and yields
+        its outputs until every sample finished.
 
         The window's cross KV is kept after it (for a retry, the transcription after detection, word
         alignment); a sequence over another window first frees it and has the new window encoded.
@@ -251,11 +303,11 @@ class WhisperSession(RequestSession):
             Exception: from the stream (the encoder failed, a failed step, the shutdown cut).
         """
         sessions, progress = self._sessions, self.progress
-        reuse = self.kept_start == start
+        reuse = self.kept_window == (start, num_samples)
         if not reuse:
-            if self.kept_start is not None:
+            if self.kept_window is not None:
                 await sessions.loop.call(sessions.engine.release_cross, self.request_id)
-                self.kept_start = None
+                self.kept_window = None
             window = RequestInput(ENCODER_LEN, pcm=self.job.pcm[start : start + num_samples])
             if self.job.features is not None:  # over 30 s: the window's slice of the whole clip's log-mel (HF)
                 window.features = window_features(
@@ -268,8 +320,9 @@ class WhisperSession(RequestSession):
         await self._add_sequence(
             ENCODER_LEN, params, prompt, None if reuse else progress.input, keep_cross=True, reuse_cross=reuse
         )
-        self.kept_start = start
+        self.kept_window = (start, num_samples)
         progress.sample_completion.clear()
+        finished: set[int] = set()
         while True:
             got = await self.stream.get()
             if isinstance(got, BaseException):
@@ -284,6 +337,8 @@ class WhisperSession(RequestSession):
             progress.count(got)
             yield got
             if got.finished:
+                finished.add(got.index)
+            if len(finished) >= params.n:
                 progress.base_prompt_tokens, progress.base_completion_tokens = (
                     progress.prompt_tokens,
                     progress.completion_tokens,

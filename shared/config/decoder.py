@@ -76,6 +76,10 @@ class DecoderServiceConfig(ServiceConfig):
             window is decoded long-form, window by window, in one request
             (``decoder_svc.session.whisper_session``). Default 600 s (10 min, 20 or more
             windows; 38 MB of float32 PCM, within the 64 MiB gRPC message limit).
+        decoding_rules: Whisper's decoding rules when a request names none: ``openai``
+            (default; openai-whisper's ``transcribe()`` as faster-whisper runs it, with the
+            VAD gate and fallback on every request) or ``hf`` (HF transformers' ``generate``,
+            the reference of the parity tests); see ``decoder_svc.whisper.quality``.
         quantize: ``none`` or ``int8`` (opt-in int8 decoder weights and output
             projection with per-token activation scales, Whisper models; see
             ``shared.models.quantize``).
@@ -144,6 +148,7 @@ class DecoderServiceConfig(ServiceConfig):
     decode_hold_gap_steps: int = 20
     stream_interval: int = 1
     max_audio_s: float = 600.0
+    decoding_rules: str = "openai"
     kv_cache_memory: str = ""
     metrics_port: int = 9400
     encoder_cache: int = 1
@@ -200,6 +205,8 @@ class DecoderServiceConfig(ServiceConfig):
             raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
         if not 0 < self.max_queue_time_s < float("inf"):  # also refuses NaN
             raise ValueError(f"max_queue_time_s must be > 0 and finite (seconds), got {self.max_queue_time_s}")
+        if self.decoding_rules not in ("openai", "hf"):
+            raise ValueError(f"decoding_rules must be 'openai' or 'hf', got {self.decoding_rules!r}")
         for name in ("encode_timeout_s", "max_audio_s"):
             if not 0 < getattr(self, name) < float("inf"):  # also refuses NaN
                 raise ValueError(f"{name} must be > 0 and finite (seconds), got {getattr(self, name)}")

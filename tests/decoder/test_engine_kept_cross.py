@@ -73,8 +73,48 @@ def test_reuse_without_kept_cross_is_refused(tiny):
     engine, _ = make_engine(model, tokenizer, 64, CROSS_PER_REQ)
     with pytest.raises(ValueError, match="no kept cross KV"):
         engine.add_request("x", ENC_LEN, SamplingParams(), reuse_cross=True)
-    with pytest.raises(ValueError, match="n = 1"):
-        engine.add_request("y", ENC_LEN, SamplingParams(n=2, temperature=1.0), keep_cross=True)
+    with pytest.raises(ValueError, match="num_beams = 1"):
+        engine.add_request("y", ENC_LEN, SamplingParams(num_beams=2), keep_cross=True)
+
+
+def run_group(engine, cross, kv, rid, params, **add):
+    """Like ``run`` for n > 1 samples: steps until every index finished; returns ({index: tokens}, encoded)."""
+    engine.add_request(rid, ENC_LEN, params, **add)
+    tokens, done, encoded = {}, set(), False
+    for _ in range(800):
+        out = engine.step()
+        for r, blocks in out.to_encode:
+            write_cross(cross, kv, blocks)
+            engine.mark_encoded(r)
+            encoded = True
+        for o in out.outputs:
+            tokens.setdefault(o.index, []).extend(o.new_token_ids)
+            done |= {o.index} if o.finished else set()
+        if len(done) == params.n:
+            return tokens, encoded
+    raise AssertionError("did not finish")
+
+
+def test_samples_share_and_keep_the_kept_cross(tiny):
+    """Whisper's best_of: n samples over a window's kept cross KV (one Encode), again over the same KV; the
+    samples equal those of a fresh encode with the same seed, and every block comes back at the end."""
+    model, tokenizer, kvs, ref = tiny
+    clip = CLIPS[0]
+    engine, cross = make_engine(model, tokenizer, 64, CROSS_PER_REQ * 2)
+    baseline = free_counts(engine)
+    first, _, _ = run(engine, cross, kvs[clip], "s", SamplingParams(), keep_cross=True)
+    assert first == ref[clip] + [50256]
+    hot = SamplingParams(n=3, temperature=0.8, seed=7, max_tokens=24)
+    kept, encoded = run_group(engine, cross, kvs[clip], "s", hot, reuse_cross=True, keep_cross=True)
+    assert not encoded and sorted(kept) == [0, 1, 2]
+    assert len({tuple(t) for t in kept.values()}) > 1  # three samples, not three copies
+    assert free_counts(engine) == (baseline[0], baseline[1] - CROSS_PER_REQ)  # the cross KV kept once more
+    again, encoded = run_group(engine, cross, kvs[clip], "s", hot, reuse_cross=True, keep_cross=True)
+    assert not encoded and again == kept
+    assert engine.release_cross("s")
+    fresh, encoded = run_group(engine, cross, kvs[clip], "f", hot)
+    assert encoded and fresh == kept
+    assert free_counts(engine) == baseline
 
 
 def test_probe_logits_are_the_raw_logits_of_that_prompt_position(tiny):

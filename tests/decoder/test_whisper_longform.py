@@ -1,5 +1,8 @@
 """Whisper long-form algorithm (decoder_svc/whisper/{quality,segments,longform}.py) against HF transformers.
 
+These run the loop under HF's decoding rules (``decoding_rules="hf"``), the mode whose reference HF is; the
+openai-whisper rules are tested in tests/decoder/test_whisper_openai_rules.py.
+
 The pieces are compared with HF's own ``WhisperGenerationMixin`` methods called on the same inputs
 (``_retrieve_compression_ratio``, ``_retrieve_avg_logprobs``, ``_need_fallback``, ``_retrieve_segment``,
 ``_prepare_segments`` + ``_prepare_decoder_input_ids``); the whole loop with an HF-backed engine against
@@ -36,6 +39,7 @@ from shared.models.whisper_features import special_token_ids
 from shared.models.whisper_specials import WhisperSpecials
 
 TEMPS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
+HF_RULES = FallbackRules(decoding_rules="hf")
 VOCAB = 51864  # tiny.en
 
 
@@ -87,7 +91,7 @@ def test_judge_matches_hf_need_fallback(repetitive, logprob, no_speech, temperat
     toks = [5, 6, 7, 8] * 15 if repetitive else [rng.randrange(50256) for _ in range(60)]
     toks = [50363, *toks, 50600, 50256]
     scores = _scores_for(toks, logprob)
-    rules = FallbackRules(TEMPS, 2.4, -1.0, 0.6)
+    rules = FallbackRules(TEMPS, 2.4, -1.0, 0.6, decoding_rules="hf")
     cfg = SimpleNamespace(compression_ratio_threshold=2.4, logprob_threshold=-1.0, no_speech_threshold=0.6)
     detector = WhisperNoSpeechDetection(no_speech_token=50361, begin_index=1)
     detector._no_speech_prob = torch.tensor([no_speech])
@@ -106,13 +110,13 @@ def test_judge_matches_hf_need_fallback(repetitive, logprob, no_speech, temperat
 
 def test_rules_validation():
     with pytest.raises(ValueError):
-        FallbackRules(logprob_threshold=None)  # no_speech_threshold 0.6 needs it (HF fails there)
+        FallbackRules(logprob_threshold=None, decoding_rules="hf")  # no_speech_threshold 0.6 needs it (HF fails there)
     with pytest.raises(ValueError):
-        FallbackRules(temperatures=())
+        FallbackRules(temperatures=(), decoding_rules="hf")
     with pytest.raises(ValueError):
-        LongFormOptions(timestamps=False)
+        LongFormOptions(timestamps=False, rules=HF_RULES)
     with pytest.raises(ValueError):
-        LongFormOptions(condition_on_previous_text=False, prompt_condition_type="all-segments")
+        LongFormOptions(condition_on_previous_text=False, prompt_condition_type="all-segments", rules=HF_RULES)
 
 
 T0 = 50363  # <|0.00|> of tiny.en
@@ -205,7 +209,9 @@ def test_prompts_and_fallback_flow_match_hf(specials, initial, condition_type, c
         condition_on_previous_text=condition,
         initial_prompt_ids=initial,
         prompt_condition_type=condition_type,
-        rules=FallbackRules(keep_best_attempt=False),  # HF's flow: the last attempt is taken when all fail
+        rules=FallbackRules(
+            keep_best_attempt=False, decoding_rules="hf"
+        ),  # HF's flow: the last attempt is taken when all fail
     )
     st = LongFormState(specials, 16000 * 200, options)
     # window k is accepted at attempt accept_at[k]; attempt 3 (0.6) leaves the next window unconditioned
@@ -233,7 +239,7 @@ def test_prompts_and_fallback_flow_match_hf(specials, initial, condition_type, c
 
 
 def test_skip_and_last_window(specials):
-    st = LongFormState(specials, 16000 * 40 + 100, LongFormOptions())
+    st = LongFormState(specials, 16000 * 40 + 100, LongFormOptions(rules=HF_RULES))
     plan = st.next_window()
     assert (plan.seek, plan.num_frames, plan.start_sample, plan.num_samples) == (0, 3000, 0, 480000)
     r = st.on_result([T0, 11, EOT], [-2.0] * 3, 0.7)  # low logprob + likely silence
@@ -322,7 +328,9 @@ def test_longform_matches_hf_generate(
     then a window without previous text); one that skips windows as silence."""
     pcm, feats = long_clip
     # HF takes the last attempt when every temperature fails (keep_best_attempt=False; tested on its own below)
-    rules = FallbackRules(temperatures, 2.4, logprob_threshold, no_speech_threshold, keep_best_attempt=False)
+    rules = FallbackRules(
+        temperatures, 2.4, logprob_threshold, no_speech_threshold, keep_best_attempt=False, decoding_rules="hf"
+    )
     want, want_sequence = _hf_longform(hf_whisper, feats, rules)
 
     st = LongFormState(specials, len(pcm), LongFormOptions(rules=rules))
@@ -346,7 +354,7 @@ def test_longform_matches_hf_generate(
 
 def test_when_every_temperature_fails_the_best_attempt_is_kept(specials):
     """faster-whisper's choice: the highest average logprob among attempts within the compression threshold."""
-    rules = FallbackRules((0.0, 0.5, 1.0), 2.4, logprob_threshold=-0.1, no_speech_threshold=None)
+    rules = FallbackRules((0.0, 0.5, 1.0), 2.4, logprob_threshold=-0.1, no_speech_threshold=None, decoding_rules="hf")
     st = LongFormState(specials, 16000 * 10, LongFormOptions(rules=rules))
     ts = specials.timestamp_begin
     attempts = [

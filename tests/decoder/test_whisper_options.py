@@ -1,4 +1,5 @@
-"""WhisperOptions -> WhisperJob: defaults, language names and codes, the prompt cut, what long-form refuses."""
+"""WhisperOptions -> WhisperJob: defaults, language names and codes, the prompt cut, what long-form refuses,
+the decoding rules and the options only openai-whisper's loop has."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from decoder_svc.whisper.options import DEFAULT_TEMPERATURES, LONG_FORM_REFUSED, parse_whisper_options
+from decoder_svc.whisper.options import DEFAULT_TEMPERATURES, LONG_FORM_REFUSED, OPENAI_ONLY, parse_whisper_options
 from shared.errors import InvalidRequestError
 from shared.models.registry import resolve_model
 from shared.models.whisper_features import special_token_ids
@@ -39,8 +40,10 @@ def words(text: str) -> list[int]:
     return [1000 + i for i, _ in enumerate(text.split())]
 
 
-def parse(sp, options=None, sampling=None, pcm=SHORT):
-    return parse_whisper_options(options or pb.WhisperOptions(), sp, words, pcm, sampling or pb.SamplingParams())
+def parse(sp, options=None, sampling=None, pcm=SHORT, rules="openai"):
+    return parse_whisper_options(
+        options or pb.WhisperOptions(), sp, words, pcm, sampling or pb.SamplingParams(), decoding_rules=rules
+    )
 
 
 def test_defaults_are_openai_transcribe(base, tiny):
@@ -52,9 +55,64 @@ def test_defaults_are_openai_transcribe(base, tiny):
         -1.0,
         0.6,
     )
-    assert not job.long_form and job.features is None
+    assert (
+        job.rules.decoding_rules == "openai" and job.rules.best_of == 5 and job.rules.prompt_reset_on_temperature == 0.5
+    )
+    # every request runs the window loop with its fallback; the VAD gate hears nothing in silence: no clip
+    assert job.long_form and not job.token_stream and job.clips == [] and job.features is None
     assert parse(tiny).language == "en"  # English-only: nothing to detect
     assert parse(base, sampling=pb.SamplingParams(temperature=0.5)).rules.temperatures == (0.5,)
+    hf = parse(base, rules="hf")  # HF generate: a short clip is one window streamed token by token
+    assert hf.rules.decoding_rules == "hf" and not hf.long_form and hf.token_stream and hf.clips is None
+    assert parse(base, pb.WhisperOptions(decoding_rules="HF")).rules.decoding_rules == "hf"  # the request wins
+    assert parse(base, pb.WhisperOptions(decoding_rules="openai"), rules="hf").rules.decoding_rules == "openai"
+
+
+def test_a_token_level_setting_keeps_a_short_clip_token_streamed(base):
+    job = parse(base, sampling=pb.SamplingParams(top_k=5))
+    assert job.token_stream and not job.long_form
+    job = parse(base, sampling=pb.SamplingParams(repetition_penalty=1.2, no_repeat_ngram_size=3))
+    assert job.long_form  # these two hold in the window loop too
+
+
+def test_vad_gate_and_clip_timestamps_give_the_clips(base):
+    rng = np.random.default_rng(0)
+    assert parse(base, pb.WhisperOptions(vad_gate=False), pcm=LONG).clips is None
+    job = parse(base, pb.WhisperOptions(vad_gate=False, clip_timestamps=[1.0, 5.5, 20]), pcm=LONG)
+    assert job.clips == [(100, 550), (2000, 4000)]
+    # with the gate too: the clips within the speech it finds (noise holds none)
+    noise = (rng.standard_normal(len(LONG)) * 0.01).astype(np.float32)
+    assert parse(base, pb.WhisperOptions(clip_timestamps=[1.0, 5.5]), pcm=noise).clips == []
+    assert parse(base, pb.WhisperOptions(vad_filter=True, vad_gate=True), pcm=noise).clips is None  # joined already
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        (pb.WhisperOptions(decoding_rules="whisperx"), "decoding_rules must be one of openai, hf"),
+        (pb.WhisperOptions(best_of=0), r"best_of must be in \[1, 16\]"),
+        (pb.WhisperOptions(best_of=99), r"best_of must be in \[1, 16\]"),
+        (pb.WhisperOptions(prompt_reset_on_temperature=2.0), r"prompt_reset_on_temperature must be in \[0, 1\]"),
+        (pb.WhisperOptions(hallucination_silence_threshold=-1), "hallucination_silence_threshold must be seconds"),
+        (pb.WhisperOptions(vad_gate_min_silence_s=float("nan")), "vad_gate_min_silence_s must be seconds"),
+        (pb.WhisperOptions(language_detection_segments=0), r"language_detection_segments must be in \[1, 20\]"),
+        (pb.WhisperOptions(language_detection_threshold=1.5), "language_detection_threshold must be in"),
+        (pb.WhisperOptions(clip_timestamps=[5, 2]), "clip_timestamps must be increasing"),
+        (pb.WhisperOptions(clip_timestamps=[0, 5, 3, 8]), "clip_timestamps must be increasing"),
+        (pb.WhisperOptions(clip_timestamps=[-1, 5]), "clip_timestamps must be seconds >= 0"),
+    ],
+)
+def test_bad_openai_options_are_refused_with_a_message(base, options, named):
+    with pytest.raises(InvalidRequestError, match=named):
+        parse(base, options, pcm=LONG)
+
+
+@pytest.mark.parametrize("name", [*OPENAI_ONLY, "clip_timestamps"])
+def test_hf_rules_refuse_what_only_openai_whisper_has(base, name):
+    value = {"best_of": 2, "vad_gate": True, "language_detection_segments": 2, "clip_timestamps": [1.0]}.get(name, 0.5)
+    with pytest.raises(InvalidRequestError, match=f"{name} is an option of openai-whisper's decoding rules"):
+        parse(base, pb.WhisperOptions(decoding_rules="hf", **{name: value}))
+    parse(base, pb.WhisperOptions(decoding_rules="hf", vad_gate=False))  # turning the gate off is no option at all
 
 
 @pytest.mark.parametrize(("given", "code"), [("de", "de"), (" DE ", "de"), ("German", "de"), ("english", "en")])
@@ -101,7 +159,7 @@ def test_long_form_takes_the_whole_clips_features(base):
 @pytest.mark.parametrize("name", [*LONG_FORM_REFUSED, "stop", "stop_token_ids"])
 def test_long_form_refuses_token_level_sampling(base, name):
     value = {"stop": ["x"], "stop_token_ids": [5], "logprobs": True, "ignore_eos": True}.get(name, 1)
-    if name in ("top_p", "min_p", "repetition_penalty"):
+    if name in ("top_p", "min_p"):
         value = 0.5
     if name == "include_stop_str_in_output":
         value = True

@@ -1,8 +1,9 @@
 """End to end: Redis + encoder_svc + decoder_svc as separate processes, real gRPC.
 
 Transcripts are compared with HF transformers' greedy ``generate`` on the same
-(CTranslate2) weights; Redis records and KV block counts are read back from
-the real services.
+(CTranslate2) weights, so requests name HF's decoding rules (``HF_RULES``: a short
+clip is one window streamed token by token); Redis records and KV block counts are
+read back from the real services.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from shared.proto import decoder_pb2, decoder_pb2_grpc
 
 DATA = DATA_DIR
 CLIPS = ["sample.wav", "numbers.wav", "short.wav"]
+HF_RULES = decoder_pb2.WhisperOptions(decoding_rules="hf")
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +50,7 @@ def hf_tokens(hf_whisper_tokens):
 
 def generate(stub, audio: bytes, request_id: str = "", **sampling):
     request = decoder_pb2.GenerateRequest(
-        request_id=request_id, audio=audio, sampling=decoder_pb2.SamplingParams(**sampling)
+        request_id=request_id, audio=audio, sampling=decoder_pb2.SamplingParams(**sampling), whisper=HF_RULES
     )
     return list(stub.Generate(request, timeout=120))
 
@@ -204,7 +206,8 @@ def test_duplicate_request_id_is_refused(stub):
 def test_client_disconnect_aborts_and_frees_blocks(stub):
     request_id = f"cancel-{uuid.uuid4().hex[:8]}"
     call = stub.Generate(
-        decoder_pb2.GenerateRequest(request_id=request_id, audio=(DATA / "sample.wav").read_bytes()), timeout=120
+        decoder_pb2.GenerateRequest(request_id=request_id, audio=(DATA / "sample.wav").read_bytes(), whisper=HF_RULES),
+        timeout=120,
     )
     first = next(call)
     assert first.token_ids
@@ -217,7 +220,8 @@ def test_client_disconnect_aborts_and_frees_blocks(stub):
 def test_abort_rpc_ends_stream(stub):
     request_id = f"abort-{uuid.uuid4().hex[:8]}"
     call = stub.Generate(
-        decoder_pb2.GenerateRequest(request_id=request_id, audio=(DATA / "sample.wav").read_bytes()), timeout=120
+        decoder_pb2.GenerateRequest(request_id=request_id, audio=(DATA / "sample.wav").read_bytes(), whisper=HF_RULES),
+        timeout=120,
     )
     next(call)
     assert stub.Abort(decoder_pb2.AbortRequest(request_id=request_id)).aborted

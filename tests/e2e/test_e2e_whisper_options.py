@@ -4,7 +4,8 @@ Redis + encoder_svc + decoder_svc as separate processes (``encdec.launcher.Servi
 (whisper-base, multilingual; whisper-tiny.en, English-only), real gRPC with ``GenerateRequest.whisper``.
 The truth is HF transformers on the same weights (``helpers.whisper_hf``): ``detect_language`` and
 ``generate`` with the language / task / ``prompt_ids`` / ``return_timestamps`` / ``return_token_timestamps``
-the request asks for. Clips: espeak-ng weather reports in German, Spanish and French, the bundled English
+the request asks for, so requests name HF's decoding rules (``pcm_request``) unless a test is about
+openai-whisper's. Clips: espeak-ng weather reports in German, Spanish and French, the bundled English
 ``sample.wav``, and numpy-made silence, low noise and a 0.8 s cut.
 
 Word times follow ``decoder_svc/whisper/word_timing.py`` (``helpers.whisper_hf.hf_word_times`` builds them
@@ -47,6 +48,10 @@ BASE_CASES = {
     "segments": ("sample", {"language": "en", "timestamps": SEGMENT}),
     "words": ("sample", {"language": "en", "timestamps": WORD}),
     "words_late_start": ("late:meeting", {"language": "en", "timestamps": WORD}),
+    # openai-whisper's rules (the service default): a translation that loops at temperature 0 (fallback, best_of 5
+    # samples over the kept cross KV), and word timing that moves the seek
+    "openai_translate_fr": ("weather_fr", {"task": "translate", "decoding_rules": "openai"}),
+    "openai_words": ("late:meeting", {"language": "en", "timestamps": WORD, "decoding_rules": "openai"}),
 }
 LEAD_IN_S = 1.2  # "late:<clip>": this much digital silence before the clip (speech starts past HF's 0.0)
 
@@ -77,7 +82,9 @@ class Result:
 
 
 def pcm_request(pcm: np.ndarray, request_id: str = "", **options) -> decoder_pb2.GenerateRequest:
-    """A Generate request for ``[N]`` float32 16 kHz samples with ``WhisperOptions(**options)``."""
+    """A Generate request for ``[N]`` float32 16 kHz samples with ``WhisperOptions(**options)``, under HF's
+    decoding rules unless ``decoding_rules`` says otherwise (HF is these tests' reference)."""
+    options.setdefault("decoding_rules", "hf")
     return decoder_pb2.GenerateRequest(
         request_id=request_id,
         pcm=decoder_pb2.PcmAudio(samples=np.asarray(pcm, "<f4").tobytes(), sample_rate=RATE),
@@ -280,13 +287,15 @@ def assert_refused(stub, pcm: np.ndarray, needle: str, **options) -> None:
 SILENCE = {"zeros": lambda: np.zeros(20 * RATE, np.float32), "noise_-60dBFS": lambda: noise(20.0, -60.0, seed=1)}
 
 
+@pytest.mark.parametrize("rules", ["hf", "openai"])
 @pytest.mark.parametrize("vad_filter", [False, True])
 @pytest.mark.parametrize("clip", sorted(SILENCE))
 @pytest.mark.parametrize("model", [TINY, BASE])
-def test_silence_gives_no_text(request, model, clip, vad_filter):
+def test_silence_gives_no_text(request, model, clip, vad_filter, rules):
+    """HF's rules (with the VAD's check of a window rated silent), vad_filter, and openai's with the VAD gate."""
     stub = stub_of(request, model)
     request_id = f"silence-{uuid.uuid4().hex[:8]}"
-    got = transcribe(stub, SILENCE[clip](), request_id, vad_filter=vad_filter)
+    got = transcribe(stub, SILENCE[clip](), request_id, vad_filter=vad_filter, decoding_rules=rules)
     assert got.final.finish_reason == STOP
     # With the VAD nothing is decoded at all: the record still ends FINISHED (QUEUED -> DECODING -> FINISHED).
     assert wait_state(stub, request_id, decoder_pb2.REQUEST_STATE_FINISHED).finish_reason == "stop"

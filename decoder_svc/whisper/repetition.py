@@ -1,0 +1,77 @@
+"""Repetition loops in a transcript: a phrase said again and again, back to back.
+
+Whisper's classic failure (openai-whisper discussions #679, #1962): the decoder falls into a cycle and repeats
+one phrase until the window's token limit. openai-whisper catches long loops with the compression ratio of the
+text (> 2.4), but a short window's loop ("I'm gonna go to sleep, I'm gonna go to sleep, I'm gonna go to
+sleep") compresses too little to pass that threshold. This module finds them directly: a *loop* is a phrase
+of ``p >= 1`` words repeated back to back at least ``MIN_COPIES`` times, covering at least ``MIN_LOOP_WORDS``
+words (so "no, no, no" is speech and "the new one, the new one, the new one" is a loop). Words are compared
+after lower-casing and dropping punctuation (Unicode letters, digits and apostrophes kept).
+
+The decoder treats a window with a loop as failed (decoded again hotter, ``decoder_svc.whisper.quality``);
+the quality bench (``encdec bench quality``) counts loops with the same definition.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+MIN_COPIES = 3
+MIN_LOOP_WORDS = 9
+MAX_PERIOD = 40  # words; longer repeated passages are left to the compression ratio
+_WORD = re.compile(r"[\w']+", re.UNICODE)
+
+
+def loop_words(text: str) -> list[str]:
+    """The words loops are found over: lower case, punctuation dropped."""
+    return _WORD.findall(text.lower().replace("\u2019", "'"))
+
+
+@dataclass(frozen=True)
+class Loop:
+    """One maximal back-to-back repetition: ``words[start : start + period * copies]``."""
+
+    start: int
+    period: int
+    copies: int
+
+    @property
+    def phrase_end(self) -> int:
+        """End of the first copy (what is kept when the loop is collapsed)."""
+        return self.start + self.period
+
+    @property
+    def end(self) -> int:
+        return self.start + self.period * self.copies
+
+
+def find_loops(words: Sequence[str]) -> list[Loop]:
+    """Every maximal loop in ``words``, in order, not overlapping (the shortest period wins at a position).
+
+    Runs in ``O(len(words) * MAX_PERIOD)``.
+    """
+    n = len(words)
+    loops: list[Loop] = []
+    i = 0
+    while i < n:
+        found = None
+        for p in range(1, min(MAX_PERIOD, (n - i) // MIN_COPIES) + 1):
+            copies = 1
+            while i + (copies + 1) * p <= n and words[i + copies * p : i + (copies + 1) * p] == words[i : i + p]:
+                copies += 1
+            if copies >= MIN_COPIES and p * copies >= MIN_LOOP_WORDS:
+                found = Loop(i, p, copies)
+                break
+        if found is None:
+            i += 1
+            continue
+        loops.append(found)
+        i = found.end
+    return loops
+
+
+def has_loop(text: str) -> bool:
+    """Whether ``text`` holds a loop (module docstring)."""
+    return bool(find_loops(loop_words(text)))
