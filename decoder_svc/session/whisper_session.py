@@ -61,7 +61,7 @@ from decoder_svc.whisper.longform import LongFormOptions, LongFormState
 from decoder_svc.whisper.quality import Verdict, avg_logprob, rank_samples, text_passes
 from decoder_svc.whisper.segments import split_window
 from decoder_svc.whisper.timestamp_rules import TimestampRules
-from decoder_svc.whisper.vad import has_speech
+from decoder_svc.whisper.vad import SILENCE_CHECK_MIN_SPEECH_MS, has_speech
 from shared.models.whisper_features import window_features
 from shared.proto import decoder_pb2
 
@@ -260,8 +260,7 @@ class WhisperSession(RequestSession):
                 self.no_speech_prob, first = no_speech, False
             heard_no_speech = False
             if rules.no_speech_threshold is not None and no_speech > rules.no_speech_threshold:
-                window_pcm = job.pcm[plan.start_sample : plan.start_sample + plan.num_samples]
-                heard_no_speech = not await asyncio.to_thread(has_speech, window_pcm)
+                heard_no_speech = not await self._heard_speech(plan.start_sample, plan.num_samples)
             words = None
             if budget is not None and self.progress.completion_tokens >= budget:
                 # max_tokens used up: this attempt's segments as they are (no retry), then "length"
@@ -346,6 +345,15 @@ class WhisperSession(RequestSession):
                 progress.sample_completion.clear()
                 self.encoding = None
                 return
+
+    async def _heard_speech(self, start: int, num_samples: int) -> bool:
+        """Whether silero-vad hears speech in ``[start, start + num_samples)`` of the job's audio: the VAD gate's
+        regions when it ran (a region of at least 250 ms overlapping it by that much), else ``vad.has_speech``."""
+        regions = self.job.gate_regions
+        if regions is None:
+            return await asyncio.to_thread(has_speech, self.job.pcm[start : start + num_samples])
+        least = SILENCE_CHECK_MIN_SPEECH_MS * 16
+        return any(min(e, start + num_samples) - max(s, start) >= least for s, e in regions)
 
     async def _words(self, plan, segments, generated, logprobs):
         """Word timings of an accepted window's segments, from its kept cross KV (off the engine thread)."""

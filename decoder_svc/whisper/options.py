@@ -75,6 +75,7 @@ class WhisperJob:
         token_stream: short-form: one window streamed token by token, no fallback (module docstring).
         clips: ``"openai"`` rules: the mel-frame ranges to decode (``clip_timestamps`` within the VAD gate), or
             None for all of ``pcm``.
+        gate_regions: the VAD gate's speech regions (``(start, end)`` samples of ``pcm``), or None without the gate.
         hallucination_silence_threshold: seconds, or None (``decoder_svc.whisper.word_seek``).
         language_detection_segments, language_detection_threshold: faster-whisper's options: detection on up
             to that many 30 s windows of speech, the first whose top language is above the threshold deciding.
@@ -93,6 +94,7 @@ class WhisperJob:
     features: np.ndarray | None = None
     token_stream: bool = False
     clips: list[Clip] | None = None
+    gate_regions: list[tuple[int, int]] | None = None
     hallucination_silence_threshold: float | None = None
     language_detection_segments: int = 1
     language_detection_threshold: float = 0.5
@@ -177,9 +179,9 @@ def parse_whisper_options(
         pcm = speech_map.speech_pcm(pcm)
     short = len(pcm) <= WINDOW_SAMPLES and timestamps == "none" and speech_map is None
     token_stream = short and (not openai or _token_level(sampling))
-    clips = None
+    clips = regions = None
     if openai and not token_stream:
-        clips = _clips(pb, pcm, gate=speech_map is None)
+        clips, regions = _clips(pb, pcm, gate=speech_map is None)
     features = log_mel_frames(pcm, num_mel_bins) if len(pcm) > WINDOW_SAMPLES else None
     job = WhisperJob(
         features=features,
@@ -195,6 +197,7 @@ def parse_whisper_options(
         speech_map=speech_map,
         token_stream=token_stream,
         clips=clips,
+        gate_regions=regions,
         hallucination_silence_threshold=_seconds(pb, "hallucination_silence_threshold", None),
         language_detection_segments=_detection_segments(pb),
         language_detection_threshold=_probability(pb, "language_detection_threshold", 0.5),
@@ -248,24 +251,26 @@ def _vad_options(pb: decoder_pb2.WhisperOptions, **defaults):
         raise InvalidRequestError(f"vad: {exc}") from None
 
 
-def _clips(pb: decoder_pb2.WhisperOptions, pcm: np.ndarray, gate: bool) -> list[Clip] | None:
-    """The frames to decode: ``clip_timestamps`` within the VAD gate's clips (None = all of ``pcm``)."""
+def _clips(pb: decoder_pb2.WhisperOptions, pcm: np.ndarray, gate: bool):
+    """The frames to decode, ``clip_timestamps`` within the VAD gate's clips (None = all of ``pcm``), and the
+    gate's speech regions (None without the gate)."""
     total = len(pcm) // HOP_LENGTH
-    clips = None
+    clips = regions = None
     if len(pb.clip_timestamps):
         try:
             clips = parse_clip_timestamps(list(pb.clip_timestamps), total)
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from None
     if gate and (pb.vad_gate if pb.HasField("vad_gate") else True) and len(pcm):
-        from decoder_svc.whisper.vad import speech_regions
+        from decoder_svc.whisper.vad import SILENCE_CHECK_MIN_SPEECH_MS, speech_regions
 
         min_silence = _seconds(pb, "vad_gate_min_silence_s", DEFAULT_GATE_MIN_SILENCE_S)
         # A region needs 250 ms of speech (silero's own default): clicks and breaths open no window.
-        regions = speech_regions(pcm, _vad_options(pb, min_speech_duration_ms=250))
+        vad = _vad_options(pb, min_speech_duration_ms=SILENCE_CHECK_MIN_SPEECH_MS)
+        regions = speech_regions(pcm, vad, batched=True)
         gated = gate_clips(regions, len(pcm), min_silence)
         clips = gated if clips is None else intersect_clips(clips, gated)
-    return clips
+    return clips, regions
 
 
 def _seconds(pb: decoder_pb2.WhisperOptions, name: str, default: float | None) -> float | None:

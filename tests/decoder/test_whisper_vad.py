@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
+from decoder_svc.whisper import vad
 from decoder_svc.whisper.vad import SAMPLE_RATE, SpeechMap, VadOptions, speech_regions
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,6 +41,19 @@ def test_regions_cover_speech_not_silence(padded_speech):
     assert speech_start - pad - window <= start <= speech_start + window
     assert speech_end - window <= end <= speech_end + pad + window
     assert start > SAMPLE_RATE * 4 and end < pcm.size - SAMPLE_RATE * 4
+
+
+def test_batched_regions_are_the_sequential_ones_within_a_window(padded_speech):
+    """The VAD gate's batched run (stretches side by side): the same regions as silero's own loop, each edge
+    within one 32 ms window, here and on the clip cut into pieces that end mid-stretch."""
+    pcm, _, _ = padded_speech
+    for clip in (pcm, pcm[: 3 * SAMPLE_RATE + 777], np.concatenate([pcm, pcm[::-1]])):
+        exact, batched = speech_regions(clip), speech_regions(clip, batched=True)
+        assert len(exact) == len(batched)
+        for (a, b), (c, d) in zip(exact, batched, strict=True):
+            assert abs(a - c) <= 512 and abs(b - d) <= 512
+    probs = vad.speech_probabilities(pcm)
+    assert len(probs) == -(-pcm.size // 512) and all(0.0 <= p <= 1.0 for p in probs)
 
 
 def test_speech_map_round_trip_on_detected_regions(padded_speech):
