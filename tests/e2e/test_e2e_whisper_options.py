@@ -25,6 +25,7 @@ import soundfile as sf
 from helpers.whisper_hf import RATE, hf_word_times, load_hf_whisper, noise, read_clip
 from test_e2e_whisper import assert_all_blocks_free, wait_state
 
+from decoder_svc.whisper.repetition import has_loop
 from encdec.launcher import Services
 from shared.proto import decoder_pb2, decoder_pb2_grpc
 
@@ -247,6 +248,22 @@ def test_word_timestamps_match_hf_token_timestamps(base_stub, hf_base, case):
     assert checked >= 10
     if case == "words_late_start":  # the first word starts in the speech, not at HF's 0.0
         assert got.segments[0].words[0].start >= LEAD_IN_S - 0.3, got.segments[0].words[0]
+    assert_all_blocks_free(base_stub)
+
+
+def test_short_translation_loop_falls_back_under_openai_rules(base_stub):
+    """The short translation loop (tests/data/speech/README.md): under HF's rules (the decoder's behaviour before
+    openai-whisper's rules were its default) greedy decoding repeats a phrase to the token limit; the default rules
+    decode the window again hotter (best_of 5 samples) and keep an attempt without a loop, its numbers in the
+    segment."""
+    pcm = read_clip("museum_fr")
+    looped = transcribe(base_stub, pcm, task="translate")
+    assert has_loop(looped.text) and looped.final.usage.completion_tokens > 200, looped.text[:200]
+    got = transcribe(base_stub, pcm, task="translate", decoding_rules="openai")
+    assert got.final.finish_reason == STOP and got.text.strip() and not has_loop(got.text), got.text
+    assert got.final.usage.completion_tokens < looped.final.usage.completion_tokens * 4
+    for s in got.segments:  # the window's judgement travels with its segments
+        assert s.temperature > 0 and 0 < s.compression_ratio <= 2.4 and s.avg_logprob < 0, s
     assert_all_blocks_free(base_stub)
 
 

@@ -40,13 +40,13 @@ PREPEND_PUNCTUATIONS = "\"'“¿([{-"
 
 
 def read_clip(name: str) -> np.ndarray:
-    """``[N]`` float32 16 kHz: ``"sample"`` .. ``"short"`` from ``encdec/data``, ``"weather_de"`` etc. from
-    ``tests/data/speech``.
+    """``[N]`` float32 16 kHz: ``"sample"`` .. ``"short"`` from ``encdec/data``, ``"weather_de"``, ``"museum_fr"``
+    etc. from ``tests/data/speech``.
 
     Raises:
         AssertionError: the file is not 16 kHz mono.
     """
-    path = SPEECH_DIR / f"{name}.wav" if name.startswith("weather_") else DATA_DIR / f"{name}.wav"
+    path = SPEECH_DIR / f"{name}.wav" if (SPEECH_DIR / f"{name}.wav").exists() else DATA_DIR / f"{name}.wav"
     pcm, rate = sf.read(path, dtype="float32")
     assert rate == RATE and pcm.ndim == 1, (path, rate, pcm.shape)
     return pcm
