@@ -276,6 +276,14 @@ def _add_bench(sub) -> None:
     p.set_defaults(func=BenchEntry("whisper"))
 
     p = benches.add_parser(
+        "quality",
+        help="transcript quality on a synthetic espeak-ng corpus: WER, words in silence gaps, repetition loops; "
+        "ours vs faster-whisper vs HF",
+    )
+    _add_quality_arguments(p)
+    p.set_defaults(func=BenchEntry("quality"))
+
+    p = benches.add_parser(
         "embed", help="Embed (all-MiniLM-L6-v2): our EmbedService vs sentence-transformers, batch 1 and 32"
     )
     p.add_argument("--model", default="all-MiniLM-L6-v2", help="encoder-only model name or directory")
@@ -371,6 +379,32 @@ def _add_seq2seq_arguments(p: argparse.ArgumentParser) -> None:
         help="our decoder's --stream-interval values, comma-separated: one row each (int8: the first only)",
     )
     p.add_argument("--json", default=None, help="also write the results here")
+
+
+def _add_quality_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``encdec bench quality`` flags (also used by ``encdec bench all``)."""
+    p.add_argument("--model", default="whisper-tiny.en", help="whisper-tiny.en (default) or whisper-base")
+    p.add_argument(
+        "--subsets",
+        default=None,
+        help="comma-separated among clean, pauses, long, gaps, noise, noise-only, lang-de, lang-es, lang-fr; "
+        "default: all the model speaks (an English-only model: no lang-*)",
+    )
+    p.add_argument(
+        "--threads", type=int, default=2, help="torch / CTranslate2 threads per system (per service for ours)"
+    )
+    p.add_argument(
+        "--systems", default=None, help="comma-separated among ours, fw-sequential, fw-batched, hf (default: all)"
+    )
+    p.add_argument(
+        "--address", default=None, help="use running services at this decoder address instead of starting them"
+    )
+    p.add_argument(
+        "--corpus-dir", default=None, help="where the corpus is built / reused (default: a keyed cache folder)"
+    )
+    p.add_argument("--skip-ct2", action="store_true", help="no faster-whisper systems (CTranslate2)")
+    p.add_argument("--skip-hf", action="store_true", help="no HF transformers system")
+    p.add_argument("--json", default=None, help="also write the results here, every file's hypothesis included")
 
 
 def _add_online_arguments(p: argparse.ArgumentParser) -> None:

@@ -20,8 +20,12 @@ faster-whisper reads the CTranslate2 directory as the bench's other systems do: 
 vocabulary and ``tokenizer.json``; without ``preprocessor_config.json`` it uses the 80-bin extractor.
 
 Usage: ``python -m encdec.bench.faster_whisper_anchor SYSTEM MODEL_DIR COMPUTE_TYPE THREADS MODE REPEATS FILE...``
-(MODE and REPEATS as above for ``ct2``; for the faster-whisper systems MODE is unused and REPEATS is
-``batch_size``). Prints ``{"wall_s", "tokens"}`` (ct2) or ``{"wall_s", "texts", "segments"}``.
+(MODE and REPEATS as above for ``ct2``; for the faster-whisper systems REPEATS is ``batch_size`` and MODE is
+``-`` or a comma-separated list of ``FW_OPTIONS``: ``detect`` (the language detected by faster-whisper for a
+multilingual checkpoint instead of English; an English-only one is always English), ``segments`` (each file's
+segments back), ``words`` (``word_timestamps=True``, the words in the segments; implies ``segments``)).
+Prints ``{"wall_s", "tokens"}`` (ct2) or ``{"wall_s", "texts", "segments"}``, plus ``"files"`` with
+``segments`` / ``words``.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import time
 from pathlib import Path
 
 SYSTEMS = ("ct2", "fw-sequential", "fw-batched")
+FW_OPTIONS = ("detect", "segments", "words")
 TEMPERATURES = [0.0, 0.2, 0.4, 0.6, 0.8, 1.0]  # openai-whisper transcribe() / faster-whisper defaults
 
 
@@ -83,36 +88,52 @@ def ct2_short_form(model_dir: str, compute_type: str, threads: int, mode: str, r
 
 
 def faster_whisper_long_form(
-    model_dir: str, compute_type: str, threads: int, batched: bool, batch_size: int, files: list[str]
+    model_dir: str,
+    compute_type: str,
+    threads: int,
+    batched: bool,
+    batch_size: int,
+    files: list[str],
+    options: frozenset[str] = frozenset(),
 ) -> dict:
-    """faster-whisper on ``files`` one after another (any length), language English, greedy first attempt.
+    """faster-whisper on ``files`` one after another (any length), greedy first attempt.
 
     Args:
         batched: ``BatchedInferencePipeline`` (VAD chunks, ``batch_size`` at a time) instead of ``WhisperModel``.
+        options: of ``FW_OPTIONS`` (module docstring); none: English, texts only.
 
     Returns:
         ``{"wall_s": float, "texts": [str, ...], "segments": int}``: each file's segment texts joined (each
-        carries its leading space), and the number of segments over all files. Audio decoding is outside the
-        timing (done before, as for HF); feature extraction and VAD are inside.
+        carries its leading space), and the number of segments over all files. With ``segments`` / ``words``
+        also ``"files"``: per file ``{"text", "language", "segments": [{"start", "end", "text"[, "words":
+        [{"word", "start", "end"}]]}]}`` (seconds). Audio decoding is outside the timing (done before, as
+        for HF); feature extraction, VAD and collecting the segments are inside.
 
     Raises:
-        ImportError: faster-whisper is not installed (the ``[bench]`` extra).
+        ImportError: faster-whisper is not installed (the ``[bench]`` extra). ValueError: an unknown option.
     """
     from faster_whisper import BatchedInferencePipeline, WhisperModel
 
+    if unknown := sorted(options - set(FW_OPTIONS)):
+        raise ValueError(f"unknown option(s) {unknown}; choose from {', '.join(FW_OPTIONS)}")
     model = WhisperModel(model_dir, device="cpu", compute_type=compute_type, cpu_threads=threads)
+    # English-only checkpoints are English either way (faster-whisper itself forces "en" for them).
+    language = None if "detect" in options and model.model.is_multilingual else "en"
+    word_timestamps = "words" in options
     audio = _audio(files)
     if batched:
         pipeline = BatchedInferencePipeline(model)
 
         def transcribe(pcm):
-            return pipeline.transcribe(pcm, language="en", beam_size=1, batch_size=batch_size)[0]
+            return pipeline.transcribe(
+                pcm, language=language, beam_size=1, batch_size=batch_size, word_timestamps=word_timestamps
+            )
     else:
 
         def transcribe(pcm):
-            segments, _ = model.transcribe(
+            return model.transcribe(
                 pcm,
-                language="en",
+                language=language,
                 beam_size=1,
                 temperature=TEMPERATURES,
                 compression_ratio_threshold=2.4,
@@ -120,15 +141,33 @@ def faster_whisper_long_form(
                 no_speech_threshold=0.6,
                 condition_on_previous_text=True,
                 without_timestamps=False,
+                word_timestamps=word_timestamps,
                 vad_filter=False,
             )
-            return segments
 
-    list(transcribe(audio[0][: 5 * 16000]))  # warm-up: 5 s, one window; segments are a lazy generator
+    list(transcribe(audio[0][: 5 * 16000])[0])  # warm-up: 5 s, one window; segments are a lazy generator
     start = time.perf_counter()
-    per_file = [[s.text for s in transcribe(pcm)] for pcm in audio]
+    per_file = []
+    for pcm in audio:
+        segments, info = transcribe(pcm)
+        per_file.append((list(segments), info.language))
     wall = time.perf_counter() - start
-    return {"wall_s": wall, "texts": ["".join(t) for t in per_file], "segments": sum(len(t) for t in per_file)}
+    texts = ["".join(s.text for s in segs) for segs, _ in per_file]
+    result = {"wall_s": wall, "texts": texts, "segments": sum(len(segs) for segs, _ in per_file)}
+    if options & {"segments", "words"}:
+        result["files"] = [
+            {"text": text, "language": lang, "segments": [_segment(s) for s in segs]}
+            for text, (segs, lang) in zip(texts, per_file)
+        ]
+    return result
+
+
+def _segment(s) -> dict:
+    """A faster-whisper ``Segment`` as JSON: start, end (seconds), text and, when timed, its words."""
+    out = {"start": s.start, "end": s.end, "text": s.text}
+    if s.words:
+        out["words"] = [{"word": w.word, "start": w.start, "end": w.end} for w in s.words]
+    return out
 
 
 def run_anchor(
@@ -164,8 +203,9 @@ def main(argv: list[str]) -> None:
     if system == "ct2":
         result = ct2_short_form(model_dir, compute_type, int(threads), mode, int(repeats), files)
     else:
+        options = frozenset() if mode == "-" else frozenset(o.strip() for o in mode.split(",") if o.strip())
         result = faster_whisper_long_form(
-            model_dir, compute_type, int(threads), system == "fw-batched", int(repeats), files
+            model_dir, compute_type, int(threads), system == "fw-batched", int(repeats), files, options
         )
     print(json.dumps(result))
 

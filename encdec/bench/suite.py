@@ -1,11 +1,12 @@
 """``encdec bench`` / ``encdec bench all``: every bench in one invocation.
 
 Runs whisper, seq2seq, embed, transfer (when ``encdec/bench/transfer.py``
-exists), online and http (when httpx, its client, is installed) one after
-another, each exactly as its own sub-command would with its defaults (the CLI
+exists), online, http (when httpx, its client, is installed) and quality one
+after another, each exactly as its own sub-command would with its defaults (the CLI
 parser builds each one's arguments, plus ``--threads`` / ``--skip-ct2`` and any
 ``--<bench>-args``), collects each bench's JSON, then prints every Markdown
-table (with its ratio column), and writes the combined JSON (``--json``) and a
+table (with its ratio column; a bench's further ``tables`` and ``notes``
+lines under it), and writes the combined JSON (``--json``) and a
 PNG (``--plot``).
 """
 
@@ -28,8 +29,8 @@ from encdec.bench.table import markdown_table, write_json
 from encdec.parser import build_parser
 
 # Benches that take --threads / --skip-ct2.
-THREADED = {"whisper", "seq2seq", "embed", "transfer", "online", "http"}
-CT2 = {"whisper", "seq2seq"}
+THREADED = {"whisper", "seq2seq", "embed", "transfer", "online", "http", "quality"}
+CT2 = {"whisper", "seq2seq", "quality"}
 
 
 def available() -> list[str]:
@@ -108,10 +109,15 @@ def run(args) -> dict:
 
 
 def render(result: dict) -> str:
-    """The machine, then every bench's Markdown table under a heading."""
+    """The machine, then every bench's Markdown table under a heading (and its ``tables``: ``[{"title",
+    "columns", "rows"}]``, and ``notes`` lines, when it has them)."""
     parts = [f"Machine: {machine_line(result['machine'])}\n"]
     for name, payload in result["benches"].items():
         parts.append(f"### {name}\n\n{markdown_table(payload.get('rows', []), payload['columns'])}\n")
+        for table in payload.get("tables", []):
+            parts.append(f"{table['title']}:\n\n{markdown_table(table['rows'], table['columns'])}\n")
+        if payload.get("notes"):
+            parts.append("\n".join(payload["notes"]) + "\n")
     for name, error in result["failed"].items():
         parts.append(f"### {name}\n\nfailed: {error}\n")
     return "\n".join(parts)

@@ -167,24 +167,35 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+async def transcribe_over_grpc(stub, path: str, options) -> dict:
+    """One file through ``stub`` (a ``DecoderServiceStub`` on an aio channel) with ``options``
+    (``WhisperOptions``): ``{"text", "language", "segments": [{"start", "end", "text"[, "words": [{"word",
+    "start", "end"}]]}]}``, times in seconds of the file.
+
+    Raises:
+        grpc.aio.AioRpcError: the call failed.
+    """
+    text, segments, language = [], [], ""
+    request = decoder_pb2.GenerateRequest(audio=Path(path).read_bytes(), whisper=options)
+    async for m in stub.Generate(request):
+        text.append(m.text)
+        language = m.language or language
+        for seg in m.segments:
+            segments.append({"start": seg.start, "end": seg.end, "text": seg.text})
+            if seg.words:
+                segments[-1]["words"] = [{"word": w.word, "start": w.start, "end": w.end} for w in seg.words]
+    return {"text": "".join(text), "language": language, "segments": segments}
+
+
 async def _ours_long_form_once(address: str, files: list[str], warmup: str) -> tuple[float, list[str], int]:
     options = decoder_pb2.WhisperOptions(language="en", timestamps=decoder_pb2.TIMESTAMP_GRANULARITY_SEGMENT)
     async with grpc.aio.insecure_channel(address) as channel:
         stub = decoder_pb2_grpc.DecoderServiceStub(channel)
-
-        async def one(path: str) -> tuple[str, int]:
-            text, segments = [], 0
-            request = decoder_pb2.GenerateRequest(audio=Path(path).read_bytes(), whisper=options)
-            async for m in stub.Generate(request):
-                text.append(m.text)
-                segments += len(m.segments)
-            return "".join(text), segments
-
-        await one(warmup)
+        await transcribe_over_grpc(stub, warmup, options)
         start = time.perf_counter()
-        results = await asyncio.gather(*(one(f) for f in files))
+        results = await asyncio.gather(*(transcribe_over_grpc(stub, f, options) for f in files))
         wall = time.perf_counter() - start
-    return wall, [t for t, _ in results], sum(s for _, s in results)
+    return wall, [r["text"] for r in results], sum(len(r["segments"]) for r in results)
 
 
 def run_ours_long_form(model: str, files: list[str], warmup: str, threads: int, address: str | None) -> dict:

@@ -102,16 +102,21 @@ def word_error_rate(references: list[str], hypotheses: list[str]) -> float | Non
 
 
 # ---- the systems ---------------------------------------------------------------------------------------------
-def hf_long_form(model_dir: str, threads: int, mode: str, files: list[str]) -> dict:
+def hf_long_form(
+    model_dir: str, threads: int, mode: str, files: list[str], detect_language: bool = False, segments: bool = False
+) -> dict:
     """HF ``generate`` long-form on ``files`` (``sequential``: one call each; ``batched``: one call).
 
     The reference model is ``build_hf_whisper`` with the long-form settings of the openai/whisper-*
     generation configs (``prev_sot_token_id``, ``max_initial_timestamp_index`` 50, every language of the
     checkpoint in ``lang_to_id``). Features: ``WhisperFeatureExtractor(truncation=False, padding="longest")``
-    with its attention mask, inside the timing; sampling (temperatures > 0) seeded with 0.
+    with its attention mask, inside the timing; sampling (temperatures > 0) seeded with 0. A multilingual
+    checkpoint transcribes in English unless ``detect_language`` (then ``generate`` detects each file's).
 
     Returns:
-        ``{"wall_s": float, "texts": [str, ...]}``: each file's text tokens decoded.
+        ``{"wall_s": float, "texts": [str, ...]}``: each file's text tokens decoded; with ``segments`` also
+        ``"files"``: per file ``{"text", "segments": [{"start", "end", "text"}]}`` (seconds; HF's
+        ``return_segments=True``).
     """
     import torch
     from transformers import WhisperFeatureExtractor
@@ -131,12 +136,17 @@ def hf_long_form(model_dir: str, threads: int, mode: str, files: list[str]) -> d
         lang_ids = set(json.loads((Path(model_dir) / "config.json").read_text())["lang_ids"])
         g.lang_to_id = {name: i for name, i in ids.items() if i in lang_ids}
         g.task_to_id = {"transcribe": ids["<|transcribe|>"], "translate": ids["<|translate|>"]}
-        language = {"language": "en"}  # English-only checkpoints refuse a language argument
+        language = {} if detect_language else {"language": "en"}  # English-only checkpoints refuse one
+        if detect_language:
+            g.language = None  # build_hf_whisper's default "en" would otherwise apply
     extractor = WhisperFeatureExtractor(feature_size=model.config.num_mel_bins)
     tokenizer, eot = load_tokenizer(model_dir), ids["<|endoftext|>"]
     audio = [decode_audio(Path(f).read_bytes()) for f in files]
 
-    def transcribe(batch: list) -> list[str]:
+    def text(tokens) -> str:
+        return tokenizer.decode([t for t in tokens if t < eot])
+
+    def transcribe(batch: list) -> list[dict]:
         x = extractor(
             batch,
             sampling_rate=SAMPLE_RATE,
@@ -154,20 +164,34 @@ def hf_long_form(model_dir: str, threads: int, mode: str, files: list[str]) -> d
             compression_ratio_threshold=2.4,
             logprob_threshold=-1.0,
             no_speech_threshold=0.6,
+            return_segments=segments,
             **language,
         )
-        return [tokenizer.decode([t for t in seq if t < eot]) for seq in out.tolist()]
+        if not segments:
+            return [{"text": text(seq)} for seq in out.tolist()]
+        return [
+            {
+                "text": text(seq),
+                "segments": [
+                    {"start": float(seg["start"]), "end": float(seg["end"]), "text": text(seg["tokens"].tolist())}
+                    for seg in segs
+                ],
+            }
+            for seq, segs in zip(out["sequences"].tolist(), out["segments"])
+        ]
 
     with torch.inference_mode():
         model.generate(log_mel_spectrogram(audio[0][: 5 * SAMPLE_RATE])[None], **language)  # warm-up
         torch.manual_seed(0)
         start = time.perf_counter()
-        texts = [t for a in audio for t in transcribe([a])] if mode == "sequential" else transcribe(audio)
+        per_file = [r for a in audio for r in transcribe([a])] if mode == "sequential" else transcribe(audio)
         wall = time.perf_counter() - start
-    return {"wall_s": wall, "texts": texts}
+    return {"wall_s": wall, "texts": [f["text"] for f in per_file], **({"files": per_file} if segments else {})}
 
 
 def _run_hf(model_dir: str, threads: int, mode: str, files: list[str]) -> dict:
+    """``hf_long_form`` in a subprocess; ``mode``: ``sequential`` or ``batched``, optionally followed by
+    ``,detect`` (``detect_language``) and ``,segments``."""
     cmd = [sys.executable, "-m", "encdec.bench.whisper_longform", model_dir, str(threads), mode, *files]
     return json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
 
@@ -260,4 +284,5 @@ def render(result: dict) -> str:
 
 if __name__ == "__main__":
     _dir, _threads, _mode, *_files = sys.argv[1:]
-    print(json.dumps(hf_long_form(_dir, int(_threads), _mode, _files)))
+    _mode, *_options = _mode.split(",")
+    print(json.dumps(hf_long_form(_dir, int(_threads), _mode, _files, "detect" in _options, "segments" in _options)))
