@@ -159,6 +159,13 @@ def _whisper_options(args: argparse.Namespace):
         "logprob_threshold": args.logprob_threshold,
         "no_speech_threshold": args.no_speech_threshold,
         "vad_filter": args.vad or None,
+        "decoding_rules": args.decoding_rules,
+        "best_of": args.best_of,
+        "vad_gate": args.vad_gate,
+        "vad_gate_min_silence_s": args.vad_gate_min_silence_s,
+        "hallucination_silence_threshold": args.hallucination_silence_threshold,
+        "clip_timestamps": args.clip_timestamps,
+        "language_detection_segments": args.language_detection_segments,
     }
     options = decoder_pb2.WhisperOptions(**{k: v for k, v in fields.items() if v is not None})
     return options if options != decoder_pb2.WhisperOptions() else None

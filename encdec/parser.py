@@ -123,6 +123,14 @@ TIMESTAMPS = ("none", "segment", "word")
 FORMATS = ("text", "json", "srt", "vtt")
 
 
+def _seconds_list(text: str) -> list[float]:
+    """``"0,12.5,30"`` -> ``[0.0, 12.5, 30.0]`` (argparse type of ``--clip-timestamps``)."""
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds separated by commas, got {text!r}") from None
+
+
 def _add_whisper(p: argparse.ArgumentParser) -> None:
     """``encdec transcribe``'s Whisper options (``WhisperOptions`` in proto/encdec/v1/decoder.proto) and output."""
     p.add_argument("--language", default=None, help="ISO 639-1 code (en, de, ...); default: detected (multilingual)")
@@ -145,6 +153,40 @@ def _add_whisper(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compression-ratio-threshold", type=float, default=None, help="default 2.4")
     p.add_argument("--logprob-threshold", type=float, default=None, help="default -1.0")
     p.add_argument("--no-speech-threshold", type=float, default=None, help="default 0.6")
+    p.add_argument(
+        "--decoding-rules",
+        choices=("openai", "hf"),
+        default=None,
+        help="openai: openai-whisper's transcribe() (fallback on every file, best_of, VAD gate); hf: HF generate's; "
+        "default: the decoder's --decoding-rules (openai)",
+    )
+    p.add_argument("--best-of", type=int, default=None, help="samples per fallback temperature, best kept; default 5")
+    p.add_argument(
+        "--no-vad-gate",
+        dest="vad_gate",
+        action="store_false",
+        default=None,
+        help="decode silence too (default: stretches of 3 s or more the VAD hears no speech in are skipped)",
+    )
+    p.add_argument("--vad-gate-min-silence-s", type=float, default=None, help="silence the gate skips; default 3.0")
+    p.add_argument(
+        "--hallucination-silence-threshold",
+        type=float,
+        default=None,
+        help="seconds: skip silence before a likely hallucination (words timed for it; openai-whisper's option)",
+    )
+    p.add_argument(
+        "--clip-timestamps",
+        type=_seconds_list,
+        default=None,
+        help="decode only these stretches: start,end,start,end,... seconds (an odd count ends at the end)",
+    )
+    p.add_argument(
+        "--language-detection-segments",
+        type=int,
+        default=None,
+        help="detect the language on up to this many 30 s windows of speech; default 1",
+    )
     p.add_argument(
         "--format",
         choices=FORMATS,

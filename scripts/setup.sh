@@ -52,6 +52,18 @@ else
   "$VENV/bin/python" -W ignore -c 'import torch; print("[setup] torch", torch.__version__, "cuda:", torch.version.cuda)'
 fi
 
+# The quality corpus (encdec bench quality, and the tests that build recordings from it) speaks with espeak-ng and
+# resamples with sox: Debian packages, installed here when missing and this shell may (root with apt-get).
+if ! command -v espeak-ng >/dev/null 2>&1 || ! command -v sox >/dev/null 2>&1; then
+  if [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null 2>&1; then
+    say "installing espeak-ng and sox with apt-get (the quality corpus's speech)"
+    (export DEBIAN_FRONTEND=noninteractive; apt-get update -qq && apt-get install -y -qq espeak-ng sox) >/tmp/setup-apt.log 2>&1 ||
+      say "apt-get failed (see /tmp/setup-apt.log): tests that build speech recordings will fail"
+  else
+    say "note: espeak-ng and sox are missing (apt-get install espeak-ng sox): tests that build speech recordings need them"
+  fi
+fi
+
 say "installing encdec-serve in editable mode with extras [$EXTRAS] (generates shared/proto)"
 "${PIP[@]}" install -q -e ".[$EXTRAS]"
 

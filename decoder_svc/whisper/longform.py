@@ -8,7 +8,8 @@ without the model calls: the caller decodes each ``WindowPlan`` and reports the 
 * ``clips`` (``decoder_svc.whisper.clips``: ``clip_timestamps``, the VAD gate): only frames inside them are
   decoded; ``seek`` jumps to the next clip, a window ends at its clip's end.
 * ``timestamps=False``: each window is decoded with ``<|notimestamps|>`` and moves ``seek`` by its whole length.
-* segments with no text or no duration are dropped (openai-whisper clears them; they prompt nothing).
+* segments with no text or no duration are dropped (openai-whisper clears them; they prompt nothing), and
+  segment times end at the window's end (ours: a timestamp past a clip's end would reach into the silence).
 * ``word_timestamps`` / ``hallucination_silence_threshold``: an accepted window waits for its words
   (``finish_window``), which move ``seek`` (``decoder_svc.whisper.word_seek``).
 
@@ -359,9 +360,12 @@ class LongFormState:
             segments, advance = split_window(generated, self.specials, plan.seek, plan.num_frames)
             if advance <= 0:
                 raise ValueError(f"window at frame {plan.seek} did not advance: {generated}")
+            window_end = time_offset(plan.seek + plan.num_frames)
             for seg in segments:
                 seg.temperature, seg.avg_logprob = verdict.temperature, verdict.avg_logprob
                 seg.compression_ratio, seg.no_speech_prob = verdict.compression_ratio, verdict.no_speech_prob
+                if rules.openai:  # past the window's audio lies padding (a clip's end): no segment reaches into it
+                    seg.start, seg.end = min(seg.start, window_end), min(seg.end, window_end)
             if rules.openai and (
                 self.options.word_timestamps or self.options.hallucination_silence_threshold is not None
             ):

@@ -47,21 +47,26 @@ class Loop:
         return self.start + self.period * self.copies
 
 
-def find_loops(words: Sequence[str]) -> list[Loop]:
-    """Every maximal loop in ``words``, in order, not overlapping (the shortest period wins at a position).
+def find_loops(
+    words: Sequence[str], max_period: int = MAX_PERIOD, min_copies: int = MIN_COPIES, min_words: int = MIN_LOOP_WORDS
+) -> list[Loop]:
+    """Every maximal loop in ``words``, in order, not overlapping: at each position the shortest period that
+    makes a loop there wins, and the search goes on after its end.
 
-    Runs in ``O(len(words) * MAX_PERIOD)``.
+    Args:
+        max_period: longest phrase looked for, in words (``O(len(words) * max_period)``).
+        min_copies, min_words: what makes a repetition a loop (module docstring).
     """
     n = len(words)
     loops: list[Loop] = []
     i = 0
     while i < n:
         found = None
-        for p in range(1, min(MAX_PERIOD, (n - i) // MIN_COPIES) + 1):
+        for p in range(1, min(max_period, (n - i) // min_copies) + 1):
             copies = 1
             while i + (copies + 1) * p <= n and words[i + copies * p : i + (copies + 1) * p] == words[i : i + p]:
                 copies += 1
-            if copies >= MIN_COPIES and p * copies >= MIN_LOOP_WORDS:
+            if copies >= min_copies and p * copies >= min_words:
                 found = Loop(i, p, copies)
                 break
         if found is None:

@@ -29,10 +29,10 @@ import functools
 import re
 from collections.abc import Callable, Iterable
 
+from decoder_svc.whisper.repetition import MIN_COPIES, MIN_LOOP_WORDS, find_loops
+
 MIN_GAP_S = 10.0  # gaps shorter than this are pauses, not counted
 GAP_MARGIN_S = 0.5  # each end of a gap given to the speech beside it
-MIN_COPIES = 3
-MIN_LOOP_WORDS = 9
 
 
 @functools.cache
@@ -113,38 +113,14 @@ def words_in_gaps(
 
 def tandem_runs(seq: list[str], min_copies: int = MIN_COPIES, min_words: int = MIN_LOOP_WORDS) -> list[dict]:
     """Maximal back-to-back repeats in ``seq``: ``{"start", "end", "period", "phrase", "copies"}`` each
-    (word indices, ``end`` exclusive; ``phrase``: the primitive phrase, ``period`` words).
-
-    For every period ``p``, a run is a stretch where ``seq[k] == seq[k + p]``; it holds ``len // p`` copies and
-    counts with at least ``min_copies`` covering ``min_words``. Runs that overlap (the same loop seen at
-    periods ``p`` and ``2p``, or shifted) merge into one, described by its smallest period. O(n^2 / min_copies).
+    (word indices, ``end`` exclusive; ``phrase``: the primitive phrase, ``period`` words). The decoder's own
+    loop finder (``decoder_svc.whisper.repetition.find_loops``), with no bound on the phrase's length.
     """
-    n, found = len(seq), []
-    for p in range(1, n // min_copies + 1):
-        k = 0
-        while k + p < n:
-            if seq[k] != seq[k + p]:
-                k += 1
-                continue
-            s = k
-            while k + p < n and seq[k] == seq[k + p]:
-                k += 1
-            copies = (k + p - s) // p  # the stretch [s, k + p) repeats its first p words
-            if copies >= min_copies and p * copies >= min_words:
-                found.append((s, s + p * copies, p))
-    merged: list[list[int]] = []
-    for s, e, p in sorted(found):
-        if merged and s < merged[-1][1]:
-            last = merged[-1]
-            last[1] = max(last[1], e)
-            if p < last[2]:
-                last[2:] = [p, s]
-        else:
-            merged.append([s, e, p, s])
     return [
-        {"start": s, "end": e, "period": p, "phrase": seq[at : at + p], "copies": (e - at) // p}
-        for s, e, p, at in merged
-    ]
+        {"start": lp.start, "end": lp.end, "period": lp.period, "phrase": list(seq[lp.start : lp.phrase_end]),
+         "copies": lp.copies}
+        for lp in find_loops(seq, max(len(seq) // min_copies, 1), min_copies, min_words)
+    ]  # fmt: skip
 
 
 def _holds_tandem(seq: list[str], phrase: list[str], copies: int) -> bool:

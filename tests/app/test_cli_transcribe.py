@@ -70,6 +70,28 @@ def test_whisper_flags_map_onto_whisper_options():
         no_speech_threshold=0.7,
     )
     assert got == want
+    got = options(
+        *("--decoding-rules", "openai", "--best-of", "3", "--no-vad-gate", "--vad-gate-min-silence-s", "5"),
+        *(
+            "--hallucination-silence-threshold",
+            "2",
+            "--clip-timestamps",
+            "0,12.5,30",
+            "--language-detection-segments",
+            "2",
+        ),
+    )
+    want = decoder_pb2.WhisperOptions(
+        decoding_rules="openai",
+        best_of=3,
+        vad_gate=False,
+        vad_gate_min_silence_s=5.0,
+        hallucination_silence_threshold=2.0,
+        clip_timestamps=[0.0, 12.5, 30.0],
+        language_detection_segments=2,
+    )
+    assert got == want
+    assert options("--decoding-rules", "hf") == decoder_pb2.WhisperOptions(decoding_rules="hf")
 
 
 @pytest.mark.parametrize("fmt", ["json", "srt", "vtt"])
@@ -85,6 +107,7 @@ def test_formats_other_than_text_ask_for_segments(fmt):
         (["--format", "vtt", "a.wav", "b.wav"], "needs --output-dir"),
         (["--format", "json", "--output-dir", "out", "x/a.wav", "y/a.flac"], "same name stem"),
         (["--temperature", "0,1.5", "a.wav"], "each temperature must be in [0, 1]"),
+        (["--clip-timestamps", "0,x", "a.wav"], "expected seconds separated by commas"),
     ],
 )
 def test_contradictory_flags_exit_2(argv, message):
