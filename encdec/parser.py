@@ -166,9 +166,9 @@ def _add_whisper(p: argparse.ArgumentParser) -> None:
         dest="vad_gate",
         action="store_false",
         default=None,
-        help="decode silence too (default: stretches of 3 s or more the VAD hears no speech in are skipped)",
+        help="decode silence too (default: stretches of about 7 s or more the VAD hears no speech in are skipped)",
     )
-    p.add_argument("--vad-gate-min-silence-s", type=float, default=None, help="silence the gate skips; default 3.0")
+    p.add_argument("--vad-gate-min-silence-s", type=float, default=None, help="silence the gate skips, after 0.4 s of padding each side; default 6.0")
     p.add_argument(
         "--hallucination-silence-threshold",
         type=float,

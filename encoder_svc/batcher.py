@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -46,6 +47,8 @@ class EncodeItem:
             that deadline passes, so a write that starts later could land in
             blocks another request owns by then (shm and cuda_ipc write in place).
         future: resolves to ``(encoder_len, encode_ms, batch_size, TransferStats)`` or an error.
+        order: the sort key of its Generate request (``encoder_svc.server.encode_order``): pending items are
+            taken lowest first, ties in submission order.
     """
 
     request_id: str
@@ -57,6 +60,7 @@ class EncodeItem:
     transfer_id: int = 0
     write_deadline: float | None = None
     future: Future = field(default_factory=Future)
+    order: tuple = ()
 
     def past_write_deadline(self) -> bool:
         return self.write_deadline is not None and time.monotonic() > self.write_deadline
@@ -123,7 +127,9 @@ class EncodeBatcher:
         self.max_batch_wait_s = max(batch_wait_ms, max_batch_wait_ms if max_batch_wait_ms is not None else 0.0) / 1000.0
         self.max_batch_tokens = max_batch_tokens
         self._carried: EncodeItem | None = None  # took the queue's next item, but it opens the next batch
-        self._queue: queue.Queue[EncodeItem | None] = queue.Queue()
+        # (order, submission count, item); the stop sentinel None sorts after every item
+        self._queue: queue.PriorityQueue[tuple] = queue.PriorityQueue()
+        self._submitted = itertools.count()
         self._started: Future = Future()
         self._in_flight = 0  # items submitted and not answered (the registry's load, ``in_flight``)
         self._in_flight_lock = threading.Lock()
@@ -137,8 +143,15 @@ class EncodeBatcher:
         with self._in_flight_lock:
             self._in_flight += 1
         item.future.add_done_callback(self._done)
-        self._queue.put(item)
+        self._put(item)
         return item.future
+
+    def _put(self, item: EncodeItem | None) -> None:
+        key = (0, item.order) if item is not None else (1, ())
+        self._queue.put((key, next(self._submitted), item))
+
+    def _get(self, timeout: float | None = None) -> EncodeItem | None:
+        return self._queue.get(timeout=timeout)[2]
 
     @property
     def in_flight(self) -> int:
@@ -150,7 +163,7 @@ class EncodeBatcher:
             self._in_flight -= 1
 
     def stop(self) -> None:
-        self._queue.put(None)
+        self._put(None)
         self._thread.join(timeout=10)
 
     def _positions(self, item: EncodeItem) -> int:
@@ -158,7 +171,7 @@ class EncodeBatcher:
         return len(item.input_ids) if item.input_ids is not None else self.model.config.max_source_positions
 
     def _next_batch(self) -> list[EncodeItem] | None:
-        first, self._carried = self._carried or self._queue.get(), None
+        first, self._carried = self._carried or self._get(), None
         if first is None:
             return None
         batch, longest = [first], self._positions(first)
@@ -167,11 +180,11 @@ class EncodeBatcher:
         deadline = min(start + self.batch_wait_s, last_call)
         while len(batch) < self.max_batch_size:
             try:
-                item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+                item = self._get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 break
             if item is None:
-                self._queue.put(None)
+                self._put(None)
                 break
             widest = max(longest, self._positions(item))
             if self.max_batch_tokens is not None and (len(batch) + 1) * widest > self.max_batch_tokens:

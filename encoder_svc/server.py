@@ -30,6 +30,12 @@ from shared.proto import encoder_pb2, encoder_pb2_grpc
 FEATURE_FRAMES = 3000  # log-mel frames of Whisper's 30 s window (10 ms hop)
 
 
+def encode_order(request) -> tuple:
+    """The batcher's order of an Encode (``EncodeItem.order``): lower priority first, then the earlier arrival of
+    its Generate request (every window of a long-form request keeps its request's: first come first served)."""
+    return (request.priority, request.arrival_s)
+
+
 class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
     """Thin servicer: validate and convert, submit to the batcher, convert back."""
 
@@ -96,6 +102,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
                 list(request.block_ids),
                 input_ids=list(request.input_ids),
                 transfer_id=request.transfer_id,
+                order=encode_order(request),
             )
         if request.features:
             features = np.frombuffer(request.features, dtype="<f4").astype(np.float32)
@@ -109,9 +116,17 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
                 list(request.block_ids),
                 transfer_id=request.transfer_id,
                 features=features,
+                order=encode_order(request),
             )
         pcm = np.frombuffer(request.pcm, dtype="<f4").astype(np.float32)
-        return EncodeItem(request.request_id, pcm, spec, list(request.block_ids), transfer_id=request.transfer_id)
+        return EncodeItem(
+            request.request_id,
+            pcm,
+            spec,
+            list(request.block_ids),
+            transfer_id=request.transfer_id,
+            order=encode_order(request),
+        )
 
     async def _connect(self, spec: KVTargetSpec) -> None:
         """Reaches a target's decoder (torch_dist) on a thread of its own, off the batcher and the event loop: a

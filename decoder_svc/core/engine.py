@@ -115,6 +115,7 @@ class DecoderEngine:
         encoder_cache_key: str | None = None,
         keep_cross: bool = False,
         reuse_cross: bool = False,
+        arrival_order: int | None = None,
     ) -> None:
         """Queues a request; its cross blocks are reserved at a later ``step()``.
 
@@ -136,6 +137,11 @@ class DecoderEngine:
                 hold their own references until they finish.
             reuse_cross: read the cross blocks kept under ``request_id``: never in
                 ``to_encode``, runnable at once.
+            arrival_order: its place among equal priorities
+                (``decoder_svc.core.sequence.next_arrival_order``); None: now. A request of
+                several sequences in turn (Whisper's windows) keeps its first, so it is
+                served first come first served as a whole (vLLM's FCFS), not behind every
+                request that arrived while its previous window ran.
 
         Raises:
             CapacityError: it can never fit the KV pools / batch token limit (with
@@ -165,7 +171,9 @@ class DecoderEngine:
             or any(sample_seq_id(request_id, i) in self.scheduler.requests for i in range(1, width))
         ):
             raise ValueError(f"duplicate request id {request_id!r}")
-        seq = Sequence(request_id, prompt, encoder_len, params, self.eos_token_id, self.max_total_len, priority)
+        seq = Sequence(
+            request_id, prompt, encoder_len, params, self.eos_token_id, self.max_total_len, priority, arrival_order
+        )
         if width > 1:
             self.sequence_groups.check_capacity(seq, width)
         if (keep_cross or reuse_cross) and params.num_beams > 1:

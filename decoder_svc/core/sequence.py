@@ -11,6 +11,11 @@ from decoder_svc.core.sampling_params import SamplingParams
 _arrival_counter = itertools.count()
 
 
+def next_arrival_order() -> int:
+    """A new place in the queues' first-come-first-served order (what a new ``Sequence`` takes)."""
+    return next(_arrival_counter)
+
+
 def sample_seq_id(request_id: str, index: int) -> str:
     """Scheduler id of sample / beam sequence ``index`` of ``request_id``: the request id itself
     for index 0, else ``"{request_id}\x00{index}"`` (a client id that collides with one is
@@ -60,7 +65,8 @@ class Sequence:
         cross_block_ids: cross-attention KV block ids, allocated once.
         num_computed_tokens: tokens whose self-attention K/V are in the cache.
         arrival_time: `time.monotonic()` at creation.
-        arrival_order: monotonically increasing tie-breaker (preemption picks the largest).
+        arrival_order: monotonically increasing tie-breaker (preemption picks the largest); a later
+            sequence of the same request (a Whisper window) may keep its first one (``next_arrival_order``).
         priority: scheduling priority, lower value = earlier (vLLM's convention);
             ties are first come first served.
         group_id: the request this sequence belongs to (``request_id`` unless it is
@@ -77,6 +83,7 @@ class Sequence:
         eos_token_id: int,
         max_total_len: int,
         priority: int = 0,
+        arrival_order: int | None = None,
     ) -> None:
         self.request_id = request_id
         self.priority = priority
@@ -91,7 +98,7 @@ class Sequence:
         self.cross_block_ids: list[int] = []
         self.num_computed_tokens = 0
         self.arrival_time = time.monotonic()
-        self.arrival_order = next(_arrival_counter)
+        self.arrival_order = next(_arrival_counter) if arrival_order is None else arrival_order
         # Set by the output stage (``decoder_svc.core.output_processor``): the ``OutputText`` that turns
         # output tokens into streamed text and finds stop strings (None: token-level stops only).
         self.output_text = None

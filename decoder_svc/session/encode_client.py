@@ -80,12 +80,20 @@ class EncodeClient:
         return await self.encoders.probe()
 
     async def encode(
-        self, request_id: str, inp: RequestInput, block_ids: list[int], deadline: float | None = None
+        self,
+        request_id: str,
+        inp: RequestInput,
+        block_ids: list[int],
+        deadline: float | None = None,
+        priority: int = 0,
+        arrival_s: float = 0.0,
     ) -> None:
         """Has the encoder fill ``block_ids`` (in order) with the cross-attention KV of ``inp``.
 
         ``deadline``: the request's own (``time.monotonic()`` seconds, from its gRPC deadline), if any; the
         call waits for the encoder's channel until the earlier of it and ``encode_timeout_s``.
+        ``priority`` / ``arrival_s``: the request's scheduling priority and arrival (seconds since the epoch), the
+        order the encoder takes pending Encodes in (``encoder_svc.server.encode_order``).
 
         Once this returns or raises, no write for the request can still land in
         the pool, so its blocks may be freed. After a timeout that rests on the
@@ -117,6 +125,8 @@ class EncodeClient:
                     target=target,
                     transfer_id=transfer_id,
                     target_mac=self.auth.sign_target(request_id, transfer_id, block_ids, target, self.config.model),
+                    priority=priority,
+                    arrival_s=arrival_s,
                     **inp.encoder_source(),
                 ),
                 deadline,

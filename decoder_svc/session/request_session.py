@@ -107,6 +107,7 @@ class RequestSession:
         self.decoding_recorded = False
         self.progress_unrecorded = False  # a progress write missed Redis (record_progress)
         self.arrival = arrival  # Generate call received (time to first token's start)
+        self.arrival_s = time.time()  # the same, as the encoder orders its queue (comparable across hosts)
         self.deadline: float | None = None  # monotonic time the call's gRPC deadline passes
         self.ticket: Ticket | None = None  # its place in the admission queue (decoder_svc.session.admission)
         self.last_token_at: float | None = None
@@ -292,7 +293,14 @@ class RequestSession:
         try:
             if not self.progress.window:  # a later window is encoded while the record stays DECODING
                 await self.record_progress(RequestState.ENCODING)
-            await sessions.encoder.encode(self.request_id, self.progress.input, block_ids, deadline=self.deadline)
+            await sessions.encoder.encode(
+                self.request_id,
+                self.progress.input,
+                block_ids,
+                deadline=self.deadline,
+                priority=self.priority,
+                arrival_s=self.arrival_s,
+            )
             if self.abort_requested:
                 return
             await self.record_progress(RequestState.DECODING, **(self.progress.usage() if self.progress.window else {}))

@@ -47,8 +47,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 
 from decoder_svc.core.sampling_params import SamplingParams
+from decoder_svc.core.sequence import next_arrival_order
 from decoder_svc.replicas.request_state import RequestState
 from decoder_svc.session import convert
 from decoder_svc.session.inputs import RequestInput
@@ -61,12 +63,15 @@ from decoder_svc.whisper.longform import LongFormOptions, LongFormState
 from decoder_svc.whisper.quality import Verdict, avg_logprob, rank_samples, text_passes
 from decoder_svc.whisper.segments import split_window
 from decoder_svc.whisper.timestamp_rules import TimestampRules
-from decoder_svc.whisper.vad import SILENCE_CHECK_MIN_SPEECH_MS, has_speech
+from decoder_svc.whisper.vad import has_speech
 from shared.models.whisper_features import window_features
 from shared.proto import decoder_pb2
 
+log = logging.getLogger(__name__)
+
 ENCODER_LEN = 1500  # cross-attention positions of one 30 s window
 HOP_LENGTH = 160  # samples per log-mel frame
+HEARD_SPEECH_S = 1.0  # the VAD gate's speech in a window that keeps it from the no-speech skip (quality.judge)
 
 
 def window_seed(seed: int | None, seek: int, attempt: int) -> int:
@@ -92,6 +97,7 @@ class WhisperSession(RequestSession):
         self.no_speech_prob = 0.0
         self.segments_sent = 0
         self.length_cut = False  # long-form: max_tokens ran out
+        self.arrival_order = next_arrival_order()  # every window keeps the request's place (FCFS per request)
 
     async def _messages(self):
         """The request's messages (``RequestSession.run`` records its end): the last one carries usage,
@@ -258,16 +264,29 @@ class WhisperSession(RequestSession):
             no_speech = no_speech_probability(probe, specials)
             if first:
                 self.no_speech_prob, first = no_speech, False
-            heard_no_speech = False
+            heard_no_speech = heard_speech = False
             if rules.no_speech_threshold is not None and no_speech > rules.no_speech_threshold:
-                heard_no_speech = not await self._heard_speech(plan.start_sample, plan.num_samples)
+                if job.gate_regions is not None:  # the gate's VAD: speech heard is never skipped as silence
+                    heard = self._gate_speech_s(plan.start_sample, plan.num_samples)
+                    heard_speech, heard_no_speech = heard >= HEARD_SPEECH_S, heard == 0.0
+                else:
+                    window_pcm = job.pcm[plan.start_sample : plan.start_sample + plan.num_samples]
+                    heard_no_speech = not await asyncio.to_thread(has_speech, window_pcm)
             words = None
             if budget is not None and self.progress.completion_tokens >= budget:
                 # max_tokens used up: this attempt's segments as they are (no retry), then "length"
                 segments = split_window(generated, specials, plan.seek, plan.num_frames)[0]
                 self.length_cut = True
             else:
-                result = state.on_result(generated, logprobs, no_speech, heard_no_speech)
+                result = state.on_result(generated, logprobs, no_speech, heard_no_speech, heard_speech)
+                j = result.judgement
+                log.debug(
+                    "request %s window %.2f s attempt %d (T=%.1f): %s (compression %.2f%s, avg logprob %.2f, "
+                    "no_speech %.2f%s)",
+                    self.request_id, plan.time_offset, plan.attempt, plan.temperature, j.verdict.value,
+                    j.compression_ratio, ", loop" if j.repetition else "", j.avg_logprob, j.no_speech_prob,
+                    ", VAD: no speech" if heard_no_speech else "",
+                )  # fmt: skip
                 if result.verdict is Verdict.RETRY:
                     continue  # decoded again at the next temperature, over the kept cross KV
                 if result.needs_words:  # openai rules: the words move the seek (and may drop hallucinations)
@@ -317,7 +336,13 @@ class WhisperSession(RequestSession):
             progress.input = dataclasses.replace(progress.input, pcm=window.pcm, features=window.features)
             progress.encoder_tokens += ENCODER_LEN
         await self._add_sequence(
-            ENCODER_LEN, params, prompt, None if reuse else progress.input, keep_cross=True, reuse_cross=reuse
+            ENCODER_LEN,
+            params,
+            prompt,
+            None if reuse else progress.input,
+            keep_cross=True,
+            reuse_cross=reuse,
+            arrival_order=self.arrival_order,
         )
         self.kept_window = (start, num_samples)
         progress.sample_completion.clear()
@@ -346,14 +371,10 @@ class WhisperSession(RequestSession):
                 self.encoding = None
                 return
 
-    async def _heard_speech(self, start: int, num_samples: int) -> bool:
-        """Whether silero-vad hears speech in ``[start, start + num_samples)`` of the job's audio: the VAD gate's
-        regions when it ran (a region of at least 250 ms overlapping it by that much), else ``vad.has_speech``."""
-        regions = self.job.gate_regions
-        if regions is None:
-            return await asyncio.to_thread(has_speech, self.job.pcm[start : start + num_samples])
-        least = SILENCE_CHECK_MIN_SPEECH_MS * 16
-        return any(min(e, start + num_samples) - max(s, start) >= least for s, e in regions)
+    def _gate_speech_s(self, start: int, num_samples: int) -> float:
+        """Seconds of the VAD gate's speech regions inside ``[start, start + num_samples)`` of the job's audio."""
+        end = start + num_samples
+        return sum(max(0, min(e, end) - max(s, start)) for s, e in self.job.gate_regions) / 16_000
 
     async def _words(self, plan, segments, generated, logprobs):
         """Word timings of an accepted window's segments, from its kept cross KV (off the engine thread)."""

@@ -23,7 +23,7 @@ HOP_LENGTH = 160  # samples per mel frame (16 kHz)
 FRAMES_PER_SECOND = 100
 N_FRAMES = 3000  # one 30 s window
 MAX_CLIP_TIMESTAMPS = 2048
-DEFAULT_GATE_MIN_SILENCE_S = 3.0
+DEFAULT_GATE_MIN_SILENCE_S = 6.0
 DEFAULT_GATE_PAD_S = 0.4  # faster-whisper's VadOptions.speech_pad_ms
 
 Clip = tuple[int, int]

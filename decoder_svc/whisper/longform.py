@@ -304,7 +304,12 @@ class LongFormState:
         return self.decode(self.specials.text_tokens(generated)).strip() if self.decode is not None else ""
 
     def on_result(
-        self, generated: list[int], token_logprobs: list[float], no_speech_prob: float, heard_no_speech: bool = False
+        self,
+        generated: list[int],
+        token_logprobs: list[float],
+        no_speech_prob: float,
+        heard_no_speech: bool = False,
+        heard_speech: bool = False,
     ) -> WindowResult:
         """Takes the decode of the pending plan and moves the state on.
 
@@ -313,6 +318,7 @@ class LongFormState:
             token_logprobs: one per generated id (see ``quality.avg_logprob``).
             no_speech_prob: ``<|nospeech|>`` probability at ``plan.sot_index`` (softmax of raw logits).
             heard_no_speech: a VAD found no speech in the window (``quality.judge``).
+            heard_speech: a VAD heard speech in the window: it is not skipped as silence (``quality.judge``).
 
         Returns:
             The decision; ``next_window()`` then gives the next plan (after ``finish_window`` when the
@@ -336,6 +342,7 @@ class LongFormState:
             self.specials.vocab_size,
             heard_no_speech,
             self.text(generated) if rules.openai else None,
+            heard_speech,
         )
         segments: list[Segment] = []
         advance = 0

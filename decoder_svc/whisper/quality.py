@@ -262,6 +262,7 @@ def judge(
     vocab_size: int,
     heard_no_speech: bool = False,
     text: str | None = None,
+    heard_speech: bool = False,
 ) -> Judgement:
     """The fallback test on one attempt (HF ``_need_fallback``; openai-whisper ``decode_with_fallback``), and what
     the temperature loop does with it.
@@ -278,6 +279,10 @@ def judge(
             no-speech rule skips the window whatever its logprob: Whisper says " you" over digital
             silence with a confident logprob, which HF's rule (no_speech and low logprob) keeps.
         text: the attempt's decoded text (``"openai"`` rules: its compression ratio is judged).
+        heard_speech: a voice activity detector heard speech in the window (ours, with the VAD gate): then it is
+            never skipped as silence. Whisper's no-speech rule fires on a window that starts in a loop (a low
+            logprob) where the model also rates ``<|nospeech|>`` high, and 30 s of speech are lost; faster-whisper
+            and openai-whisper lose them too. Such a window is decoded again hotter instead.
 
     Returns:
         SKIP when the no-speech rule fires (it overrides a retry), else RETRY when a threshold
@@ -309,6 +314,7 @@ def judge(
         needs_fallback = True
     skip = (
         rules.no_speech_threshold is not None
+        and not heard_speech
         and (low_logprob or heard_no_speech)
         and np.float32(no_speech_prob) > np.float32(rules.no_speech_threshold)
     )

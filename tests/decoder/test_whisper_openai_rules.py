@@ -104,6 +104,19 @@ def test_best_of_ranks_by_mean_logprob_and_never_prefers_a_loop():
         rank_samples([], eot)
 
 
+def test_a_window_the_vad_hears_speech_in_is_never_skipped_as_silence():
+    """A window that starts in a loop: low logprob and a high no-speech probability, which Whisper's rule takes for
+    silence (30 s of speech lost). With the VAD gate hearing speech there it is decoded again hotter, and at the last
+    temperature kept (the best attempt)."""
+    rules = FallbackRules((0.0, 0.4))
+    looped = "the bell rang the bell rang the bell rang the bell rang"
+    args = ([5, 6, 7, 8], [-1.5] * 4, 0.8)
+    assert judge(*args, 0, rules, VOCAB, text=looped).verdict is Verdict.SKIP
+    assert judge(*args, 0, rules, VOCAB, text=looped, heard_speech=True).verdict is Verdict.RETRY
+    last = judge(*args, 1, rules, VOCAB, text=looped, heard_speech=True)
+    assert last.verdict is Verdict.ACCEPT and last.needs_fallback
+
+
 def test_samples_and_prompt_reset_follow_the_rules():
     openai, hf = FallbackRules(), FallbackRules(decoding_rules="hf")
     assert [openai.samples_at(t) for t in (0.0, 0.2, 1.0)] == [1, 5, 5]

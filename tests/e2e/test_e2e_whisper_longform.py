@@ -13,6 +13,9 @@ Redis + encoder_svc + decoder_svc as separate processes (``encdec.launcher.Servi
 - Abort (RPC) and disconnect after the first segment message, and the encoder killed then (a later window's
   Encode fails): the stream ends with ABORT / CANCELLED / UNAVAILABLE, the Redis record is terminal, every KV
   block is free, and the next request is served.
+- A long recording with silence gaps (the quality corpus's ``gaps-1``, built with espeak-ng and sox): HF's rules
+  invent text inside the gaps; openai-whisper's rules with the VAD gate (the default) put no word there, with no
+  repetition loop and a lower WER.
 """
 
 from __future__ import annotations
@@ -22,10 +25,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+import soundfile as sf
 from helpers.whisper_hf import RATE, joined_clip, load_hf_whisper, read_clip
 from test_e2e_whisper import assert_all_blocks_free, wait_state
 from test_e2e_whisper_options import BASE, BASE_CASES, TINY, Result, pcm_request, run_case, stack, transcribe
 
+from encdec.bench.quality_corpus import build_corpus, load_corpus
+from encdec.bench.quality_metrics import corpus_wer, repetition_loops, words_in_gaps
 from shared.proto import decoder_pb2, decoder_pb2_grpc
 
 TINY_CLIP_ROUNDS, TINY_CLIP_SEED = 4, 0  # 129.2 s, 6 windows
@@ -217,3 +223,35 @@ def test_encoder_killed_after_first_segment_fails_the_request(tiny_services, tin
     finally:
         tiny_services.restart("encoder")
     _assert_keeps_serving(tiny, hf_tiny)
+
+
+@pytest.fixture(scope="module")
+def gaps_recording(tmp_path_factory):
+    """``gaps-1`` of the quality corpus: 183 s of English read with a 40 s faint-noise gap and a 60 s silence."""
+    root = build_corpus(tmp_path_factory.mktemp("quality-corpus"), subsets=["gaps"])
+    meta = next(f for f in load_corpus(root, ["gaps"]) if f.name == "gaps-1")
+    pcm, rate = sf.read(root / f"{meta.name}.wav", dtype="float32")
+    assert rate == RATE and len(meta.gaps) == 2 and abs(len(pcm) / RATE - meta.seconds) < 0.01
+    return meta, pcm
+
+
+def test_silence_gaps_of_a_long_recording_get_no_invented_text(tiny, gaps_recording):
+    """Whisper invents sentences inside long silences (the issue's 25 s silent and 40 s faint-noise gaps); HF's
+    rules (the decoder's behaviour before openai-whisper's rules were its default) do, the default does not."""
+    meta, pcm = gaps_recording
+
+    def score(result: Result):
+        segments = [{"start": s.start, "end": s.end, "text": s.text} for s in result.segments]
+        gap_words = words_in_gaps(segments, meta.gaps, "en")
+        loops = repetition_loops(result.text, meta.reference, "en")
+        return gap_words, loops, corpus_wer([(meta.reference, result.text, "en")])
+
+    hf_words, _, hf_wer = score(transcribe(tiny, pcm, timestamps=decoder_pb2.TIMESTAMP_GRANULARITY_SEGMENT))
+    got = transcribe(tiny, pcm, timestamps=decoder_pb2.TIMESTAMP_GRANULARITY_SEGMENT, decoding_rules="openai")
+    words, loops, wer = score(got)
+    assert hf_words > 5, hf_words  # today's failure: text inside the gaps
+    assert (words, loops) == (0, []), (words, loops)
+    assert wer < hf_wer and wer < 0.2, (wer, hf_wer)
+    for s in got.segments:  # every segment within the speech
+        assert not any(g0 + 0.5 < (s.start + s.end) / 2 < g1 - 0.5 for g0, g1, _ in meta.gaps), s
+    assert_all_blocks_free(tiny)

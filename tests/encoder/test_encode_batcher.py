@@ -3,6 +3,9 @@ requests and max_batch_tokens padded positions; a request that would overflow op
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 from helpers.text_checkpoints import build_t5
@@ -119,4 +122,38 @@ def test_every_future_is_answered_when_delivery_breaks_mid_batch(t5):
     finally:
         batcher.stop()
         real.close()
+        pool.close()
+
+
+def test_pending_encodes_are_taken_by_priority_then_arrival(t5):
+    """Items waiting behind a running batch: the lowest ``order`` (priority, then the Generate request's arrival)
+    goes first, whatever the submission order, so a long-form request's later windows keep its place."""
+    c = t5.config
+    pool = create_pool("shm", (c.decoder_layers, 2, 8, 4, c.num_heads, c.head_dim))
+    writer = create_writer("shm")
+    started, release = [], threading.Event()
+    batcher = EncodeBatcher(t5, None, writer, max_batch_size=1, batch_wait_ms=0)
+    run = batcher._run
+
+    def hold_first(batch):  # the first batch runs until every other item is queued
+        started.append(batch[0].request_id)
+        release.wait(timeout=30)
+        run(batch)
+
+    batcher._run = hold_first
+    try:
+        orders = {"first": (0, 0.0), "late": (0, 30.0), "urgent": (-1, 50.0), "early": (0, 10.0)}
+        items = {name: EncodeItem(name, None, pool.spec, [i], input_ids=[5, 6, 1], order=o)
+                 for i, (name, o) in enumerate(orders.items())}  # fmt: skip
+        futures = [batcher.submit(items["first"])]
+        while not started:
+            time.sleep(0.01)
+        futures += [batcher.submit(items[name]) for name in ("late", "urgent", "early")]  # queued behind it
+        release.set()
+        for f in futures:
+            f.result(timeout=60)
+        assert started == ["first", "urgent", "early", "late"]
+    finally:
+        batcher.stop()
+        writer.close()
         pool.close()
