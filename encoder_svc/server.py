@@ -94,39 +94,18 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             raise InvalidRequestError(
                 f"{encoder_len} encoder positions need {needed} blocks, got {len(request.block_ids)}"
             )
+        common = dict(transfer_id=request.transfer_id, order=encode_order(request))
         if text_model:
-            return EncodeItem(
-                request.request_id,
-                None,
-                spec,
-                list(request.block_ids),
-                input_ids=list(request.input_ids),
-                transfer_id=request.transfer_id,
-                order=encode_order(request),
-            )
+            return EncodeItem(request.request_id, None, spec, list(request.block_ids), input_ids=list(request.input_ids),
+                              **common)  # fmt: skip
         if request.features:
             features = np.frombuffer(request.features, dtype="<f4").astype(np.float32)
             features = features.reshape(self.model.config.num_mel_bins, FEATURE_FRAMES)
             if not np.isfinite(features).all():
                 raise InvalidRequestError("features contain NaN or infinite values")
-            return EncodeItem(
-                request.request_id,
-                None,
-                spec,
-                list(request.block_ids),
-                transfer_id=request.transfer_id,
-                features=features,
-                order=encode_order(request),
-            )
+            return EncodeItem(request.request_id, None, spec, list(request.block_ids), features=features, **common)
         pcm = np.frombuffer(request.pcm, dtype="<f4").astype(np.float32)
-        return EncodeItem(
-            request.request_id,
-            pcm,
-            spec,
-            list(request.block_ids),
-            transfer_id=request.transfer_id,
-            order=encode_order(request),
-        )
+        return EncodeItem(request.request_id, pcm, spec, list(request.block_ids), **common)
 
     async def _connect(self, spec: KVTargetSpec) -> None:
         """Reaches a target's decoder (torch_dist) on a thread of its own, off the batcher and the event loop: a

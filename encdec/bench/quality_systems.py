@@ -92,20 +92,10 @@ def run_ours(model: str, files: dict[str, str], alone: str, warmup: str, threads
     Raises:
         grpc.aio.AioRpcError: the warm-up or an alone run failed. RuntimeError: the services did not start.
     """
-    from encdec.bench.whisper import _cpu_s
-    from encdec.launcher import Services
+    from encdec.bench.whisper import on_services
 
-    if address:
-        return asyncio.run(_ours_runs(address, files, alone, warmup))
-    flags = ["--num-threads", str(threads)]
-    with Services(
-        model=model, log_level="WARNING", extra_encoder_args=flags, extra_decoder_args=[*flags, "--encoder-cache", "0"]
-    ) as svc:
-        pids = {n: svc.process(n).pid for n in ("encoder", "decoder")}
-        before = {n: _cpu_s(p) for n, p in pids.items()}
-        out = asyncio.run(_ours_runs(svc.decoder_address, files, alone, warmup))
-        out["cpu_s"] = {n: _cpu_s(p) - before[n] for n, p in pids.items()}
-    return out
+    out, cpu = on_services(model, threads, address, lambda at: asyncio.run(_ours_runs(at, files, alone, warmup)))
+    return out if cpu is None else {**out, "cpu_s": cpu}
 
 
 def _by_name(names, per_file: list[dict]) -> dict[str, dict]:

@@ -206,20 +206,29 @@ def run_ours_long_form(model: str, files: list[str], warmup: str, threads: int, 
         ``{"wall_s", "texts", "segments"}`` and, with services started here, ``"cpu_s"``: the encoder's and
         the decoder's CPU seconds over the timed run.
     """
+    (wall, texts, segments), cpu = on_services(
+        model, threads, address, lambda at: asyncio.run(_ours_long_form_once(at, files, warmup))
+    )
+    out = {"wall_s": wall, "texts": texts, "segments": segments}
+    return out if cpu is None else {**out, "cpu_s": cpu}
+
+
+def on_services(model: str, threads: int, address: str | None, job):
+    """Runs ``job(decoder_address)`` against the services at ``address``, or against a stack started here
+    (``--num-threads threads`` each, the encoder-output cache off); returns ``(job's result, cpu_s)``, ``cpu_s``
+    the encoder's and the decoder's CPU seconds over the job (None with ``address``)."""
     from encdec.launcher import Services
 
     if address:
-        wall, texts, segments = asyncio.run(_ours_long_form_once(address, files, warmup))
-        return {"wall_s": wall, "texts": texts, "segments": segments}
+        return job(address), None
     flags = ["--num-threads", str(threads)]
     with Services(
         model=model, log_level="WARNING", extra_encoder_args=flags, extra_decoder_args=[*flags, "--encoder-cache", "0"]
     ) as svc:
         pids = {n: svc.process(n).pid for n in ("encoder", "decoder")}
         before = {n: _cpu_s(p) for n, p in pids.items()}
-        wall, texts, segments = asyncio.run(_ours_long_form_once(svc.decoder_address, files, warmup))
-        cpu = {n: _cpu_s(p) - before[n] for n, p in pids.items()}
-    return {"wall_s": wall, "texts": texts, "segments": segments, "cpu_s": cpu}
+        result = job(svc.decoder_address)
+        return result, {n: _cpu_s(p) - before[n] for n, p in pids.items()}
 
 
 def short_form_rows(args, clips: list[str], eot: int) -> tuple[list[dict], float]:

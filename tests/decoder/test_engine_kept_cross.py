@@ -28,10 +28,11 @@ def tiny(whisper_model_dir, whisper_features, hf_whisper_tokens):
 
 
 def run(engine, cross, kv, rid, params, prompt=None, **add):
-    """Adds one sequence, plays the encoder for it, steps to its end; returns (tokens, outputs, encoded)."""
+    """Adds one sequence (``params.n`` samples), plays the encoder for it, steps until every sample finished;
+    returns (tokens of all samples in output order, outputs, encoded)."""
     engine.add_request(rid, ENC_LEN, params, prompt, **add)
-    tokens, outputs, encoded = [], [], False
-    for _ in range(500):
+    tokens, outputs, encoded, done = [], [], False, set()
+    for _ in range(800):
         out = engine.step()
         for r, blocks in out.to_encode:
             write_cross(cross, kv, blocks)
@@ -40,8 +41,9 @@ def run(engine, cross, kv, rid, params, prompt=None, **add):
         for o in out.outputs:
             tokens += o.new_token_ids
             outputs.append(o)
-            if o.finished:
-                return tokens, outputs, encoded
+            done |= {o.index} if o.finished else set()
+        if len(done) == params.n:
+            return tokens, outputs, encoded
     raise AssertionError("did not finish")
 
 
@@ -78,21 +80,12 @@ def test_reuse_without_kept_cross_is_refused(tiny):
 
 
 def run_group(engine, cross, kv, rid, params, **add):
-    """Like ``run`` for n > 1 samples: steps until every index finished; returns ({index: tokens}, encoded)."""
-    engine.add_request(rid, ENC_LEN, params, **add)
-    tokens, done, encoded = {}, set(), False
-    for _ in range(800):
-        out = engine.step()
-        for r, blocks in out.to_encode:
-            write_cross(cross, kv, blocks)
-            engine.mark_encoded(r)
-            encoded = True
-        for o in out.outputs:
-            tokens.setdefault(o.index, []).extend(o.new_token_ids)
-            done |= {o.index} if o.finished else set()
-        if len(done) == params.n:
-            return tokens, encoded
-    raise AssertionError("did not finish")
+    """``run`` for n > 1 samples: steps until every index finished; returns ({index: tokens}, encoded)."""
+    _, outputs, encoded = run(engine, cross, kv, rid, params, **add)
+    tokens: dict[int, list[int]] = {}
+    for o in outputs:
+        tokens.setdefault(o.index, []).extend(o.new_token_ids)
+    return tokens, encoded
 
 
 def test_samples_share_and_keep_the_kept_cross(tiny):
