@@ -168,7 +168,12 @@ def _add_whisper(p: argparse.ArgumentParser) -> None:
         default=None,
         help="decode silence too (default: stretches of about 7 s or more the VAD hears no speech in are skipped)",
     )
-    p.add_argument("--vad-gate-min-silence-s", type=float, default=None, help="silence the gate skips, after 0.4 s of padding each side; default 6.0")
+    p.add_argument(
+        "--vad-gate-min-silence-s",
+        type=float,
+        default=None,
+        help="silence the gate skips, after 0.4 s of padding each side; default 6.0",
+    )
     p.add_argument(
         "--hallucination-silence-threshold",
         type=float,
@@ -446,6 +451,12 @@ def _add_quality_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--skip-ct2", action="store_true", help="no faster-whisper systems (CTranslate2)")
     p.add_argument("--skip-hf", action="store_true", help="no HF transformers system")
+    p.add_argument(
+        "--ours-options",
+        default=None,
+        help="more WhisperOptions for ours as JSON, e.g. '{\"hallucination_silence_threshold\": 2}' or "
+        '\'{"decoding_rules": "hf"}\' (default: none, the user\'s default path)',
+    )
     p.add_argument("--json", default=None, help="also write the results here, every file's hypothesis included")
 
 

@@ -68,7 +68,7 @@ def _run_system(system: str, args, model_dir: str, paths: dict[str, str], alone:
     from encdec.bench import quality_systems as qs
 
     if system == "ours":
-        return qs.run_ours(args.model, paths, alone, warmup, args.threads, args.address)
+        return qs.run_ours(args.model, paths, alone, warmup, args.threads, args.address, args.ours_options)
     if system == "hf":
         return qs.run_hf(model_dir, paths, args.threads)
     return qs.run_faster_whisper(system, model_dir, paths, args.threads, alone if system == "fw-sequential" else None)

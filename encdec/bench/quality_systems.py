@@ -50,14 +50,18 @@ def _failed(exc: Exception) -> dict:
     return {"text": "", "language": "", "segments": [], "error": error}
 
 
-async def _ours_runs(address: str, files: dict[str, str], alone: str, warmup: str) -> dict:
+async def _ours_runs(address: str, files: dict[str, str], alone: str, warmup: str, extra: str | None) -> dict:
     import grpc
+    from google.protobuf import json_format
 
     from encdec.bench.whisper import transcribe_over_grpc
     from shared.proto import decoder_pb2, decoder_pb2_grpc
 
-    segment = decoder_pb2.WhisperOptions(timestamps=decoder_pb2.TIMESTAMP_GRANULARITY_SEGMENT)
-    word = decoder_pb2.WhisperOptions(timestamps=decoder_pb2.TIMESTAMP_GRANULARITY_WORD)
+    base = json_format.Parse(extra or "{}", decoder_pb2.WhisperOptions())
+    segment, word = decoder_pb2.WhisperOptions(), decoder_pb2.WhisperOptions()
+    for options, timestamps in ((segment, "SEGMENT"), (word, "WORD")):
+        options.CopyFrom(base)
+        options.timestamps = decoder_pb2.TimestampGranularity.Value(f"TIMESTAMP_GRANULARITY_{timestamps}")
     async with grpc.aio.insecure_channel(address) as channel:
         stub = decoder_pb2_grpc.DecoderServiceStub(channel)
 
@@ -85,16 +89,27 @@ async def _ours_runs(address: str, files: dict[str, str], alone: str, warmup: st
     return out
 
 
-def run_ours(model: str, files: dict[str, str], alone: str, warmup: str, threads: int, address: str | None) -> dict:
+def run_ours(
+    model: str,
+    files: dict[str, str],
+    alone: str,
+    warmup: str,
+    threads: int,
+    address: str | None,
+    extra_options: str | None = None,
+) -> dict:
     """Our services on ``files`` (name -> WAV path), see the module docstring; with services started here also
     ``"cpu_s"``: the encoder's and the decoder's CPU seconds over the all-at-once run and the alone runs.
+    ``extra_options``: more ``WhisperOptions`` fields as JSON (``--ours-options``), on every request.
 
     Raises:
         grpc.aio.AioRpcError: the warm-up or an alone run failed. RuntimeError: the services did not start.
     """
     from encdec.bench.whisper import on_services
 
-    out, cpu = on_services(model, threads, address, lambda at: asyncio.run(_ours_runs(at, files, alone, warmup)))
+    out, cpu = on_services(
+        model, threads, address, lambda at: asyncio.run(_ours_runs(at, files, alone, warmup, extra_options))
+    )
     return out if cpu is None else {**out, "cpu_s": cpu}
 
 
