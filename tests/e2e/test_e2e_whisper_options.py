@@ -53,6 +53,11 @@ BASE_CASES = {
     # samples over the kept cross KV), and word timing that moves the seek
     "openai_translate_fr": ("weather_fr", {"task": "translate", "decoding_rules": "openai"}),
     "openai_words": ("late:meeting", {"language": "en", "timestamps": WORD, "decoding_rules": "openai"}),
+    # words timed for hallucination_silence_threshold though the request asks for none
+    "openai_hallucination_silence": (
+        "late:meeting",
+        {"language": "en", "hallucination_silence_threshold": 2.0, "decoding_rules": "openai"},
+    ),
 }
 LEAD_IN_S = 1.2  # "late:<clip>": this much digital silence before the clip (speech starts past HF's 0.0)
 
@@ -264,6 +269,16 @@ def test_short_translation_loop_falls_back_under_openai_rules(base_stub):
     assert got.final.usage.completion_tokens < looped.final.usage.completion_tokens * 4
     for s in got.segments:  # the window's judgement travels with its segments
         assert s.temperature > 0 and 0 < s.compression_ratio <= 2.4 and s.avg_logprob < 0, s
+    assert_all_blocks_free(base_stub)
+
+
+def test_hallucination_silence_threshold_times_words_it_does_not_send(base_stub):
+    """openai rules' hallucination_silence_threshold times every window's words (over the kept cross KV) to find
+    hallucinations after silence; speech without a long silence keeps all its text, and no words are sent."""
+    got = run_case(base_stub, "openai_hallucination_silence")
+    plain = transcribe(base_stub, case_audio("late:meeting"), language="en", decoding_rules="openai")
+    assert got.final.finish_reason == STOP and got.text.strip() and got.text == plain.text
+    assert got.segments and not any(s.words for s in got.segments)
     assert_all_blocks_free(base_stub)
 
 
