@@ -110,8 +110,9 @@ def hf_long_form(
     The reference model is ``build_hf_whisper`` with the long-form settings of the openai/whisper-*
     generation configs (``prev_sot_token_id``, ``max_initial_timestamp_index`` 50, every language of the
     checkpoint in ``lang_to_id``). Features: ``WhisperFeatureExtractor(truncation=False, padding="longest")``
-    with its attention mask, inside the timing; sampling (temperatures > 0) seeded with 0. A multilingual
-    checkpoint transcribes in English unless ``detect_language`` (then ``generate`` detects each file's).
+    with its attention mask (``padding="max_length"`` to 30 s where every file of the call is shorter:
+    HF's short-form path takes exactly 3000 frames), inside the timing; sampling (temperatures > 0) seeded
+    with 0. A multilingual checkpoint transcribes in English unless ``detect_language`` (then ``generate`` detects each file's).
 
     Returns:
         ``{"wall_s": float, "texts": [str, ...]}``: each file's text tokens decoded; with ``segments`` also
@@ -147,11 +148,13 @@ def hf_long_form(
         return tokenizer.decode([t for t in tokens if t < eot])
 
     def transcribe(batch: list) -> list[dict]:
+        # HF takes a batch whose longest file is under 30 s as short-form, which needs exactly 3000 frames
+        short = max(len(a) for a in batch) <= 30 * SAMPLE_RATE
         x = extractor(
             batch,
             sampling_rate=SAMPLE_RATE,
-            truncation=False,
-            padding="longest",
+            truncation=short,
+            padding="max_length" if short else "longest",
             return_attention_mask=True,
             return_tensors="pt",
         )

@@ -56,7 +56,9 @@ def test_up_passes_extra_flags_to_the_services(redis_url, tmp_path):
         with grpc.insecure_channel(address) as channel:
             stub = decoder_pb2_grpc.DecoderServiceStub(channel)
             request = decoder_pb2.GenerateRequest(
-                audio=CLIP.read_bytes(), sampling=decoder_pb2.SamplingParams(max_tokens=10)
+                audio=CLIP.read_bytes(),
+                sampling=decoder_pb2.SamplingParams(max_tokens=10),
+                whisper=decoder_pb2.WhisperOptions(decoding_rules="hf"),  # token-streamed (openai: window by window)
             )
             messages = list(stub.Generate(request, timeout=120))
         sizes = [len(m.token_ids) for m in messages]

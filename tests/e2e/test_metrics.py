@@ -19,6 +19,8 @@ from shared.metrics import EncoderMetrics, start_metrics_server
 from shared.proto import decoder_pb2, decoder_pb2_grpc
 
 DATA = DATA_DIR
+# HF rules stream a short clip token by token, so the first message arrives while the request decodes
+HF_RULES = decoder_pb2.WhisperOptions(decoding_rules="hf")
 
 
 def test_endpoint_serves_registry_and_survives_a_taken_port(caplog):
@@ -114,7 +116,7 @@ def test_identical_concurrent_inputs_are_encoded_once(services):
         stub, request_id = args
         barrier.wait()
         messages = []
-        for message in stub.Generate(decoder_pb2.GenerateRequest(request_id=request_id, audio=audio), timeout=120):
+        for message in stub.Generate(decoder_pb2.GenerateRequest(request_id=request_id, audio=audio, whisper=HF_RULES), timeout=120):
             if not messages:  # mid-stream: the record says DECODING, also for the request that reused the other's KV
                 states[request_id] = stub.GetRequest(decoder_pb2.GetRequestRequest(request_id=request_id)).state
             messages.append(message)

@@ -99,6 +99,8 @@ def generate_pcm(stub, request_id: str, pcm: bytes, timeout_s: float = 60.0, **s
         request_id=request_id,
         pcm=decoder_pb2.PcmAudio(samples=pcm, sample_rate=16000),
         sampling=decoder_pb2.SamplingParams(**sampling),
+        # HF rules encode every window: the openai rules' VAD gate finds no speech in noise and needs no encoder
+        whisper=decoder_pb2.WhisperOptions(decoding_rules="hf"),
     )
     return list(stub.Generate(request, timeout=timeout_s))
 
