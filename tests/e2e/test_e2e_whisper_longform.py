@@ -1,7 +1,8 @@
 """Whisper long-form end to end: HF parity, everything at once, abort, disconnect and a failing later window.
 
-Redis + encoder_svc + decoder_svc as separate processes (``encdec.launcher.Services``), one stack per model
-(whisper-tiny.en; whisper-base for the multilingual long-form and the concurrency check), real gRPC.
+Redis + encoder_svc + decoder_svc as separate processes (``encdec.launcher.Services``), the session's stack
+per model (``conftest.py``: whisper-tiny.en; whisper-base for the multilingual long-form and the concurrency
+check), real gRPC.
 
 - Parity: a 129 s clip (the bundled English clips four times, each round shuffled, 0.5-2 s of silence after
   each clip; ``helpers.whisper_hf.joined_clip``) on tiny.en, and 45 s of another such clip on base with
@@ -28,35 +29,24 @@ import pytest
 import soundfile as sf
 from helpers.whisper_hf import RATE, joined_clip, load_hf_whisper, read_clip
 from test_e2e_whisper import assert_all_blocks_free, wait_state
-from test_e2e_whisper_options import BASE, BASE_CASES, TINY, Result, pcm_request, run_case, stack, transcribe
+from test_e2e_whisper_options import BASE, BASE_CASES, TINY, Result, pcm_request, run_case, transcribe
 
 from encdec.bench.quality_corpus import build_corpus, load_corpus
 from encdec.bench.quality_metrics import corpus_wer, repetition_loops, words_in_gaps
-from shared.proto import decoder_pb2, decoder_pb2_grpc
+from shared.proto import decoder_pb2
 
 TINY_CLIP_ROUNDS, TINY_CLIP_SEED = 4, 0  # 129.2 s, 6 windows
 BASE_CLIP_SECONDS, BASE_CLIP_SEED = 45.0, 1  # 2 windows
-ENCODE_TIMEOUT_S = 10  # tiny.en's stack: a window whose encoder is gone fails within this
 
 
 @pytest.fixture(scope="module")
-def tiny_services(redis_url, tmp_path_factory):
-    decoder_args = ("--encode-timeout-s", str(ENCODE_TIMEOUT_S))
-    with stack(TINY, redis_url, tmp_path_factory.mktemp("tiny-longform-logs"), decoder_args) as svc:
-        yield svc
+def tiny(tiny_stub):  # the session's tiny.en stack (conftest.py), --encode-timeout-s 10
+    return tiny_stub
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_services):
-    with grpc.insecure_channel(tiny_services.decoder_address) as channel:
-        yield decoder_pb2_grpc.DecoderServiceStub(channel)
-
-
-@pytest.fixture(scope="module")
-def base(redis_url, tmp_path_factory):
-    with stack(BASE, redis_url, tmp_path_factory.mktemp("base-longform-logs")) as svc:
-        with grpc.insecure_channel(svc.decoder_address) as channel:
-            yield decoder_pb2_grpc.DecoderServiceStub(channel)
+def base(base_stub):  # the session's whisper-base stack (conftest.py)
+    return base_stub
 
 
 @pytest.fixture(scope="module")
@@ -134,12 +124,13 @@ def test_base_longform_in_english_matches_hf(base, base_alone, base_clip, hf_bas
     assert_all_blocks_free(base)
 
 
-def test_everything_at_once_matches_each_alone(tiny, base, tiny_clip, base_clip, tiny_alone, base_alone):
+def test_everything_at_once_matches_each_alone(tiny, base, base_case, tiny_clip, base_clip, tiny_alone, base_alone):
     """Check 1's short-form requests (whisper-base, and tiny.en's English default) and both long-form ones at once:
     each result is what it is alone."""
     jobs = {name: (lambda name=name: run_case(base, name)) for name in BASE_CASES}
+    alone = {name: base_case(name) for name in BASE_CASES}
     jobs["tiny_short"] = lambda: transcribe(tiny, read_clip("sample"))
-    alone = {name: job() for name, job in jobs.items()}
+    alone["tiny_short"] = jobs["tiny_short"]()
     jobs["tiny_longform"] = lambda: transcribe(tiny, tiny_clip)
     jobs["base_longform"] = lambda: transcribe(base, base_clip, language="en")
     alone.update(tiny_longform=tiny_alone, base_longform=base_alone)

@@ -27,7 +27,7 @@ from test_e2e_whisper import assert_all_blocks_free, wait_state
 
 from decoder_svc.whisper.repetition import has_loop
 from encdec.launcher import Services
-from shared.proto import decoder_pb2, decoder_pb2_grpc
+from shared.proto import decoder_pb2
 
 BASE, TINY = "whisper-base", "whisper-tiny.en"
 EOT = {TINY: 50256, BASE: 50257}  # <|endoftext|>; text tokens are below it
@@ -121,20 +121,6 @@ def stack(model: str, redis_url: str, log_dir, decoder_args: tuple[str, ...] = (
 
 
 @pytest.fixture(scope="module")
-def base_stub(redis_url, tmp_path_factory):
-    with stack(BASE, redis_url, tmp_path_factory.mktemp("base-logs")) as svc:
-        with grpc.insecure_channel(svc.decoder_address) as channel:
-            yield decoder_pb2_grpc.DecoderServiceStub(channel)
-
-
-@pytest.fixture(scope="module")
-def tiny_stub(redis_url, tmp_path_factory):
-    with stack(TINY, redis_url, tmp_path_factory.mktemp("tiny-logs")) as svc:
-        with grpc.insecure_channel(svc.decoder_address) as channel:
-            yield decoder_pb2_grpc.DecoderServiceStub(channel)
-
-
-@pytest.fixture(scope="module")
 def hf_base():
     return load_hf_whisper(BASE)
 
@@ -157,12 +143,12 @@ def without_end(tokens: list[int], eot: int) -> list[int]:
 
 
 @pytest.mark.parametrize("clip", LANG_CLIPS)
-def test_detected_language_and_transcript_match_hf(base_stub, hf_base, clip):
+def test_detected_language_and_transcript_match_hf(base_case, base_stub, hf_base, clip):
     """(a) language = HF detect_language, probability = softmax over the language tokens; (b) the transcript
     = HF generate(language=<detected>, task="transcribe")."""
     pcm = read_clip(clip)
     want_language, want_probability = hf_base.detect(pcm)
-    got = run_case(base_stub, f"detect_{clip[-2:]}")
+    got = base_case(f"detect_{clip[-2:]}")
     assert got.final.finish_reason == STOP
     assert got.final.language == want_language
     assert got.final.language_probability == pytest.approx(want_probability, abs=1e-3)
@@ -174,20 +160,20 @@ def test_detected_language_and_transcript_match_hf(base_stub, hf_base, clip):
     assert_all_blocks_free(base_stub)
 
 
-def test_translate_matches_hf(base_stub, hf_base):
+def test_translate_matches_hf(base_case, base_stub, hf_base):
     """(c) task="translate" on the German clip, language given and detected: HF generate(task="translate",
     language="de")."""
     pcm = read_clip("weather_de")
     want = hf_base.short_form(pcm, language="de", task="translate")
     assert want != hf_base.short_form(pcm, language="de", task="transcribe")  # the task token took effect
     for name in ("translate_de", "translate_detected"):
-        got = run_case(base_stub, name)
+        got = base_case(name)
         assert (got.final.finish_reason, got.final.language) == (STOP, "de"), name
         assert without_end(got.tokens, hf_base.specials.eot) == want, name
     assert_all_blocks_free(base_stub)
 
 
-def test_prompt_matches_hf_prompt_ids(base_stub, hf_base):
+def test_prompt_matches_hf_prompt_ids(base_case, base_stub, hf_base):
     """(d) prompt: HF generate(prompt_ids=get_prompt_ids(prompt)), which strips the prompt from its output."""
     pcm = read_clip("sample")
     prompt_ids = hf_base.prompt_ids(PROMPT).tolist()
@@ -195,21 +181,21 @@ def test_prompt_matches_hf_prompt_ids(base_stub, hf_base):
     language, _ = hf_base.detect(pcm)
     want = hf_base.short_form(pcm, language=language, prompt=PROMPT)
     assert want[0] != hf_base.specials.sot_prev and want[: len(prompt_ids) - 1] != prompt_ids[1:]
-    got = run_case(base_stub, "prompt")
+    got = base_case("prompt")
     assert (got.final.finish_reason, got.final.language) == (STOP, language)
     assert without_end(got.tokens, hf_base.specials.eot) == want
-    unprompted = run_case(base_stub, "segments")  # the same clip without a prompt reads differently
+    unprompted = base_case("segments")  # the same clip without a prompt reads differently
     assert got.text != unprompted.text
     assert_all_blocks_free(base_stub)
 
 
-def test_segment_timestamps_match_hf(base_stub, hf_base):
+def test_segment_timestamps_match_hf(base_case, base_stub, hf_base):
     """(e) timestamps=SEGMENT on a 7.3 s clip: HF generate(return_timestamps=True, return_segments=True)
     segments; an end HF puts past the audio (a window of 3000 frames) is clipped to its length."""
     pcm = read_clip("sample")
     duration = len(pcm) / RATE
     want = hf_base.segments(pcm, language="en")
-    got = run_case(base_stub, "segments")
+    got = base_case("segments")
     assert got.final.finish_reason == STOP and len(want) >= 2
     assert [s.id for s in got.segments] == list(range(len(want)))
     for ours, theirs in zip(got.segments, want, strict=True):
@@ -226,7 +212,7 @@ def test_segment_timestamps_match_hf(base_stub, hf_base):
 
 
 @pytest.mark.parametrize("case", ["words", "words_late_start"])
-def test_word_timestamps_match_hf_token_timestamps(base_stub, hf_base, case):
+def test_word_timestamps_match_hf_token_timestamps(base_case, base_stub, hf_base, case):
     """(f) timestamps=WORD: the segments equal HF's; each word's start / end is within one DTW frame (0.02 s) of
     HF's return_token_timestamps time of the token before its first token / of its last token.
 
@@ -237,7 +223,7 @@ def test_word_timestamps_match_hf_token_timestamps(base_stub, hf_base, case):
     clip, options = BASE_CASES[case]
     pcm = case_audio(clip)
     want = hf_base.segments(pcm, language=options["language"], words=True)
-    got = run_case(base_stub, case)
+    got = base_case(case)
     assert got.final.finish_reason == STOP
     assert [list(s.tokens) for s in got.segments] == [s.tokens for s in want]
     checked = 0
@@ -272,10 +258,10 @@ def test_short_translation_loop_falls_back_under_openai_rules(base_stub):
     assert_all_blocks_free(base_stub)
 
 
-def test_hallucination_silence_threshold_times_words_it_does_not_send(base_stub):
+def test_hallucination_silence_threshold_times_words_it_does_not_send(base_case, base_stub):
     """openai rules' hallucination_silence_threshold times every window's words (over the kept cross KV) to find
     hallucinations after silence; speech without a long silence keeps all its text, and no words are sent."""
-    got = run_case(base_stub, "openai_hallucination_silence")
+    got = base_case("openai_hallucination_silence")
     plain = transcribe(base_stub, case_audio("late:meeting"), language="en", decoding_rules="openai")
     assert got.final.finish_reason == STOP and got.text.strip() and got.text == plain.text
     assert got.segments and not any(s.words for s in got.segments)
