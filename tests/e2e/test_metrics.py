@@ -116,7 +116,9 @@ def test_identical_concurrent_inputs_are_encoded_once(services):
         stub, request_id = args
         barrier.wait()
         messages = []
-        for message in stub.Generate(decoder_pb2.GenerateRequest(request_id=request_id, audio=audio, whisper=HF_RULES), timeout=120):
+        for message in stub.Generate(
+            decoder_pb2.GenerateRequest(request_id=request_id, audio=audio, whisper=HF_RULES), timeout=120
+        ):
             if not messages:  # mid-stream: the record says DECODING, also for the request that reused the other's KV
                 states[request_id] = stub.GetRequest(decoder_pb2.GetRequestRequest(request_id=request_id)).state
             messages.append(message)
