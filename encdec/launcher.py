@@ -36,6 +36,13 @@ log = logging.getLogger(__name__)
 BIND_ATTEMPTS = 3
 # The services Services hands its Redis URL to (as ENCDEC_REDIS_URL: Services._child_env).
 REDIS_CLIENTS = ("decoder",)
+# The health wait's channel retries a refused connection every 100-200 ms. gRPC's default backoff (1 s, x1.6 each
+# attempt) would leave a service that came up after ~10 s of model loading unseen for up to 6 s more.
+HEALTH_CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 200),
+]
 
 
 def check_port_free(port: int, host: str = "127.0.0.1") -> None:
@@ -105,7 +112,11 @@ def wait_healthy(
         ServicesError: ``proc`` exited first, or ``timeout_s`` passed.
     """
     deadline = time.monotonic() + timeout_s
-    channel = grpc.insecure_channel(address) if credentials is None else grpc.secure_channel(address, credentials)
+    channel = (
+        grpc.insecure_channel(address, options=HEALTH_CHANNEL_OPTIONS)
+        if credentials is None
+        else grpc.secure_channel(address, credentials, options=HEALTH_CHANNEL_OPTIONS)
+    )
     with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:

@@ -12,9 +12,9 @@ queueing and encoding) and TPOT (time per output token after the first:
 ``(end - first) / (tokens - 1)``). Reported: p50 / p99 of both, mean
 end-to-end latency, completed requests/s and output tokens/s over the span
 from the first arrival to the last completion. Before the timed arrivals,
-``LONE_REQUESTS`` requests run one at a time on the idle services, each after
-``LONE_GAP_S`` idle: their median TTFT is the row's ``lone TTFT ms``, and ``p99 / lone`` is how much
-waiting behind other requests adds to the worst first token (issue 24's
+``--lone-requests`` requests (default 10) run one at a time on the idle services, each after
+``--lone-gap-s`` seconds idle (default 1 s): their median TTFT is the row's ``lone TTFT ms``, and
+``p99 / lone`` is how much waiting behind other requests adds to the worst first token (issue 24's
 online target: at most 1.3).
 
 **Rate sweep** (``--rates 0.5,1,2,4``): one run per rate, one after another
@@ -57,9 +57,6 @@ COLUMNS = [
 ]
 SWEEP_COLUMNS = [*COLUMNS, "refused", "TTFT SLO ms", "met SLO %", "goodput req/s"]
 REFUSAL_CODES = ("RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED")  # the decoder's admission answers
-LONE_REQUESTS = 10  # requests sent one at a time before the timed run (the 5 bundled clips: two each)
-LONE_GAP_S = 1.0  # idle seconds before each lone request: a request sent right after another one finds the
-# services warmer (TTFT ~10% lower on 2 cores) than one arriving after the idle gap of a 1 req/s run
 
 
 def arrival_times(rate: float, duration: float, seed: int) -> list[float]:
@@ -107,9 +104,15 @@ def _workload(args):
 
 
 async def _drive(
-    address: str, make_request, offsets: list[float], progress: bool
+    address: str,
+    make_request,
+    offsets: list[float],
+    progress: bool,
+    lone_requests: int,
+    lone_gap_s: float,
 ) -> tuple[list[dict], float, float | None]:
-    """The lone requests, then one request per offset: (per-request results, span s, median lone TTFT s or None)."""
+    """``lone_requests`` lone requests, each after ``lone_gap_s`` seconds idle, then one request per offset
+    (seconds): (per-request results, span s, median lone TTFT s or None)."""
     import grpc
     from tqdm import tqdm
 
@@ -146,8 +149,8 @@ async def _drive(
         async for _ in stub.Generate(make_request(0)):  # warm-up, not counted
             pass
         lone = []
-        for i in range(LONE_REQUESTS):  # one at a time on idle services: the TTFT nothing queues in front of
-            await asyncio.sleep(LONE_GAP_S)  # idle first, as before an arrival of the run (not back to back)
+        for i in range(lone_requests):  # one at a time on idle services: the TTFT nothing queues in front of
+            await asyncio.sleep(lone_gap_s)  # idle first, as before an arrival of the run (not back to back)
             r = await one(i, 0.0, time.perf_counter(), counted=False)
             lone += [r["ttft_s"]] if r["ttft_s"] is not None else []
         t0 = time.perf_counter()
@@ -241,7 +244,9 @@ def _sweep(args, model, make_request, progress: bool) -> tuple[list[dict], list[
             offsets = arrival_times(rate, args.duration, args.seed)
             if progress:
                 print(f"[online sweep] {len(offsets)} arrivals at {rate} req/s", file=sys.stderr, flush=True)
-            results, _, lone = asyncio.run(_drive(address, make_request, offsets, progress))
+            results, _, lone = asyncio.run(
+                _drive(address, make_request, offsets, progress, args.lone_requests, args.lone_gap_s)
+            )
             rows.append(summarize_sweep(args.workload, rate, args.duration, results, args.ttft_slo_ms / 1000, lone))
             requests += [{**r, "rate": rate} for r in results]
         return rows, requests
@@ -275,6 +280,8 @@ def run(args, progress: bool = True) -> dict:
             "workload": args.workload,
             "rates": [row["rate req/s"] for row in rows],
             "duration": args.duration,
+            "lone_requests": args.lone_requests,
+            "lone_gap_s": args.lone_gap_s,
             "seed": args.seed,
             "threads": args.threads,
             "ttft_slo_ms": args.ttft_slo_ms,
@@ -292,7 +299,9 @@ def run(args, progress: bool = True) -> dict:
             flush=True,
         )
     if args.address:
-        results, _, lone = asyncio.run(_drive(args.address, make_request, offsets, progress))
+        results, _, lone = asyncio.run(
+            _drive(args.address, make_request, offsets, progress, args.lone_requests, args.lone_gap_s)
+        )
     else:
         from encdec.launcher import Services
 
@@ -303,13 +312,17 @@ def run(args, progress: bool = True) -> dict:
             extra_encoder_args=flags,
             extra_decoder_args=[*flags, "--max-num-seqs", str(args.max_num_seqs), "--encoder-cache", "0"],
         ) as svc:  # repeated clips are encoded each time
-            results, _, lone = asyncio.run(_drive(svc.decoder_address, make_request, offsets, progress))
+            results, _, lone = asyncio.run(
+                _drive(svc.decoder_address, make_request, offsets, progress, args.lone_requests, args.lone_gap_s)
+            )
     row = summarize(args.workload, args.rate, args.duration, results, lone)
     return {
         "bench": "online",
         "workload": args.workload,
         "rate": args.rate,
         "duration": args.duration,
+        "lone_requests": args.lone_requests,
+        "lone_gap_s": args.lone_gap_s,
         "seed": args.seed,
         "threads": args.threads,
         "cpu_count": os.cpu_count(),

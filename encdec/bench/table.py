@@ -36,6 +36,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    """argparse type of a finite number that must be >= 0 (``--lone-gap-s``, seconds)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
 def median_run(runs: list[tuple]) -> tuple:
     """The run (a tuple whose first item is its wall time) of median wall time; the lower middle one of an even count."""
     return sorted(runs, key=lambda r: r[0])[(len(runs) - 1) // 2]

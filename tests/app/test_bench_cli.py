@@ -18,13 +18,15 @@ from helpers.cli import encdec
 
 ROOT = Path(__file__).resolve().parents[2]
 REQUESTS, NEW_TOKENS, SOURCE_LEN = 4, 8, 6
+LONE_REQUESTS = 1  # one lone request (after a short idle gap) fills the lone TTFT column
 
 
 @pytest.fixture(scope="module")
 def bench_run(tmp_path_factory):
     pytest.importorskip("matplotlib")
     out = tmp_path_factory.mktemp("bench")
-    cache = out / "cache"
+    # The session's checkpoint cache (also tests/app/test_bench_online_sweep.py's): each shape is built once.
+    cache = tmp_path_factory.getbasetemp() / "seq2seq-checkpoints"
     cmd = encdec(
         "bench",
         "all",
@@ -38,9 +40,11 @@ def bench_run(tmp_path_factory):
         f"--seq2seq-args=--models t5-tiny --requests {REQUESTS} --new-tokens {NEW_TOKENS} --source-len {SOURCE_LEN} "
         f"--skip-hf-sequential --repeats 1 --stream-intervals 1,16 --cache-dir {cache}",
         f"--online-args=--workload bart-tiny --rate 4 --duration 1.5 --new-tokens {NEW_TOKENS} --source-len {SOURCE_LEN} "
-        f"--cache-dir {cache}",
+        f"--lone-requests {LONE_REQUESTS} --lone-gap-s 0.2 --cache-dir {cache}",
     )
-    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # the bench starts its own redis-server
+    # The bench starts its own redis-server, and its processes run as a user's do: without the Triton CPU
+    # interpreter tests/conftest.py sets for this process (under it every service starts ~2 s slower).
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "TRITON_INTERPRET")}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc.stdout, out
@@ -94,6 +98,7 @@ def test_online_table_and_json(bench_run):
     payload = json.loads((out / "bench.json").read_text())["benches"]["online"]
     row = payload["rows"][0]
     assert table[2][0] == "bart-tiny"
+    assert payload["lone_requests"] == LONE_REQUESTS and payload["lone_gap_s"] == 0.2
     assert row["requests"] == len(payload["requests"]) and row["failed"] == 0
     for key in ("TTFT p50 ms", "TTFT p99 ms", "lone TTFT ms", "TPOT p50 ms", "TPOT p99 ms", "tokens/s"):
         assert row[key] is not None and row[key] > 0, key

@@ -54,7 +54,7 @@ def test_sweep_row_counts_refusals_and_goodput():
     assert row["req/s"] == pytest.approx(3 / span)
 
 
-def test_cli_rate_sweep_prints_one_row_per_rate(tmp_path):
+def test_cli_rate_sweep_prints_one_row_per_rate(tmp_path, tmp_path_factory):
     out = tmp_path / "sweep.json"
     cmd = encdec(
         "bench",
@@ -71,21 +71,29 @@ def test_cli_rate_sweep_prints_one_row_per_rate(tmp_path):
         "6",
         "--ttft-slo-ms",
         "60000",
+        "--lone-requests",
+        "1",  # per rate, after a 0.2 s idle gap
+        "--lone-gap-s",
+        "0.2",
         "--cache-dir",
-        str(tmp_path / "cache"),
+        str(tmp_path_factory.getbasetemp() / "seq2seq-checkpoints"),  # shared with tests/app/test_bench_cli.py
         "--json",
         str(out),
     )
-    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # the bench starts its own redis-server
+    # The bench starts its own redis-server, and its processes run as a user's do: without the Triton CPU
+    # interpreter tests/conftest.py sets for this process (under it every service starts ~2 s slower).
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "TRITON_INTERPRET")}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     header = next(line for line in proc.stdout.splitlines() if line.startswith("| workload"))
     assert [c.strip() for c in header.strip("|").split("|")] == SWEEP_COLUMNS
     payload = json.loads(out.read_text())
     assert payload["rates"] == [2.0, 6.0] and payload["columns"] == SWEEP_COLUMNS
+    assert payload["lone_requests"] == 1 and payload["lone_gap_s"] == 0.2
     rows = payload["rows"]
     assert [r["rate req/s"] for r in rows] == [2.0, 6.0]
     for row in rows:
         n = sum(1 for r in payload["requests"] if r["rate"] == row["rate req/s"])
         assert row["requests"] == n and row["failed"] == row["refused"] == 0
         assert row["met SLO %"] == 100.0 and row["goodput req/s"] == pytest.approx(row["req/s"])
+        assert row["lone TTFT ms"] > 0  # each rate's run has its lone request
