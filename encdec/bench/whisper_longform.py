@@ -112,7 +112,8 @@ def hf_long_form(
     checkpoint in ``lang_to_id``). Features: ``WhisperFeatureExtractor(truncation=False, padding="longest")``
     with its attention mask (``padding="max_length"`` to 30 s where every file of the call is shorter:
     HF's short-form path takes exactly 3000 frames), inside the timing; sampling (temperatures > 0) seeded
-    with 0. A multilingual checkpoint transcribes in English unless ``detect_language`` (then ``generate`` detects each file's).
+    with 0. A multilingual checkpoint transcribes in English unless ``detect_language`` (then ``generate``
+    detects each file's).
 
     Returns:
         ``{"wall_s": float, "texts": [str, ...]}``: each file's text tokens decoded; with ``segments`` also

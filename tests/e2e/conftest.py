@@ -8,6 +8,8 @@ stack, so the options checks and the everything-at-once check judge the same res
 
 from __future__ import annotations
 
+import functools
+
 import grpc
 import pytest
 
@@ -45,11 +47,4 @@ def base_case(base_stub):
     """``name -> Result``: ``BASE_CASES[name]`` sent alone on the base stack, once a session."""
     from test_e2e_whisper_options import run_case
 
-    results = {}
-
-    def get(name: str):
-        if name not in results:
-            results[name] = run_case(base_stub, name)
-        return results[name]
-
-    return get
+    return functools.cache(lambda name: run_case(base_stub, name))

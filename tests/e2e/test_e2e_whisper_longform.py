@@ -40,16 +40,6 @@ BASE_CLIP_SECONDS, BASE_CLIP_SEED = 45.0, 1  # 2 windows
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_stub):  # the session's tiny.en stack (conftest.py), --encode-timeout-s 10
-    return tiny_stub
-
-
-@pytest.fixture(scope="module")
-def base(base_stub):  # the session's whisper-base stack (conftest.py)
-    return base_stub
-
-
-@pytest.fixture(scope="module")
 def tiny_clip():
     return joined_clip(TINY_CLIP_ROUNDS, TINY_CLIP_SEED)
 
@@ -70,13 +60,13 @@ def hf_base():
 
 
 @pytest.fixture(scope="module")
-def tiny_alone(tiny, tiny_clip) -> Result:
-    return transcribe(tiny, tiny_clip)
+def tiny_alone(tiny_stub, tiny_clip) -> Result:
+    return transcribe(tiny_stub, tiny_clip)
 
 
 @pytest.fixture(scope="module")
-def base_alone(base, base_clip) -> Result:
-    return transcribe(base, base_clip, language="en")
+def base_alone(base_stub, base_clip) -> Result:
+    return transcribe(base_stub, base_clip, language="en")
 
 
 def summary(result: Result) -> tuple:
@@ -111,36 +101,38 @@ def assert_matches_hf_longform(got: Result, hf, pcm, language: str | None = None
     assert got.final.duration == pytest.approx(len(pcm) / RATE, abs=1e-6)
 
 
-def test_tiny_longform_matches_hf(tiny, tiny_alone, tiny_clip, hf_tiny):
+def test_tiny_longform_matches_hf(tiny_stub, tiny_alone, tiny_clip, hf_tiny):
     assert 120 <= len(tiny_clip) / RATE <= 180
     assert_matches_hf_longform(tiny_alone, hf_tiny, tiny_clip)
     assert tiny_alone.final.language == "en"
-    assert_all_blocks_free(tiny)
+    assert_all_blocks_free(tiny_stub)
 
 
-def test_base_longform_in_english_matches_hf(base, base_alone, base_clip, hf_base):
+def test_base_longform_in_english_matches_hf(base_stub, base_alone, base_clip, hf_base):
     assert_matches_hf_longform(base_alone, hf_base, base_clip, language="en")
     assert (base_alone.final.language, base_alone.final.language_probability) == ("en", 1.0)
-    assert_all_blocks_free(base)
+    assert_all_blocks_free(base_stub)
 
 
-def test_everything_at_once_matches_each_alone(tiny, base, base_case, tiny_clip, base_clip, tiny_alone, base_alone):
+def test_everything_at_once_matches_each_alone(
+    tiny_stub, base_stub, base_case, tiny_clip, base_clip, tiny_alone, base_alone
+):
     """Check 1's short-form requests (whisper-base, and tiny.en's English default) and both long-form ones at once:
     each result is what it is alone."""
-    jobs = {name: (lambda name=name: run_case(base, name)) for name in BASE_CASES}
+    jobs = {name: (lambda name=name: run_case(base_stub, name)) for name in BASE_CASES}
     alone = {name: base_case(name) for name in BASE_CASES}
-    jobs["tiny_short"] = lambda: transcribe(tiny, read_clip("sample"))
+    jobs["tiny_short"] = lambda: transcribe(tiny_stub, read_clip("sample"))
     alone["tiny_short"] = jobs["tiny_short"]()
-    jobs["tiny_longform"] = lambda: transcribe(tiny, tiny_clip)
-    jobs["base_longform"] = lambda: transcribe(base, base_clip, language="en")
+    jobs["tiny_longform"] = lambda: transcribe(tiny_stub, tiny_clip)
+    jobs["base_longform"] = lambda: transcribe(base_stub, base_clip, language="en")
     alone.update(tiny_longform=tiny_alone, base_longform=base_alone)
     with ThreadPoolExecutor(len(jobs)) as pool:
         futures = {name: pool.submit(job) for name, job in jobs.items()}
         together = {name: f.result() for name, f in futures.items()}
     for name in jobs:
         assert summary(together[name]) == summary(alone[name]), name
-    assert_all_blocks_free(tiny)
-    assert_all_blocks_free(base)
+    assert_all_blocks_free(tiny_stub)
+    assert_all_blocks_free(base_stub)
 
 
 def _until_first_segment(call) -> list[decoder_pb2.GenerateResponse]:
@@ -160,47 +152,47 @@ def _assert_keeps_serving(stub, hf_tiny) -> None:
     assert_all_blocks_free(stub)
 
 
-def test_abort_after_first_segment(tiny, tiny_clip, tiny_alone, hf_tiny):
+def test_abort_after_first_segment(tiny_stub, tiny_clip, tiny_alone, hf_tiny):
     request_id = f"lf-abort-{uuid.uuid4().hex[:8]}"
-    call = tiny.Generate(pcm_request(tiny_clip, request_id), timeout=300)
+    call = tiny_stub.Generate(pcm_request(tiny_clip, request_id), timeout=300)
     read = _until_first_segment(call)
-    assert stub_abort(tiny, request_id)
+    assert stub_abort(tiny_stub, request_id)
     read += list(call)
     final = read[-1]
     assert final.finish_reason == decoder_pb2.FINISH_REASON_ABORT
     segments = [s for m in read for s in m.segments]
     assert 0 < len(segments) < len(tiny_alone.segments)
     assert [list(s.tokens) for s in segments] == [list(s.tokens) for s in tiny_alone.segments[: len(segments)]]
-    record = wait_state(tiny, request_id, decoder_pb2.REQUEST_STATE_ABORTED)
+    record = wait_state(tiny_stub, request_id, decoder_pb2.REQUEST_STATE_ABORTED)
     assert record.finish_reason == "abort"
-    assert_all_blocks_free(tiny)
-    _assert_keeps_serving(tiny, hf_tiny)
+    assert_all_blocks_free(tiny_stub)
+    _assert_keeps_serving(tiny_stub, hf_tiny)
 
 
 def stub_abort(stub, request_id: str) -> bool:
     return stub.Abort(decoder_pb2.AbortRequest(request_id=request_id)).aborted
 
 
-def test_disconnect_after_first_segment(tiny, tiny_clip, hf_tiny):
+def test_disconnect_after_first_segment(tiny_stub, tiny_clip, hf_tiny):
     request_id = f"lf-cancel-{uuid.uuid4().hex[:8]}"
-    call = tiny.Generate(pcm_request(tiny_clip, request_id), timeout=300)
+    call = tiny_stub.Generate(pcm_request(tiny_clip, request_id), timeout=300)
     _until_first_segment(call)
     call.cancel()
     with pytest.raises(grpc.RpcError) as info:
         list(call)
     assert info.value.code() == grpc.StatusCode.CANCELLED
-    record = wait_state(tiny, request_id, decoder_pb2.REQUEST_STATE_ABORTED)
+    record = wait_state(tiny_stub, request_id, decoder_pb2.REQUEST_STATE_ABORTED)
     assert record.finish_reason == "abort"
-    assert_all_blocks_free(tiny)
-    _assert_keeps_serving(tiny, hf_tiny)
+    assert_all_blocks_free(tiny_stub)
+    _assert_keeps_serving(tiny_stub, hf_tiny)
 
 
-def test_encoder_killed_after_first_segment_fails_the_request(tiny_services, tiny, hf_tiny):
+def test_encoder_killed_after_first_segment_fails_the_request(tiny_services, tiny_stub, hf_tiny):
     """A later window's Encode finds no encoder: UNAVAILABLE naming it, FAILED in Redis, blocks free; the
     encoder restarted, the next request is served."""
     pcm = joined_clip(TINY_CLIP_ROUNDS, seed=7)  # samples no other request has: every window is encoded anew
     request_id = f"lf-encoder-{uuid.uuid4().hex[:8]}"
-    call = tiny.Generate(pcm_request(pcm, request_id), timeout=300)
+    call = tiny_stub.Generate(pcm_request(pcm, request_id), timeout=300)
     _until_first_segment(call)
     tiny_services.kill("encoder")
     try:
@@ -208,12 +200,12 @@ def test_encoder_killed_after_first_segment_fails_the_request(tiny_services, tin
             list(call)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
         assert "encoder" in info.value.details(), info.value.details()
-        record = wait_state(tiny, request_id, decoder_pb2.REQUEST_STATE_FAILED)
+        record = wait_state(tiny_stub, request_id, decoder_pb2.REQUEST_STATE_FAILED)
         assert "encoder" in record.error, record.error
-        assert_all_blocks_free(tiny)
+        assert_all_blocks_free(tiny_stub)
     finally:
         tiny_services.restart("encoder")
-    _assert_keeps_serving(tiny, hf_tiny)
+    _assert_keeps_serving(tiny_stub, hf_tiny)
 
 
 @pytest.fixture(scope="module")
@@ -226,7 +218,7 @@ def gaps_recording(tmp_path_factory):
     return meta, pcm
 
 
-def test_silence_gaps_of_a_long_recording_get_no_invented_text(tiny, gaps_recording):
+def test_silence_gaps_of_a_long_recording_get_no_invented_text(tiny_stub, gaps_recording):
     """Whisper invents sentences inside long silences (the issue's 25 s silent and 40 s faint-noise gaps); HF's
     rules (the decoder's behaviour before openai-whisper's rules were its default) do, the default does not."""
     meta, pcm = gaps_recording
@@ -237,12 +229,12 @@ def test_silence_gaps_of_a_long_recording_get_no_invented_text(tiny, gaps_record
         loops = repetition_loops(result.text, meta.reference, "en")
         return gap_words, loops, corpus_wer([(meta.reference, result.text, "en")])
 
-    hf_words, _, hf_wer = score(transcribe(tiny, pcm, timestamps=decoder_pb2.TIMESTAMP_GRANULARITY_SEGMENT))
-    got = transcribe(tiny, pcm, timestamps=decoder_pb2.TIMESTAMP_GRANULARITY_SEGMENT, decoding_rules="openai")
+    hf_words, _, hf_wer = score(transcribe(tiny_stub, pcm, timestamps=decoder_pb2.TIMESTAMP_GRANULARITY_SEGMENT))
+    got = transcribe(tiny_stub, pcm, timestamps=decoder_pb2.TIMESTAMP_GRANULARITY_SEGMENT, decoding_rules="openai")
     words, loops, wer = score(got)
     assert hf_words > 5, hf_words  # today's failure: text inside the gaps
     assert (words, loops) == (0, []), (words, loops)
     assert wer < hf_wer and wer < 0.2, (wer, hf_wer)
     for s in got.segments:  # every segment within the speech
         assert not any(g0 + 0.5 < (s.start + s.end) / 2 < g1 - 0.5 for g0, g1, _ in meta.gaps), s
-    assert_all_blocks_free(tiny)
+    assert_all_blocks_free(tiny_stub)

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 from helpers.metrics import scrape
+from test_e2e_whisper import HF_RULES
 
 from encdec import DATA_DIR
 from encdec.launcher import Services
@@ -19,8 +20,6 @@ from shared.metrics import EncoderMetrics, start_metrics_server
 from shared.proto import decoder_pb2, decoder_pb2_grpc
 
 DATA = DATA_DIR
-# HF rules stream a short clip token by token, so the first message arrives while the request decodes
-HF_RULES = decoder_pb2.WhisperOptions(decoding_rules="hf")
 
 
 def test_endpoint_serves_registry_and_survives_a_taken_port(caplog):
@@ -117,7 +116,9 @@ def test_identical_concurrent_inputs_are_encoded_once(services):
         barrier.wait()
         messages = []
         for message in stub.Generate(
-            decoder_pb2.GenerateRequest(request_id=request_id, audio=audio, whisper=HF_RULES), timeout=120
+            # HF rules stream a short clip token by token: the first message arrives while the request decodes
+            decoder_pb2.GenerateRequest(request_id=request_id, audio=audio, whisper=HF_RULES),
+            timeout=120,
         ):
             if not messages:  # mid-stream: the record says DECODING, also for the request that reused the other's KV
                 states[request_id] = stub.GetRequest(decoder_pb2.GetRequestRequest(request_id=request_id)).state

@@ -32,7 +32,7 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from test_e2e_whisper import assert_all_blocks_free
+from test_e2e_whisper import HF_RULES, assert_all_blocks_free
 
 from encdec import DATA_DIR
 from encdec.launcher import Services
@@ -100,7 +100,7 @@ def generate_pcm(stub, request_id: str, pcm: bytes, timeout_s: float = 60.0, **s
         pcm=decoder_pb2.PcmAudio(samples=pcm, sample_rate=16000),
         sampling=decoder_pb2.SamplingParams(**sampling),
         # HF rules encode every window: the openai rules' VAD gate finds no speech in noise and needs no encoder
-        whisper=decoder_pb2.WhisperOptions(decoding_rules="hf"),
+        whisper=HF_RULES,
     )
     return list(stub.Generate(request, timeout=timeout_s))
 
