@@ -17,16 +17,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 from decoder_svc.core.engine import DecoderEngine
 from decoder_svc.core.kv_budget import max_concurrent_requests
 from decoder_svc.replicas.request_state import RedisUnavailableError, RequestState, RequestStateStore
 from decoder_svc.session import convert
+from decoder_svc.session.audio import AudioLimits
 from decoder_svc.session.encode_client import EncodeClient
-from decoder_svc.session.inputs import parse_input
+from decoder_svc.session.inputs import decode_request_audio, parse_input
 from decoder_svc.session.limits import apply_request_limits
 from decoder_svc.session.request_session import RequestSession
 from decoder_svc.session.sessions import Sessions
@@ -72,6 +75,10 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         # decoder_svc.replicas.replica_control.ReplicaControl, set by start-up: Abort of others' requests
         self.control = None
         self.parsing = 0  # Generate calls past the draining check, not yet in `sessions.active` (parsing their input)
+        # Audio files decode on a pool of their own, at most audio_decode_workers at once (decoder_svc.session.audio):
+        # a burst of large uploads queues here instead of multiplying memory, and never holds up Redis writes.
+        self.audio_limits = AudioLimits(config.max_audio_s, config.max_audio_sample_rate, config.max_audio_channels)
+        self.audio_pool = ThreadPoolExecutor(config.audio_decode_workers, thread_name_prefix="audio-decode")
         self.metrics = DecoderMetrics()
         self.metrics.watch_engine(engine.stats, engine.scheduler)
         self.sessions = Sessions(config, engine, store, EncodeClient(config, pool, self.metrics), self.metrics)
@@ -84,12 +91,18 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             bm.num_blocks_for(model.config.max_source_positions),
         )
 
+    @property
+    def _audio_model(self) -> bool:
+        # As parse_input tells the input's kind: text models (T5, BART family) declare input_modality, Whisper not.
+        return getattr(self.model, "input_modality", "audio") == "audio"
+
     def start(self) -> None:
         """Starts the engine thread; call on the event loop that serves the RPCs."""
         self.sessions.start(self.num_threads)
 
     async def close(self) -> None:
         await self.sessions.close()
+        self.audio_pool.shutdown(wait=False, cancel_futures=True)
 
     async def drain(self, grace_s: float, poll_s: float = 0.05) -> None:
         """Shutdown: refuses new Generate calls (UNAVAILABLE), lets running ones (those still parsing their input
@@ -139,6 +152,10 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             # At once, before any parsing: RESOURCE_EXHAUSTED (queue full) or DEADLINE_EXCEEDED (it cannot start in time).
             ticket = self.sessions.admission.admit(request.priority, context.time_remaining())
             # Decoding and resampling audio takes a while: keep it off the event loop that serves every stream.
+            pcm = None
+            if request.WhichOneof("input") in ("audio", "pcm") and self._audio_model:
+                decode = functools.partial(decode_request_audio, request, self.audio_limits)
+                pcm = await asyncio.get_running_loop().run_in_executor(self.audio_pool, decode)
             inp = await asyncio.to_thread(
                 parse_input,
                 request,
@@ -146,6 +163,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
                 self.engine.tokenizer,
                 self.config.max_audio_s,
                 self.config.decoding_rules,
+                pcm,
             )
             params = apply_request_limits(params, inp, self.config)  # --max-new-tokens, --max-n, ... (limits.py)
             await self.sessions.create_record(request_id)  # Redis: QUEUED

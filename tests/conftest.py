@@ -120,3 +120,24 @@ def text_checkpoints(tmp_path_factory):
     dirs = {name: build(root / name) for name, build in BUILDERS.items()}
     dirs["t5-long"] = with_generation(dirs["t5"], root / "t5-long", suppress_tokens=[0, 1])
     return dirs
+
+
+@pytest.fixture(scope="session")
+def tiny_services(redis_url, tmp_path_factory):
+    """The session's whisper-tiny.en stack (``helpers.stacks.stack``), shared by every module that needs a plain
+    one (e2e, CLI); a test that kills one of its processes restarts it before it ends."""
+    from helpers.stacks import TINY, TINY_ENCODE_TIMEOUT_S, stack
+
+    decoder_args = ("--encode-timeout-s", str(TINY_ENCODE_TIMEOUT_S))
+    with stack(TINY, redis_url, tmp_path_factory.mktemp("tiny-logs"), decoder_args) as svc:
+        yield svc
+
+
+@pytest.fixture(scope="session")
+def tiny_stub(tiny_services):
+    import grpc
+
+    from shared.proto import decoder_pb2_grpc
+
+    with grpc.insecure_channel(tiny_services.decoder_address) as channel:
+        yield decoder_pb2_grpc.DecoderServiceStub(channel)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from decoder_svc.session.audio import decode_audio, pcm_to_array
+from decoder_svc.session.audio import AudioLimits, decode_audio, pcm_to_array
 from decoder_svc.whisper.options import WhisperJob, parse_whisper_options
 from shared.errors import InvalidRequestError
 
@@ -67,13 +67,39 @@ class RequestInput:
         return {"pcm": self.pcm.astype("<f4").tobytes()}
 
 
-def parse_input(request, model, tokenizer, max_audio_s: float, decoding_rules: str = "openai") -> RequestInput:
+def decode_request_audio(request, limits: AudioLimits) -> np.ndarray:
+    """The audio of a request whose input is ``audio`` (a file) or ``pcm`` (raw samples), as
+    ``[num_samples]`` float32 at 16 kHz (``decoder_svc.session.audio``).
+
+    Raises:
+        decoder_svc.session.audio.AudioError: (a ``ValueError``, INVALID_ARGUMENT) undecodable, or over
+            ``limits`` (judged from the header where it states them, else while decoding, which stops there).
+    """
+    if request.WhichOneof("input") == "audio":
+        return decode_audio(request.audio, limits=limits)
+    pcm = request.pcm
+    return pcm_to_array(pcm.samples, pcm.sample_rate, encoding=pcm.encoding, limits=limits)
+
+
+def parse_input(
+    request,
+    model,
+    tokenizer,
+    max_audio_s: float,
+    decoding_rules: str = "openai",
+    pcm: np.ndarray | None = None,
+    limits: AudioLimits | None = None,
+) -> RequestInput:
     """Validates and converts ``request.input`` (and the decoder prompt) for ``model``.
 
     Args:
         max_audio_s: longest accepted audio in seconds (``--max-audio-s``);
             audio longer than 30 s is accepted up to it and decoded in windows.
         decoding_rules: Whisper's decoding rules for a request that names none (``--decoding-rules``).
+        pcm: the request's audio already decoded (``decode_request_audio``, on the service's decode
+            pool); None = decode it here.
+        limits: the accepted audio when decoding here (default: ``max_audio_s`` and the default rate and
+            channel limits).
 
     Raises:
         InvalidRequestError: missing input, input of the wrong kind for the
@@ -87,7 +113,7 @@ def parse_input(request, model, tokenizer, max_audio_s: float, decoding_rules: s
     kind = request.WhichOneof("input")
     text_model = getattr(model, "input_modality", "audio") == "text"
     if kind is None:
-        want = "`text` or `input_ids`" if text_model else "`audio` (WAV/FLAC bytes) or `pcm`"
+        want = "`text` or `input_ids`" if text_model else "`audio` (an audio file's bytes) or `pcm`"
         raise InvalidRequestError(f"request has no input: set {want}")
     if text_model and kind in _AUDIO:
         raise InvalidRequestError(f"this model translates text: set `text` or `input_ids`, not `{kind}`")
@@ -96,12 +122,8 @@ def parse_input(request, model, tokenizer, max_audio_s: float, decoding_rules: s
     if request.WhichOneof("decoder_prompt") and not text_model:
         raise InvalidRequestError("decoder_prompt_* is for text models; this model uses its own audio prompt")
     if not text_model:
-        # The duration is checked from the header / sample count before any decoding or resampling.
-        pcm = (
-            decode_audio(request.audio, max_duration_s=max_audio_s)
-            if kind == "audio"
-            else pcm_to_array(request.pcm.samples, request.pcm.sample_rate, max_duration_s=max_audio_s)
-        )
+        if pcm is None:  # the duration is checked from the header / sample count before decoding, where known
+            pcm = decode_request_audio(request, limits or AudioLimits(max_audio_s))
         seconds = len(pcm) / SAMPLE_RATE
         if seconds > max_audio_s:
             raise InvalidRequestError(f"audio is {seconds:.2f} s long; this server accepts at most {max_audio_s:.2f} s")

@@ -9,20 +9,21 @@ The bodies are OpenAI's: ``verbose_json`` ``{task, language (its English name), 
 usage}``, ``srt`` / ``vtt`` as text (``shared.subtitles``). What the model cannot do (a language or translation on
 an English-only model) is the decoder's INVALID_ARGUMENT, answered as a 400 naming the field.
 
-The upload is read once into the Generate request (the body limit: ``gateway_svc.upload``); its duration is read
-from the file's header (soundfile), not by decoding it.
+The decoder reads every audio and video format FFmpeg does (``decoder_svc.session.audio``); the gateway never
+decodes. The upload (spooled by Starlette, to disk past 1 MB; the body limit: ``gateway_svc.upload``) is read once,
+straight into the serialized Generate request (``generate_wire``), so the gateway holds one copy of the audio per
+request (two for the instant gRPC's ``bytes`` is made), not the read bytes, protobuf's copy and its serialization.
+The duration reported is the decoder's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import io
 import math
 
 import grpc
 import numpy as np
-import soundfile
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import PlainTextResponse
 from starlette.datastructures import UploadFile
@@ -96,7 +97,11 @@ async def parse_form(request: Request, task: str) -> dict:
         raise bad_request("file must be a file part (filename and content), not a text field", "file")
     media = (upload.content_type or "").lower()
     if media and not media.startswith(AUDIO_TYPES):
-        raise bad_request(f"file has media type {media!r}; send an audio file (WAV or FLAC)", "file")
+        raise bad_request(
+            f"file has media type {media!r}; send an audio or video file (flac, mp3, mp4, mpeg, mpga, m4a, ogg, "
+            "opus, wav, webm...)",
+            "file",
+        )
     model = _one(form, "model")
     if not model:
         raise bad_request("missing required field 'model'", "model")
@@ -152,13 +157,14 @@ async def parse_form(request: Request, task: str) -> dict:
             prompt=_one(form, "prompt") or "",
             timestamps=timestamps,
         )
-    data = await upload.read()
-    await upload.close()
-    if not data:
+    size = await asyncio.to_thread(_size, upload)
+    if not size:
+        await upload.close()
         raise bad_request("file is empty; send an audio file", "file")
     return {
         "model": model,
-        "data": data,
+        "upload": upload,
+        "size": size,
         "response_format": response_format,
         # OpenAI's 0 = automatic fallback: no temperatures list and sampling 0 (the decoder's fallback list);
         # above 0 the decoder decodes at that temperature only.
@@ -203,25 +209,67 @@ def whisper_error(exc: grpc.RpcError) -> GatewayError:
     return err
 
 
-def duration_s(data: bytes) -> float | None:
-    """The audio's length in seconds from its header; None if soundfile cannot read it (the decoder decides)."""
-    try:
-        return float(soundfile.info(io.BytesIO(data)).duration)
-    except Exception:  # noqa: BLE001 - any unreadable header: no duration, the decoder answers for the audio
-        return None
+def _size(upload: UploadFile) -> int:
+    """The upload's length in bytes (its spooled file's end)."""
+    return upload.file.seek(0, 2)
+
+
+# Generate's wire name, and the tag of GenerateRequest's ``audio`` (field 3, length-delimited) in the protobuf
+# wire format (https://protobuf.dev/programming-guides/encoding/).
+GENERATE_METHOD = "/encdec.v1.DecoderService/Generate"
+_AUDIO_TAG = bytes([(decoder_pb2.GenerateRequest.AUDIO_FIELD_NUMBER << 3) | 2])
+
+
+def generate_wire(head: decoder_pb2.GenerateRequest, upload: UploadFile, size: int) -> bytes:
+    """``head`` serialized with the upload as its ``audio``: the bytes ``GenerateRequest(audio=..., **head)``
+    serializes to (a parser takes fields in any order), read from the spooled file into place instead of into
+    bytes, a message and its serialization.
+
+    Args:
+        head: the request without its audio.
+        upload: the multipart file part; read from its start.
+        size: its length in bytes.
+    """
+    prefix = head.SerializeToString() + _AUDIO_TAG + _varint(size)
+    wire = bytearray(len(prefix) + size)
+    wire[: len(prefix)] = prefix
+    upload.file.seek(0)
+    view = memoryview(wire)[len(prefix) :]
+    while view:  # readinto may return short counts
+        got = upload.file.readinto(view)
+        if not got:
+            raise bad_request("the upload ended early; send the file again", "file")
+        view = view[got:]
+    return bytes(wire)  # gRPC sends bytes only; the bytearray is freed on return
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        low, n = n & 0x7F, n >> 7
+        out.append(low | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
 
 
 async def _transcribe(request: Request, b: Backends, cfg: GatewayConfig, task: str):
     fields = await parse_form(request, task)
-    backend = await b.lookup(fields["model"], ("audio",), ENDPOINTS[task])
-    duration = duration_s(fields["data"])
-    generate = decoder_pb2.GenerateRequest(
-        model=b.wire_name(fields.pop("model")),
-        audio=fields.pop("data"),
-        sampling=decoder_pb2.SamplingParams(temperature=fields["temperature"]),
-        whisper=fields["whisper"],
+    upload = fields.pop("upload")
+    try:
+        backend = await b.lookup(fields["model"], ("audio",), ENDPOINTS[task])
+        head = decoder_pb2.GenerateRequest(
+            model=b.wire_name(fields.pop("model")),
+            sampling=decoder_pb2.SamplingParams(temperature=fields["temperature"]),
+            whisper=fields["whisper"],
+        )
+        wire = await asyncio.to_thread(generate_wire, head, upload, fields.pop("size"))
+    finally:
+        await upload.close()
+    generate = backend.channel.unary_stream(
+        GENERATE_METHOD, request_serializer=None, response_deserializer=decoder_pb2.GenerateResponse.FromString
     )
-    call = backend.decoder.Generate(generate, timeout=cfg.request_timeout_s)
+    call = generate(wire, timeout=cfg.request_timeout_s)
+    del wire  # the call holds what gRPC copied
     try:
         first = await unless_disconnected(request, call.read())
     except grpc.RpcError as exc:  # refused before any output: the 400 names the field
@@ -236,8 +284,7 @@ async def _transcribe(request: Request, b: Backends, cfg: GatewayConfig, task: s
     text = "".join(m.text for m in messages).strip()
     segments = [s for m in messages for s in m.segments]
     last = messages[-1] if messages else decoder_pb2.GenerateResponse()  # the final one: language, duration
-    if duration is None and last.duration > 0:
-        duration = last.duration
+    duration = last.duration if last.duration > 0 else None  # the decoder's: the audio's length in seconds
     response_format = fields["response_format"]
     if response_format == "text":
         return PlainTextResponse(text)

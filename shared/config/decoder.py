@@ -76,6 +76,14 @@ class DecoderServiceConfig(ServiceConfig):
             window is decoded long-form, window by window, in one request
             (``decoder_svc.session.whisper_session``). Default 600 s (10 min, 20 or more
             windows; 38 MB of float32 PCM, within the 64 MiB gRPC message limit).
+        max_audio_sample_rate: highest sample rate of an uploaded file or raw PCM (Hz); higher gets
+            INVALID_ARGUMENT before decoding. 192000 (hi-res audio); decode time grows with the input
+            rate, memory does not (``decoder_svc.session.audio``). At most 768000 (FFmpeg's resampler).
+        max_audio_channels: most channels of an uploaded file (8, 7.1 surround); more gets INVALID_ARGUMENT
+            before decoding.
+        audio_decode_workers: audio files decoded at once, on a pool of their own (not the executor Redis
+            writes and readiness share); more uploads queue for it, so a burst of large files costs at most
+            this many decodes' memory (each: its 16 kHz output plus one frame).
         decoding_rules: Whisper's decoding rules when a request names none: ``openai``
             (default; openai-whisper's ``transcribe()`` as faster-whisper runs it, with the
             VAD gate and fallback on every request) or ``hf`` (HF transformers' ``generate``,
@@ -148,6 +156,9 @@ class DecoderServiceConfig(ServiceConfig):
     decode_hold_gap_steps: int = 20
     stream_interval: int = 1
     max_audio_s: float = 600.0
+    max_audio_sample_rate: int = 192_000
+    max_audio_channels: int = 8
+    audio_decode_workers: int = 2
     decoding_rules: str = "openai"
     kv_cache_memory: str = ""
     metrics_port: int = 9400
@@ -210,6 +221,12 @@ class DecoderServiceConfig(ServiceConfig):
         for name in ("encode_timeout_s", "max_audio_s"):
             if not 0 < getattr(self, name) < float("inf"):  # also refuses NaN
                 raise ValueError(f"{name} must be > 0 and finite (seconds), got {getattr(self, name)}")
+        if not 1_000 <= self.max_audio_sample_rate <= 768_000:  # decoder_svc.session.audio_limits
+            raise ValueError(f"max_audio_sample_rate must be in [1000, 768000] Hz, got {self.max_audio_sample_rate}")
+        if not 1 <= self.max_audio_channels <= 64:
+            raise ValueError(f"max_audio_channels must be in [1, 64], got {self.max_audio_channels}")
+        if not 1 <= self.audio_decode_workers <= 64:
+            raise ValueError(f"audio_decode_workers must be in [1, 64], got {self.audio_decode_workers}")
         if not self.max_decode_hold_ms >= 0:  # also refuses NaN
             raise ValueError(f"max_decode_hold_ms must be >= 0 (0 = never hold), got {self.max_decode_hold_ms}")
         if self.decode_hold_gap_steps < 0:

@@ -45,15 +45,23 @@ def log_mel_spectrogram(pcm: np.ndarray, num_mel_bins: int = 80) -> torch.Tensor
     return torch.from_numpy(np.ascontiguousarray(feats[0], dtype=np.float32))  # [num_mel_bins, 3000]
 
 
-def log_mel_frames(pcm: np.ndarray, num_mel_bins: int = 80) -> np.ndarray:
+# Frames per STFT chunk of ``log_mel_frames`` (30 s): the transient per chunk is a few MB whatever the clip's length.
+MEL_CHUNK_FRAMES = 3000
+
+
+def log_mel_frames(pcm: np.ndarray, num_mel_bins: int = 80, chunk_frames: int = MEL_CHUNK_FRAMES) -> np.ndarray:
     """Whisper's log-mel features of a whole clip of any length, unpadded (HF long-form's input).
 
-    ``WhisperFeatureExtractor(truncation=False, padding="longest")`` as HF's long-form
-    ``generate`` is fed: one normalisation (``max - 8`` floor) over the whole clip; a
-    window is then its slice ``[:, seek:seek + 3000]`` zero-padded to 3000 frames.
+    What ``WhisperFeatureExtractor(truncation=False, padding="longest")`` gives HF's long-form ``generate``
+    (its torch path, ``_torch_extract_fbank_features``): an STFT with centre reflect padding, power, mel
+    filters, log10 floored at 1e-10, one normalisation (``max - 8`` floor) over the whole clip; a window is then
+    its slice ``[:, seek:seek + 3000]`` zero-padded to 3000 frames. Computed ``chunk_frames`` frames at a time
+    (each frame sees only its own 400 samples, so chunks give the whole clip's frames), so memory is the output
+    plus one chunk's STFT, not the whole clip's complex spectrum (about 10x the PCM).
 
     Args:
         pcm: ``[N]`` float32 mono samples at 16 kHz.
+        chunk_frames: frames per STFT chunk.
 
     Returns:
         ``[num_mel_bins, N // 160]`` float32.
@@ -64,10 +72,27 @@ def log_mel_frames(pcm: np.ndarray, num_mel_bins: int = 80) -> np.ndarray:
     pcm = np.asarray(pcm, dtype=np.float32)
     if pcm.ndim != 1:
         raise ValueError(f"expected mono pcm of shape [N], got shape {pcm.shape}")
-    out = _feature_extractor(num_mel_bins)(
-        pcm, sampling_rate=SAMPLE_RATE, return_tensors="np", truncation=False, padding="longest"
-    ).input_features
-    return np.ascontiguousarray(out[0, :, : len(pcm) // 160], dtype=np.float32)
+    extractor = _feature_extractor(num_mel_bins)
+    n_fft, hop = extractor.n_fft, extractor.hop_length
+    num_frames = len(pcm) // hop  # HF drops the STFT's last frame: 1 + N // hop - 1
+    out = np.empty((num_mel_bins, num_frames), np.float32)
+    if num_frames == 0:
+        return out
+    # torch.stft(center=True) pads n_fft // 2 on each side by reflection; pad once, then frame chunks uncentred.
+    padded = torch.nn.functional.pad(torch.from_numpy(pcm)[None, None], (n_fft // 2, n_fft // 2), mode="reflect")[0, 0]
+    window = torch.hann_window(n_fft)
+    filters_t = torch.from_numpy(extractor.mel_filters).to(torch.float32).T.contiguous()  # [num_mel_bins, 201]
+    with torch.inference_mode():
+        for first in range(0, num_frames, chunk_frames):
+            last = min(first + chunk_frames, num_frames)
+            piece = padded[first * hop : (last - 1) * hop + n_fft]
+            stft = torch.stft(piece, n_fft, hop, window=window, center=False, return_complex=True)  # [201, frames]
+            mel = filters_t @ (stft.abs() ** 2)
+            out[:, first:last] = torch.clamp(mel, min=1e-10).log10().numpy()
+    np.maximum(out, out.max() - 8.0, out=out)
+    out += 4.0
+    out /= 4.0
+    return out
 
 
 def window_features(frames: np.ndarray, seek: int, num_frames: int) -> np.ndarray:

@@ -132,12 +132,8 @@ def test_render_writes_float32_fields_as_their_shortest_decimal():
 
 
 @pytest.fixture(scope="module")
-def whisper(redis_url, tmp_path_factory):
-    from encdec.launcher import Services
-
-    logs = tmp_path_factory.mktemp("cli-whisper-logs")
-    with Services(model="whisper-tiny.en", redis_url=redis_url, log_dir=str(logs), log_level="WARNING") as services:
-        yield services.decoder_address
+def whisper(tiny_services):
+    return tiny_services.decoder_address  # the session's tiny.en stack (tests/conftest.py)
 
 
 def grpc_segments(address: str, clip: Path, timestamps: int) -> tuple[list, decoder_pb2.GenerateResponse]:
@@ -216,3 +212,17 @@ def test_what_tiny_en_cannot_do_is_the_servers_invalid_argument(whisper, flag):
     result = cli("--address", whisper, *flag, str(DATA_DIR / "short.wav"))
     assert result.returncode == 1
     assert "INVALID_ARGUMENT" in result.stderr and "English-only" in result.stderr, result.stderr
+
+
+def test_an_m4a_voice_memo_transcribes_as_over_grpc(whisper, tmp_path):
+    """Any format the decoder reads goes through the CLI as is (here AAC in m4a, what phones record)."""
+    from helpers.audio_files import encode_file
+
+    from decoder_svc.session.audio import decode_audio
+
+    memo = tmp_path / "memo.m4a"
+    memo.write_bytes(encode_file(decode_audio(CLIP.read_bytes()), "m4a-aac-48k-mono"))
+    result = cli("--address", whisper, "--timestamps", "segment", str(memo))
+    assert result.returncode == 0, result.stderr
+    want, _ = grpc_segments(whisper, memo, SEGMENT)
+    assert want and result.stdout.strip() == "".join(s.text for s in want).strip()

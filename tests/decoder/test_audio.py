@@ -1,4 +1,5 @@
-"""decoder_svc.session.audio: WAV/FLAC decoding, mixdown, resampling and the errors users see."""
+"""decoder_svc.session.audio: every container and codec FFmpeg reads (PyAV), the libsndfile fast path, mixdown,
+resampling, the limits, and the errors users see."""
 
 from __future__ import annotations
 
@@ -8,8 +9,13 @@ import struct
 import numpy as np
 import pytest
 import soundfile as sf
+from helpers.audio_files import FORMATS, encode_file, silent_flac, wav_bytes
 
-from decoder_svc.session.audio import AudioError, decode_audio, pcm_to_array
+from decoder_svc.session.audio import AudioError, AudioLimits, decode_audio, pcm_to_array
+from encdec import DATA_DIR
+
+# faster-whisper's decode_audio returns s16 samples / 32768; ours keep s32 from the same resampler (audio_av).
+FW_TOLERANCE = 2.0**-15
 
 
 def _tone(rate: int, seconds: float, freq: float = 440.0, amp: float = 0.5) -> np.ndarray:
@@ -32,6 +38,11 @@ def _assert_close_to_tone(out: np.ndarray, seconds: float, amp: float, atol: flo
     np.testing.assert_allclose(out[edge : n - edge], ref[edge : n - edge], atol=atol)
 
 
+@pytest.fixture(scope="module")
+def speech():
+    return decode_audio((DATA_DIR / "sample.wav").read_bytes())  # [N] float32, 16 kHz
+
+
 @pytest.mark.parametrize("fmt", ["WAV", "FLAC"])
 def test_16k_mono_passes_through(fmt):
     tone = _tone(16_000, 1.0)
@@ -48,13 +59,25 @@ def test_stereo_is_mixed_down_and_resampled(fmt, rate):
     stereo = np.stack([left, np.zeros_like(left)], axis=1)  # [frames, 2]
     out = decode_audio(_encode(stereo, rate, fmt))
     assert len(out) == pytest.approx(16_000 * seconds, abs=1)
-    _assert_close_to_tone(out, seconds, amp=0.3)  # mean of the two channels
+    _assert_close_to_tone(out, seconds, amp=0.3)  # mean of the two channels (FFmpeg's normalised downmix too)
+
+
+def test_six_channels_take_ffmpegs_normalised_downmix():
+    """5.1 goes through FFmpeg: the tone on the centre channel only comes out at the centre's share of the
+    unit-gain matrix (1 / (1 + 2 x 1/sqrt(2) + 2 x 1/2): front left/right at -3 dB, surrounds at -6 dB... as
+    libswresample builds it), not at a sixth of it as a channel mean would."""
+    tone = _tone(48_000, 1.0, amp=0.8)
+    channels = np.zeros((len(tone), 6), np.float32)
+    channels[:, 2] = tone  # WAV 5.1 order: FL FR FC LFE BL BR
+    out = decode_audio(_encode(channels, 48_000, "WAV"))
+    ratio = np.abs(out[2000:-2000]).max() / 0.8
+    assert 0.25 < ratio < 0.45, ratio
 
 
 def test_float_wav_and_max_duration():
     data = _encode(_tone(44_100, 2.0), 44_100, "WAV", subtype="FLOAT")
     assert len(decode_audio(data, max_duration_s=2.5)) == 32_000
-    with pytest.raises(AudioError, match=r"2\.00s.*1\.00s"):
+    with pytest.raises(AudioError, match=r"2\.00s long by its header.*1\.00s \(--max-audio-s\)"):
         decode_audio(data, max_duration_s=1.0)
 
 
@@ -72,6 +95,8 @@ def test_nan_samples_rejected():
         (b"this is not audio at all" * 10, "cannot decode"),
         (bytes(range(256)) * 4, "cannot decode"),
         (b"RIFF\x00\x00\x00\x00WAVEfmt ", "cannot decode"),
+        (b"\x89PNG\r\n\x1a\n" + bytes(2000), "cannot decode"),
+        (b"#EXTM3U\n#EXT-X-TARGETDURATION:10\n#EXTINF:10,\nfile:///etc/passwd\n#EXT-X-ENDLIST\n", "cannot decode"),
     ],
 )
 def test_garbage_rejected(data, match):
@@ -90,14 +115,109 @@ def test_header_only_flac_rejected():
     bits = (16_000 << 44) | (0 << 41) | (15 << 36)
     streaminfo = struct.pack(">HH", 4096, 4096) + bytes(6) + bits.to_bytes(8, "big") + bytes(16)
     data = b"fLaC" + bytes([0x80, 0, 0, len(streaminfo)]) + streaminfo
-    with pytest.raises(AudioError):
+    with pytest.raises(AudioError, match="no samples"):
         decode_audio(data)
 
 
-def test_unsupported_format_rejected():
-    data = _encode(_tone(16_000, 0.5), 16_000, "OGG", subtype="VORBIS")
-    with pytest.raises(AudioError, match="unsupported audio format OGG"):
-        decode_audio(data)
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_every_format_decodes_as_faster_whisper_does(speech, name):
+    """Each container / codec decodes to the clip's length; those FFmpeg converts (all but mono / stereo WAV
+    and FLAC) give faster-whisper's ``decode_audio`` samples within its s16 step."""
+    fw_audio = pytest.importorskip("faster_whisper.audio")
+    data = encode_file(speech, name)
+    out = decode_audio(data)
+    assert out.dtype == np.float32 and abs(len(out) - len(speech)) < 0.05 * 16_000  # codec padding only
+    _, _, _, layout, lossless, _ = FORMATS[name]
+    reference = fw_audio.decode_audio(io.BytesIO(data))
+    assert len(out) == len(reference)
+    if lossless and layout in ("mono", "stereo"):  # libsndfile + soxr: the resamplers differ a little
+        np.testing.assert_allclose(out, reference, atol=1e-2)
+    else:
+        np.testing.assert_allclose(out, reference, atol=FW_TOLERANCE)
+
+
+@pytest.mark.parametrize("name", ["flac-8k-mono", "flac-44k-stereo", "flac-48k-5.1"])
+def test_lossless_formats_equal_the_wav(speech, name):
+    from helpers.audio_files import SAME_AS_WAV
+
+    np.testing.assert_array_equal(
+        decode_audio(encode_file(speech, name)), decode_audio(encode_file(speech, SAME_AS_WAV[name]))
+    )
+
+
+def test_video_only_file_has_no_audio_stream():
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as out:
+        video = out.add_stream("mpeg4", rate=10)
+        video.width, video.height, video.pix_fmt = 64, 48, "yuv420p"
+        for _ in range(5):
+            for packet in video.encode(av.VideoFrame(64, 48, "yuv420p")):
+                out.mux(packet)
+        for packet in video.encode(None):
+            out.mux(packet)
+    with pytest.raises(AudioError, match="has no audio stream"):
+        decode_audio(buf.getvalue())
+
+
+@pytest.mark.parametrize(
+    "name, match",
+    [
+        ("wav-44k-stereo", "WAV file is truncated"),
+        ("flac-48k-5.1", "corrupt or truncated"),
+        ("m4a-aac-48k-mono", "corrupt, truncated or not audio"),
+        ("webm-opus-48k-mono", "is truncated or damaged: its header declares 7.2"),
+    ],
+)
+def test_truncated_files_are_refused(speech, name, match):
+    data = encode_file(speech, name)
+    with pytest.raises(AudioError, match=match):
+        decode_audio(data[: int(len(data) * 0.9)])
+
+
+@pytest.mark.parametrize("name", ["mp3-44k-stereo", "m4a-aac-48k-mono", "flac-48k-5.1", "ogg-vorbis-44k-stereo"])
+def test_corrupt_middle_is_refused(speech, name):
+    data = bytearray(encode_file(speech, name))
+    middle = len(data) // 2
+    data[middle : middle + 2000] = np.random.default_rng(0).integers(0, 256, 2000, dtype=np.uint8).tobytes()
+    with pytest.raises(AudioError, match="corrupt|truncated"):
+        decode_audio(bytes(data))
+
+
+def test_rate_and_channel_limits_refuse_before_decoding():
+    data = silent_flac(600, 384_000, 8)  # 600 s of 8 channels at 384 kHz, ~130 KB
+    assert len(data) < 1_000_000
+    with pytest.raises(AudioError, match=r"384000 Hz is above .* 192000 Hz \(--max-audio-sample-rate\)"):
+        decode_audio(data, max_duration_s=600)
+    with pytest.raises(AudioError, match=r"8 channels; .* at most 6 \(--max-audio-channels\)"):
+        decode_audio(silent_flac(1, 48_000, 8), limits=AudioLimits(600, 192_000, 6))
+    with pytest.raises(AudioError, match=r"7200\.00s long by its header; the maximum is 600\.00s"):
+        decode_audio(silent_flac(1, 48_000, 8, declared_seconds=7200), max_duration_s=600)
+    with pytest.raises(AudioError, match=r"7200\.00s long by its header"):  # mono: the libsndfile path
+        decode_audio(silent_flac(1, 16_000, 1, declared_seconds=7200), max_duration_s=600)
+
+
+def test_decoding_stops_at_the_duration_limit(speech):
+    mp3 = encode_file(speech, "mp3-44k-stereo")  # mp3 states no exact length: caught while decoding
+    with pytest.raises(AudioError, match=r"longer than the maximum of 3\.00s .*decoding stopped at 3\.0"):
+        decode_audio(mp3, max_duration_s=3.0)
+
+
+def test_many_channels_high_rate_decode_in_bounded_memory():
+    """600 s x 8 channels at 48 kHz (28.8 M frames, 922 MB as float32 at once) decodes to its 16 kHz output;
+    the whole input is never materialised (tracemalloc sees numpy's allocations)."""
+    import tracemalloc
+
+    data = silent_flac(600, 48_000, 8)
+    tracemalloc.start()
+    try:
+        out = decode_audio(data, max_duration_s=600)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(out) == 600 * 16_000 and not out.any()
+    assert peak < 3 * out.nbytes, peak  # the output, its pieces before they are joined, one frame
 
 
 def test_audio_error_is_value_error():
@@ -112,21 +232,30 @@ def test_pcm_round_trip_and_resample():
     _assert_close_to_tone(out, 1.0, amp=0.5)
 
 
+def test_pcm_s16le_equals_the_wav():
+    tone = _tone(16_000, 0.5)
+    as_int16 = np.round(tone * 32767).astype("<i2")
+    out = pcm_to_array(as_int16.tobytes(), 16_000, encoding="pcm_s16le")
+    np.testing.assert_array_equal(out, decode_audio(wav_bytes(as_int16.astype(np.float32) / 32768)))
+
+
 @pytest.mark.parametrize(
-    "samples, rate, match",
+    "samples, rate, encoding, match",
     [
-        (b"\x00\x00\x80\x3f\x00", 16_000, "not a multiple of 4"),
-        (b"", 16_000, "empty"),
-        (b"\x00" * 8, 0, "sample rate"),
-        (b"\x00" * 8, -16_000, "sample rate"),
-        (b"\x00" * 8, 10_000_000, "sample rate"),
-        (np.array([0.0, np.inf], "<f4").tobytes(), 16_000, "infinite"),
-        (np.zeros(32_000, "<f4").tobytes(), 16_000, r"2\.00s.*1\.00s"),
+        (b"\x00\x00\x80\x3f\x00", 16_000, "", "not a multiple of 4"),
+        (b"\x00\x00\x00", 16_000, "pcm_s16le", "not a multiple of 2"),
+        (b"", 16_000, "", "empty"),
+        (b"\x00" * 8, 0, "", "sample rate"),
+        (b"\x00" * 8, -16_000, "", "sample rate"),
+        (b"\x00" * 8, 10_000_000, "", "above this server's limit"),
+        (b"\x00" * 8, 16_000, "mulaw", "unknown PCM encoding 'mulaw'"),
+        (np.array([0.0, np.inf], "<f4").tobytes(), 16_000, "", "infinite"),
+        (np.zeros(32_000, "<f4").tobytes(), 16_000, "", r"2\.00s.*1\.00s"),
     ],
 )
-def test_pcm_errors(samples, rate, match):
+def test_pcm_errors(samples, rate, encoding, match):
     with pytest.raises(AudioError, match=match):
-        pcm_to_array(samples, rate, max_duration_s=1.0)
+        pcm_to_array(samples, rate, max_duration_s=1.0, encoding=encoding)
 
 
 def test_truncated_wav_is_refused():
@@ -141,4 +270,4 @@ def test_truncated_wav_is_refused():
 def test_undecodable_message_has_no_python_reprs():
     with pytest.raises(AudioError) as info:
         decode_audio(b"definitely not audio" * 20)
-    assert "BytesIO" not in str(info.value) and "WAV or FLAC" in str(info.value)
+    assert "BytesIO" not in str(info.value) and "mp3, m4a" in str(info.value)

@@ -19,10 +19,9 @@ import pytest
 import soundfile as sf
 
 from encdec import DATA_DIR
-from encdec.launcher import Services
 from shared.models.registry import resolve_model
 from shared.models.whisper_features import load_tokenizer
-from shared.proto import decoder_pb2, decoder_pb2_grpc
+from shared.proto import decoder_pb2
 
 DATA = DATA_DIR
 CLIPS = ["sample.wav", "numbers.wav", "short.wav"]
@@ -30,16 +29,13 @@ HF_RULES = decoder_pb2.WhisperOptions(decoding_rules="hf")
 
 
 @pytest.fixture(scope="module")
-def services(redis_url, tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("service-logs")
-    with Services(redis_url=redis_url, log_dir=str(log_dir)) as svc:
-        yield svc
+def services(tiny_services):
+    return tiny_services  # the session's tiny.en stack (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
-def stub(services):
-    with grpc.insecure_channel(services.decoder_address) as channel:
-        yield decoder_pb2_grpc.DecoderServiceStub(channel)
+def stub(tiny_stub):
+    return tiny_stub
 
 
 @pytest.fixture(scope="module")

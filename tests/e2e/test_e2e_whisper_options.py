@@ -22,14 +22,13 @@ import grpc
 import numpy as np
 import pytest
 import soundfile as sf
+from helpers.stacks import BASE, TINY
 from helpers.whisper_hf import RATE, hf_word_times, load_hf_whisper, noise, read_clip
 from test_e2e_whisper import assert_all_blocks_free, wait_state
 
 from decoder_svc.whisper.repetition import has_loop
-from encdec.launcher import Services
 from shared.proto import decoder_pb2
 
-BASE, TINY = "whisper-base", "whisper-tiny.en"
 EOT = {TINY: 50256, BASE: 50257}  # <|endoftext|>; text tokens are below it
 SEGMENT, WORD = decoder_pb2.TIMESTAMP_GRANULARITY_SEGMENT, decoder_pb2.TIMESTAMP_GRANULARITY_WORD
 STOP = decoder_pb2.FINISH_REASON_STOP
@@ -105,19 +104,6 @@ def transcribe(stub, pcm: np.ndarray, request_id: str = "", **options) -> Result
 def run_case(stub, name: str) -> Result:
     clip, options = BASE_CASES[name]
     return transcribe(stub, case_audio(clip), **options)
-
-
-def stack(model: str, redis_url: str, log_dir, decoder_args: tuple[str, ...] = ()) -> Services:
-    """A Services stack of ``model`` to start with ``with`` (no Prometheus ports: other modules' stacks may run
-    beside it)."""
-    no_metrics = ["--metrics-port", "0"]
-    return Services(
-        model=model,
-        redis_url=redis_url,
-        log_dir=str(log_dir),
-        extra_encoder_args=no_metrics,
-        extra_decoder_args=[*no_metrics, *decoder_args],
-    )
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,79 @@
+"""What audio the decoder accepts (``--max-audio-s``, ``--max-audio-sample-rate``, ``--max-audio-channels``) and the
+error every refusal raises.
+
+Every check raises ``AudioError`` (a ``ValueError``; servicers answer it INVALID_ARGUMENT, the gateway 400) with
+a message naming what was wrong, the limit and the flag that sets it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+# What an error tells a user to send instead (the formats of OpenAI's transcription API, and the rest FFmpeg reads).
+FORMATS_HINT = "send an audio or video file (wav, flac, mp3, m4a, mp4, ogg, opus, webm, ...) or raw PCM"
+MIN_SAMPLE_RATE = 1_000  # Hz; below it no speech band survives
+# Hz; the highest rate of studio and "hi-res" recordings (2x 96 kHz). Higher rates (DXD 352.8 / 384 kHz) only
+# cost decode time: --max-audio-sample-rate takes them.
+DEFAULT_MAX_SAMPLE_RATE = 192_000
+DEFAULT_MAX_CHANNELS = 8  # 7.1 surround; more is a multitrack session, not a recording to transcribe
+HARD_MAX_SAMPLE_RATE = 768_000  # the largest rate FFmpeg's resampler takes
+
+
+class AudioError(ValueError):
+    """The audio cannot be used; the message says why and what to send."""
+
+
+@dataclass(frozen=True)
+class AudioLimits:
+    """The audio a request may carry.
+
+    Attributes:
+        max_duration_s: longest audio in seconds (``--max-audio-s``); None = no limit.
+        max_sample_rate: highest input sample rate in Hz (``--max-audio-sample-rate``).
+        max_channels: most input channels (``--max-audio-channels``).
+    """
+
+    max_duration_s: float | None = None
+    max_sample_rate: int = DEFAULT_MAX_SAMPLE_RATE
+    max_channels: int = DEFAULT_MAX_CHANNELS
+
+    def check_rate(self, rate) -> None:
+        """Raises ``AudioError`` for a rate that is not an integer in [MIN_SAMPLE_RATE, max_sample_rate] Hz."""
+        if isinstance(rate, bool) or not isinstance(rate, (int, np.integer)) or rate < MIN_SAMPLE_RATE:
+            raise AudioError(
+                f"bad sample rate {rate!r} Hz; must be an integer between {MIN_SAMPLE_RATE} and {self.max_sample_rate}"
+            )
+        if rate > self.max_sample_rate:
+            raise AudioError(
+                f"sample rate {rate} Hz is above this server's limit of {self.max_sample_rate} Hz "
+                "(--max-audio-sample-rate); resample the audio (16 kHz is all Whisper uses)"
+            )
+
+    def check_channels(self, channels: int) -> None:
+        """Raises ``AudioError`` for no channels or more than ``max_channels``."""
+        if channels < 1:
+            raise AudioError("the audio stream declares no channels; the file is corrupt")
+        if channels > self.max_channels:
+            raise AudioError(
+                f"audio has {channels} channels; this server accepts at most {self.max_channels} "
+                "(--max-audio-channels); mix it down (Whisper hears one channel)"
+            )
+
+    def check_duration(self, seconds: float, source: str = "", stopped: bool = False) -> None:
+        """Raises ``AudioError`` when ``seconds`` passes ``max_duration_s``.
+
+        Args:
+            seconds: the length known so far, in seconds (a header's, or what was decoded).
+            source: how it was learned, for the message (" by its header").
+            stopped: ``seconds`` is what was decoded when decoding stopped (the file holds at least that much).
+        """
+        if self.max_duration_s is None or seconds <= self.max_duration_s:
+            return
+        limit = f"{self.max_duration_s:.2f}s (--max-audio-s)"
+        if stopped:
+            raise AudioError(
+                f"audio is longer than the maximum of {limit}: decoding stopped at {seconds:.2f}s; send a shorter clip"
+            )
+        raise AudioError(f"audio is {seconds:.2f}s long{source}; the maximum is {limit}; send a shorter clip")
