@@ -18,7 +18,6 @@ from helpers.embed_checkpoints import build_classifier
 from encdec.launcher import Services, encoder_service, http_gateway
 
 EMBED_MODEL = "all-MiniLM-L6-v2"
-WHISPER_MODEL = "whisper-tiny.en"
 
 
 @dataclass
@@ -41,12 +40,12 @@ class Stack:
 
 
 @pytest.fixture(scope="session")
-def stack(redis_url, text_checkpoints, tmp_path_factory):
+def stack(redis_url, text_checkpoints, tmp_path_factory, tiny_services):
     logs = tmp_path_factory.mktemp("gateway-logs")
     rerank_path = build_classifier(tmp_path_factory.mktemp("reranker") / "bert-rerank", "bert", num_labels=1)
     t5_path = text_checkpoints["t5"]
-    whisper = Services(model=WHISPER_MODEL, redis_url=redis_url, log_dir=str(logs / "whisper"), log_level="WARNING")
+    whisper = tiny_services  # the session's tiny.en stack (tests/conftest.py)
     t5 = Services(model=str(t5_path), redis_url=redis_url, log_dir=str(logs / "t5"), log_level="WARNING")
-    with whisper, t5, encoder_service(EMBED_MODEL) as embed, encoder_service(str(rerank_path)) as rerank:
+    with t5, encoder_service(EMBED_MODEL) as embed, encoder_service(str(rerank_path)) as rerank:
         with http_gateway([whisper.decoder_address, t5.decoder_address], [embed, rerank]) as url:
             yield Stack(url, whisper, t5, t5_path, embed, rerank, rerank_path)

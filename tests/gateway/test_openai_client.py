@@ -131,6 +131,43 @@ def test_transcription_formats_equal_grpc_and_cli(stack, client, transcripts, cl
     assert cli.stdout.strip() == expected
 
 
+@pytest.mark.parametrize(
+    "name, filename, media",
+    [
+        ("mp3-44k-stereo", "podcast.mp3", "audio/mpeg"),
+        ("m4a-aac-48k-mono", "memo.m4a", "audio/mp4"),
+        ("webm-opus-48k-mono", "browser.webm", "audio/webm"),
+        ("ogg-vorbis-44k-stereo", "song.ogg", "audio/ogg"),
+        ("mp4-video-aac-44k-stereo", "call.mp4", "video/mp4"),
+    ],
+)
+def test_every_openai_upload_format_transcribes_as_over_grpc(stack, client, name, filename, media):
+    """The formats OpenAI's API takes, as the official client uploads them: the text of the same bytes sent
+    over gRPC, and verbose_json's duration the decoder's."""
+    from helpers.audio_files import encode_file
+
+    from decoder_svc.session.audio import decode_audio
+
+    data = encode_file(decode_audio((DATA_DIR / "sample.wav").read_bytes()), name)
+    samples, _ = grpc_generate(stack.whisper.decoder_address, decoder_pb2.GenerateRequest(audio=data))
+    got = client.audio.transcriptions.create(model=WHISPER, file=(filename, data, media), response_format="verbose_json")
+    assert got.text == samples[0].text.strip() and got.text
+    assert got.duration == pytest.approx(len(decode_audio(data)) / 16_000, abs=1e-3)
+
+
+@pytest.mark.parametrize(
+    "data, words",
+    [
+        (b"these are meeting notes, not a recording\n" * 20, "cannot decode audio"),
+        (b"", "file is empty"),
+    ],
+)
+def test_a_file_that_is_not_audio_is_a_400_naming_the_file(client, data, words):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.audio.transcriptions.create(model=WHISPER, file=("notes.mp3", data, "audio/mpeg"))
+    assert err.value.status_code == 400 and words in err.value.message and err.value.param == "file"
+
+
 def test_transcription_options_an_english_only_model_cannot_do_are_400(client):
     # tiny.en: another language or a translation is refused by the decoder with a message naming the option
     # (the accepted options, formats and timestamps: tests/gateway/test_http_whisper.py).
