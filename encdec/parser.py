@@ -51,7 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_services(p, 50061, 50051, 50071, 8000)
 
-    p = sub.add_parser("transcribe", help="transcribe audio or video files (wav, flac, mp3, m4a, ogg, webm, mp4...: any format FFmpeg reads; sent concurrently) and stream the text")
+    p = sub.add_parser(
+        "transcribe",
+        help="transcribe audio or video files (wav, flac, mp3, m4a, ogg, webm, mp4...: any format FFmpeg reads; sent concurrently) and stream the text",
+    )
     p.add_argument("files", nargs="+")
     p.add_argument("--address", default=os.environ.get("ENCDEC_DECODER_ADDRESS", DEFAULT_DECODER_ADDRESS))
     add_client_security(p)

@@ -150,7 +150,9 @@ def test_every_openai_upload_format_transcribes_as_over_grpc(stack, client, name
 
     data = encode_file(decode_audio((DATA_DIR / "sample.wav").read_bytes()), name)
     samples, _ = grpc_generate(stack.whisper.decoder_address, decoder_pb2.GenerateRequest(audio=data))
-    got = client.audio.transcriptions.create(model=WHISPER, file=(filename, data, media), response_format="verbose_json")
+    got = client.audio.transcriptions.create(
+        model=WHISPER, file=(filename, data, media), response_format="verbose_json"
+    )
     assert got.text == samples[0].text.strip() and got.text
     assert got.duration == pytest.approx(len(decode_audio(data)) / 16_000, abs=1e-3)
 
