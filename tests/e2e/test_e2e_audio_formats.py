@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from helpers.audio_files import FORMATS, SAME_AS_WAV, encode_file, silent_flac, wav_bytes
+from helpers.audio_files import FORMATS, SAME_AS_WAV, encode_file, silent_flac, video_only_mp4, wav_bytes
 from test_e2e_whisper import assert_all_blocks_free
 
 from decoder_svc.session.audio import decode_audio
@@ -107,21 +107,6 @@ def test_pcm_s16le_gives_the_wavs_tokens(tiny_stub, speech):
     assert "unknown PCM encoding 'ulaw'" in details and "pcm_s16le" in details
 
 
-def _video_only_mp4() -> bytes:
-    import av
-
-    buf = io.BytesIO()
-    with av.open(buf, "w", format="mp4") as out:
-        video = out.add_stream("mpeg4", rate=10)
-        video.width, video.height, video.pix_fmt = 64, 48, "yuv420p"
-        for _ in range(5):
-            for packet in video.encode(av.VideoFrame(64, 48, "yuv420p")):
-                out.mux(packet)
-        for packet in video.encode(None):
-            out.mux(packet)
-    return buf.getvalue()
-
-
 def test_bad_files_get_invalid_argument_and_leak_nothing(tiny_stub, speech):
     wav = encode_file(speech, "wav-44k-stereo")
     webm = encode_file(speech, "webm-opus-48k-mono")
@@ -135,7 +120,7 @@ def test_bad_files_get_invalid_argument_and_leak_nothing(tiny_stub, speech):
         "header-only WAV": (wav_bytes(np.zeros(0, np.float32)), "no samples"),
         "text": (b"this is a text file, not audio\n" * 40, "cannot decode audio"),
         "PNG": (b"\x89PNG\r\n\x1a\n" + bytes(4000), "cannot decode audio"),
-        "video without audio": (_video_only_mp4(), "no audio stream"),
+        "video without audio": (video_only_mp4(), "no audio stream"),
     }
     for name, (data, words) in cases.items():
         details = refused(tiny_stub, audio=data)

@@ -73,6 +73,20 @@ def encode_file(pcm_16k: np.ndarray, name: str) -> bytes:
     return buf.getvalue()
 
 
+def video_only_mp4() -> bytes:
+    """Half a second of MPEG-4 video in an mp4, with no audio track."""
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as out:
+        video = out.add_stream("mpeg4", rate=10)
+        video.width, video.height, video.pix_fmt = 64, 48, "yuv420p"
+        for _ in range(5):
+            for packet in video.encode(av.VideoFrame(64, 48, "yuv420p")):
+                out.mux(packet)
+        for packet in video.encode(None):
+            out.mux(packet)
+    return buf.getvalue()
+
+
 def _as_format(block: np.ndarray, sample_fmt: str) -> np.ndarray:
     """``[channels, n]`` float32 in the layout PyAV wants for ``sample_fmt`` (planar ``[channels, n]``, packed
     ``[1, n * channels]`` interleaved)."""
