@@ -195,7 +195,7 @@ def test_subset_and_system_choice():
     assert (args.model, args.threads, args.subsets, args.systems) == ("whisper-tiny.en", 2, None, None)
     subsets, systems, _ = choose(args, is_multilingual=False)
     assert not any(s.startswith("lang-") for s in subsets) and "gaps" in subsets
-    # faster-whisper's systems run where the [bench] extra installed it, and are left out otherwise
+    # faster-whisper's systems run where it is installed (the [test] and [bench] extras), and are left out otherwise
     has_fw = importlib.util.find_spec("faster_whisper") is not None
     assert systems == ["ours", *(["fw-sequential", "fw-batched"] if has_fw else []), "hf"]
     assert "lang-fr" in choose(args, is_multilingual=True)[0]

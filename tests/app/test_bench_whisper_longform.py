@@ -32,7 +32,7 @@ from encdec.bench.whisper_longform import (
 
 ROOT = Path(__file__).resolve().parents[2]
 HAS_FW = importlib.util.find_spec("faster_whisper") is not None
-FW_REASON = "faster-whisper is not installed (the [bench] extra): no faster-whisper rows"
+FW_REASON = "faster-whisper is not installed (the [test] or [bench] extra): no faster-whisper rows"
 LONG_FORM_MAX_S = 35  # > 30 s: two windows, the long-form algorithm (the recording built comes to 31.4 s)
 
 
