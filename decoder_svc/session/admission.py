@@ -19,12 +19,17 @@ A queued request whose deadline passes, or will pass within ``DEADLINE_MARGIN_S`
 encoder is dropped before its Encode (``Ticket.check_encode``: DEADLINE_EXCEEDED, recorded FAILED, its blocks
 freed); an Encode carries the request's deadline (``decoder_svc.session.encode_client``).
 
-**Estimated wait.** ``(ahead + 1) * gap``: ``ahead`` the requests queued with priority at least as good, ``gap``
-the mean time between two requests leaving the queue (their first token) while it was not empty: busy time per
-request, the queue's measured service rate (the last ``GAP_SAMPLES`` gaps; batching shows as gaps of ~0 between
-the requests of one batch). The gap open now (since the last departure, or since the queue filled) counts as one
-more sample, so an encoder that stopped delivering raises the estimate as it stalls. With no sample yet the
-estimate is 0: only ``max_waiting_requests`` bounds a cold start's burst.
+**Estimated wait.** The work ahead of the new request: 0 when nothing with a priority at least as good waits
+(an idle decoder always admits), else ``max(ahead * gap, open)``. ``ahead`` is the requests queued with priority
+at least as good; ``gap`` the median time between two requests leaving the queue (their first token) while it
+was not empty, over the last ``GAP_SAMPLES`` such gaps of the last ``GAP_WINDOW_S`` seconds: busy time per
+request, the queue's measured service rate (batching shows as gaps of ~0 between the requests of one batch). The
+median and the window bound what one slow request (a long decode, an encoder that stalled) does to the estimate,
+and the first departure after start-up (model warm-up) is not a sample. ``open`` is the gap open now (since the
+last departure, or since the queue filled): a queue that has not moved for that long is not expected to move
+sooner, so an encoder that stopped delivering raises the estimate as it stalls, and once it delivers again the
+estimate falls back at once. With no sample yet the estimate is the open gap only: ``max_waiting_requests``
+bounds a cold start's burst.
 
 Single-threaded: every method runs on the service's event loop; ``stats`` may also be read from the metrics
 scrape thread (it copies what it reads).
@@ -40,7 +45,8 @@ from dataclasses import dataclass, field
 
 from shared.errors import DeadlineExceededError, ResourceExhaustedError, ServiceError
 
-GAP_SAMPLES = 32  # departures the service-rate estimate averages over
+GAP_SAMPLES = 32  # departures the service-rate estimate takes the median of
+GAP_WINDOW_S = 120.0  # seconds: older departures no longer speak for the service rate
 DEADLINE_MARGIN_S = 0.05  # a request handed to the encoder with less time left than this is not encoded
 
 
@@ -120,7 +126,8 @@ class AdmissionQueue:
         self._clock = clock
         self._queued: dict[int, Ticket] = {}  # id(ticket) -> ticket, not yet started
         self._orders = itertools.count()
-        self._gaps: deque[float] = deque(maxlen=GAP_SAMPLES)
+        self._gaps: deque[tuple[float, float]] = deque(maxlen=GAP_SAMPLES)  # (when, gap seconds)
+        self._warm = False  # the first departure after start-up (model warm-up) is no sample
         self._last_event: float | None = None  # last departure, or when the queue last filled from empty
         self.num_refused: dict[str, int] = {"queue_full": 0, "queue_time": 0, "deadline": 0, "displaced": 0}
 
@@ -197,8 +204,9 @@ class AdmissionQueue:
         if self._queued.pop(id(ticket), None) is None:
             return
         now = self._clock()
-        if self._last_event is not None:
-            self._gaps.append(max(now - self._last_event, 0.0))
+        if self._last_event is not None and self._warm:
+            self._gaps.append((now, max(now - self._last_event, 0.0)))
+        self._warm = True
         self._last_event = now if self._queued else None
 
     def leave(self, ticket: Ticket | None) -> None:
@@ -212,12 +220,12 @@ class AdmissionQueue:
     # --- what it looks like -----------------------------------------------------
     def _estimate(self, ahead: int, now: float) -> float:
         """Seconds a new request with ``ahead`` requests before it is expected to wait (module docstring)."""
-        gaps = list(self._gaps)
-        if self._queued and self._last_event is not None:
-            gaps.append(max(now - self._last_event, 0.0))  # the gap open now
-        if not gaps:
+        if ahead == 0:
             return 0.0
-        return (ahead + 1) * sum(gaps) / len(gaps)
+        recent = sorted(gap for when, gap in self._gaps if now - when <= GAP_WINDOW_S)
+        gap = recent[len(recent) // 2] if recent else 0.0  # the median (the upper one of an even count)
+        open_gap = max(now - self._last_event, 0.0) if self._queued and self._last_event is not None else 0.0
+        return max(ahead * gap, open_gap)
 
     def stats(self) -> dict:
         """``num_queued_requests``, ``oldest_queue_wait_s`` (the longest-waiting queued request's wait) and

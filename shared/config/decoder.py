@@ -128,7 +128,9 @@ class DecoderServiceConfig(ServiceConfig):
             ``max_queue_time_s``; and it admits the largest burst the benchmarks
             send (seq2seq: 32 at once).
         max_queue_time_s: a new request whose estimated wait (queued requests
-            ahead of it x the measured time between two of them starting) is
+            ahead of it x the median measured time between two of them starting,
+            or the current stall if longer; 0 with nothing ahead: see
+            ``decoder_svc.session.admission``) is
             longer than this gets RESOURCE_EXHAUSTED at once (seconds); one whose
             gRPC deadline is shorter than its estimated wait gets DEADLINE_EXCEEDED.
             30 s: the wait a client of an interactive service still accepts; the

@@ -61,29 +61,95 @@ def test_estimated_wait_from_departures_and_the_open_gap():
     clock = Clock()
     q = AdmissionQueue(100, 5.0, clock)
     assert q.stats()["estimated_queue_wait_s"] == 0.0  # nothing measured: only the count bounds a cold start
-    tickets = [q.admit(0, None) for _ in range(4)]
-    for t in tickets:  # one start every 0.5 s while the queue was busy
+    tickets = [q.admit(0, None) for _ in range(5)]
+    for t in tickets:  # one start every 0.5 s while the queue was busy; the first (warm-up) is no sample
         clock.now += 0.5
         q.started(t)
     assert q.stats() == {
         "num_queued_requests": 0,
         "oldest_queue_wait_s": 0.0,
-        "estimated_queue_wait_s": pytest.approx(0.5),
+        "estimated_queue_wait_s": 0.0,  # nothing waits: an idle decoder admits at once
         "max_waiting_requests": 100,
     }
     waiting = [q.admit(0, None) for _ in range(3)]
-    clock.now += 2.5  # no departure for 2.5 s: the open gap counts as a sample
+    assert q.stats()["estimated_queue_wait_s"] == pytest.approx(3 * 0.5)  # the work ahead: 3 x the median gap
+    clock.now += 2.5  # no departure for 2.5 s: the queue is not expected to move sooner than it has not
     stats = q.stats()
     assert stats["oldest_queue_wait_s"] == pytest.approx(2.5)
-    assert stats["estimated_queue_wait_s"] == pytest.approx(4 * (4 * 0.5 + 2.5) / 5)
+    assert stats["estimated_queue_wait_s"] == pytest.approx(2.5)
     clock.now += 10.0  # stalled: the estimate passes max_queue_time_s and new requests are refused
     with pytest.raises(ResourceExhaustedError) as info:
         q.admit(0, None)
     assert "estimated" in str(info.value) and "max_queue_time_s=5" in str(info.value)
     assert q.num_refused["queue_time"] == 1
-    for t in waiting:
+    urgent = q.admit(-1, None)  # nothing of its priority waits: it enters
+    for t in [*waiting, urgent]:
         q.leave(t)  # ended without a token: not a service-rate sample
-    assert q.stats()["estimated_queue_wait_s"] == pytest.approx(0.5)
+    assert q.stats()["estimated_queue_wait_s"] == 0.0
+
+
+def test_one_slow_request_never_wedges_an_idle_decoder():
+    """Issue 34 item 0: a 70 s request (a huge upload, an encoder stopped for a while) left a gap sample that
+    kept every later request out ("0 requests are waiting, an estimated 35.8 s") with nothing queued."""
+    clock = Clock()
+    q = AdmissionQueue(32, 30.0, clock)
+    for _ in range(2):  # warm-up, then one ordinary request (a 0.3 s sample)
+        t = q.admit(0, None)
+        clock.now += 0.3
+        q.started(t)
+    slow = q.admit(0, None)
+    clock.now += 70.0
+    q.started(slow)  # a 70 s sample
+    for _ in range(5):  # an idle decoder admits at once, every time
+        t = q.admit(0, None)
+        clock.now += 0.2
+        q.started(t)
+    burst = [q.admit(0, None) for _ in range(16)]  # the median, not the 70 s outlier, prices the work ahead
+    assert q.stats()["estimated_queue_wait_s"] < 16 * 0.5
+    for t in burst:
+        q.leave(t)
+
+
+def test_a_stall_then_recovery_readmits_at_once():
+    clock = Clock()
+    q = AdmissionQueue(32, 5.0, clock)
+    for _ in range(4):  # a busy queue: departures every 0.2 s
+        t = q.admit(0, None)
+        clock.now += 0.2
+        q.started(t)
+    stuck = [q.admit(0, None) for _ in range(2)]
+    clock.now += 20.0  # the encoder stops delivering
+    with pytest.raises(ResourceExhaustedError):
+        q.admit(0, None)
+    for t in stuck:  # it delivers again
+        q.started(t)
+    t = q.admit(0, None)  # idle: admitted at once
+    again = q.admit(0, None)  # one ahead: the median gap, not the 20 s stall
+    assert q.stats()["estimated_queue_wait_s"] < 1.0
+    q.leave(t)
+    q.leave(again)
+
+
+def test_old_gaps_age_out_and_warm_up_is_no_sample():
+    from decoder_svc.session.admission import GAP_WINDOW_S
+
+    clock = Clock()
+    q = AdmissionQueue(32, 5.0, clock)
+    first = q.admit(0, None)
+    clock.now += 60.0  # the first request after start-up: model warm-up
+    q.started(first)
+    waiting = [q.admit(0, None) for _ in range(3)]
+    assert q.stats()["estimated_queue_wait_s"] == 0.0  # no sample: warm-up does not count, nothing has stalled
+    for t in waiting:
+        clock.now += 4.0
+        q.started(t)  # 3 samples of 4 s
+    ahead = [q.admit(0, None) for _ in range(2)]
+    assert q.stats()["estimated_queue_wait_s"] == pytest.approx(8.0)
+    for t in ahead:
+        q.leave(t)
+    clock.now += GAP_WINDOW_S + 1  # long idle: the old samples no longer speak for the service rate
+    ahead = [q.admit(0, None) for _ in range(2)]
+    assert q.stats()["estimated_queue_wait_s"] == 0.0
 
 
 def test_deadline_shorter_than_the_wait_is_refused_and_late_encodes_are_dropped():

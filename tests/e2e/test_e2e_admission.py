@@ -238,3 +238,49 @@ def test_short_deadline_behind_a_stalled_queue_is_refused_and_never_encoded(serv
     wait_for(lambda: encoder_calls(encoder_metrics) >= before + 2, "encoder metrics")
     time.sleep(0.5)
     assert encoder_calls(encoder_metrics) == before + 2
+
+
+STALL_S = 6.0  # the stalled request's wait: 6 x the quick stack's --max-queue-time-s
+
+
+@pytest.fixture(scope="module")
+def quick(text_checkpoints, redis_url, tmp_path_factory):
+    """A fresh tiny-T5 stack with ``--max-queue-time-s 1``, so one slow request is long next to the limit."""
+    path = text_checkpoints["t5"]
+    no_metrics = ["--metrics-port", "0"]
+    with Services(
+        model=str(path),
+        redis_url=redis_url,
+        log_dir=str(tmp_path_factory.mktemp("admission-quick-logs")),
+        log_level="WARNING",
+        extra_decoder_args=[*no_metrics, "--max-num-seqs", "4", "--encoder-cache", "0", "--max-queue-time-s", "1"],
+        extra_encoder_args=no_metrics,
+    ) as svc:
+        with grpc.insecure_channel(svc.decoder_address) as channel:
+            yield svc, decoder_pb2_grpc.DecoderServiceStub(channel)
+
+
+def test_one_stalled_request_never_wedges_the_idle_decoder(quick, sources):
+    """Issue 34 item 0: after one request that waited long (a huge upload, an encoder stopped for a while), the
+    old estimate (the mean gap, times one more than the queue) stayed over --max-queue-time-s with nothing queued,
+    and no request was ever admitted again to lower it. Now: a cold burst of max-num-seqs all enter, and after
+    the stall an idle decoder admits every request."""
+    svc, stub = quick
+    burst = [Call(stub, request(s)) for s in sources[:4]]  # cold: no service rate measured yet
+    for call in burst:
+        call.join(120)
+        assert call.error is None, call.error
+    encoder = svc.process("encoder")
+    os.kill(encoder.pid, signal.SIGSTOP)
+    try:
+        slow = Call(stub, request(sources[4]))
+        wait_for(lambda: queued(stub) == 1, "queued")
+        time.sleep(STALL_S)
+    finally:
+        os.kill(encoder.pid, signal.SIGCONT)
+    slow.join(120)
+    assert slow.error is None, slow.error
+    for src in sources[5:8]:  # one after another on the idle decoder: each admitted, none refused
+        assert stub.GetStats(decoder_pb2.GetStatsRequest()).estimated_queue_wait_s == 0.0
+        assert alone(stub, src)
+    assert_all_blocks_free(stub)
