@@ -17,17 +17,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 
 from decoder_svc.core.engine import DecoderEngine
 from decoder_svc.core.kv_budget import max_concurrent_requests
 from decoder_svc.replicas.request_state import RedisUnavailableError, RequestState, RequestStateStore
 from decoder_svc.session import convert
-from decoder_svc.session.audio import AudioLimits
+from decoder_svc.session.audio import AudioLimits, decode_cost
+from decoder_svc.session.decode_pool import DecodePool
 from decoder_svc.session.encode_client import EncodeClient
 from decoder_svc.session.inputs import decode_request_audio, parse_input
 from decoder_svc.session.limits import apply_request_limits
@@ -75,10 +74,11 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         # decoder_svc.replicas.replica_control.ReplicaControl, set by start-up: Abort of others' requests
         self.control = None
         self.parsing = 0  # Generate calls past the draining check, not yet in `sessions.active` (parsing their input)
-        # Audio files decode on a pool of their own, at most audio_decode_workers at once (decoder_svc.session.audio):
-        # a burst of large uploads queues here instead of multiplying memory, and never holds up Redis writes.
+        # Audio files decode on a pool of their own, at most audio_decode_workers at once, cheapest first
+        # (decoder_svc.session.decode_pool): a burst of large uploads queues there instead of multiplying memory,
+        # never holds up Redis writes, and a short clip never waits behind it.
         self.audio_limits = AudioLimits(config.max_audio_s, config.max_audio_sample_rate, config.max_audio_channels)
-        self.audio_pool = ThreadPoolExecutor(config.audio_decode_workers, thread_name_prefix="audio-decode")
+        self.audio_pool = DecodePool(config.audio_decode_workers)
         self.metrics = DecoderMetrics()
         self.metrics.watch_engine(engine.stats, engine.scheduler)
         self.sessions = Sessions(config, engine, store, EncodeClient(config, pool, self.metrics), self.metrics)
@@ -102,7 +102,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
 
     async def close(self) -> None:
         await self.sessions.close()
-        self.audio_pool.shutdown(wait=False, cancel_futures=True)
+        self.audio_pool.shutdown()
 
     async def drain(self, grace_s: float, poll_s: float = 0.05) -> None:
         """Shutdown: refuses new Generate calls (UNAVAILABLE), lets running ones (those still parsing their input
@@ -152,10 +152,12 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             # At once, before any parsing: RESOURCE_EXHAUSTED (queue full) or DEADLINE_EXCEEDED (it cannot start in time).
             ticket = self.sessions.admission.admit(request.priority, context.time_remaining())
             # Decoding and resampling audio takes a while: keep it off the event loop that serves every stream.
-            pcm = None
-            if request.WhichOneof("input") in ("audio", "pcm") and self._audio_model:
-                decode = functools.partial(decode_request_audio, request, self.audio_limits)
-                pcm = await asyncio.get_running_loop().run_in_executor(self.audio_pool, decode)
+            pcm, source = None, request.WhichOneof("input")
+            if source == "pcm" and self._audio_model:  # raw samples: no container to decode, never queued
+                pcm = await asyncio.to_thread(decode_request_audio, request, self.audio_limits)
+            elif source == "audio" and self._audio_model:  # refused from the header at once, else queued by cost
+                cost = await asyncio.to_thread(decode_cost, request.audio, self.audio_limits)
+                pcm = await self.audio_pool.run(cost, decode_request_audio, request, self.audio_limits)
             inp = await asyncio.to_thread(
                 parse_input,
                 request,

@@ -23,7 +23,7 @@ import numpy as np
 import soundfile as sf
 import soxr
 
-from decoder_svc.session.audio_av import decode_av
+from decoder_svc.session.audio_av import decode_av, probe_av
 from decoder_svc.session.audio_limits import FORMATS_HINT, MIN_SAMPLE_RATE, AudioError, AudioLimits
 from decoder_svc.session.pcm_buffer import PcmBuffer
 
@@ -34,6 +34,7 @@ __all__ = [
     "PCM_ENCODINGS",
     "TARGET_SAMPLE_RATE",
     "decode_audio",
+    "decode_cost",
     "pcm_to_array",
 ]
 
@@ -72,16 +73,41 @@ def decode_audio(
     limits = limits or AudioLimits()
     if max_duration_s is not None:
         limits = AudioLimits(max_duration_s, limits.max_sample_rate, limits.max_channels)
+    info = _sndfile_info(data)
+    if info is not None and info.channels <= 2:
+        return _decode_sndfile(data, info, limits, target_sample_rate)
+    return decode_av(data, limits, target_sample_rate)
+
+
+def decode_cost(data: bytes, limits: AudioLimits) -> float:
+    """The input samples (frames x channels) decoding ``data`` will read, from its header alone (a fraction of
+    a millisecond to a few): how ``decoder_svc.session.decode_pool`` orders waiting decodes, cheapest first.
+
+    Raises:
+        AudioError: what the header alone shows ``decode_audio`` would refuse (empty, not a container, no audio
+            stream, a rate, channel count or declared length over ``limits``), at once instead of after a wait.
+    """
+    info = _sndfile_info(data)
+    if info is None:
+        return probe_av(data, limits)
+    limits.check_rate(info.samplerate)
+    limits.check_channels(info.channels)
+    limits.check_duration(info.frames / info.samplerate, " by its header")
+    return float(info.frames * info.channels)
+
+
+def _sndfile_info(data: bytes):
+    """libsndfile's header of a WAV / FLAC that states its length (``soundfile._SoundFileInfo``), else None
+    (FFmpeg's turn). Refuses empty bytes and a WAV whose data chunk is cut short."""
     if not data:
-        raise AudioError(f"empty audio: received 0 bytes; {FORMATS_HINT}")
+        raise AudioError(f"audio is empty: received 0 bytes; {FORMATS_HINT}")
     _check_wav_complete(data)
     try:
         info = sf.info(io.BytesIO(data))
     except (sf.LibsndfileError, RuntimeError, TypeError):
-        info = None  # not a format libsndfile reads: FFmpeg's turn
-    if info is not None and info.format in SNDFILE_FORMATS and info.channels <= 2 and 0 < info.frames < _UNKNOWN_FRAMES:
-        return _decode_sndfile(data, info, limits, target_sample_rate)
-    return decode_av(data, limits, target_sample_rate)
+        return None  # not a format libsndfile reads
+    ok = info.format in SNDFILE_FORMATS and 0 < info.frames < _UNKNOWN_FRAMES
+    return info if ok else None
 
 
 def pcm_to_array(
@@ -119,7 +145,7 @@ def pcm_to_array(
     limits.check_rate(sample_rate)
     kind = "little-endian float32" if encoding == "pcm_f32le" else "little-endian int16"
     if len(samples) == 0:
-        raise AudioError(f"empty audio: received 0 PCM bytes; send {kind} mono samples")
+        raise AudioError(f"audio is empty: received 0 PCM bytes; send {kind} mono samples")
     if len(samples) % width:
         raise AudioError(
             f"PCM byte length {len(samples)} is not a multiple of {width}; {encoding} samples are {kind} "

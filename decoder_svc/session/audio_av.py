@@ -60,36 +60,67 @@ def decode_av(data: bytes, limits: AudioLimits, target_sample_rate: int) -> np.n
         AudioError: not a container of ``DEMUXERS``, no audio stream, a rate / channel count / declared or
             decoded length over ``limits``, a corrupt or cut-off stream, no samples, NaN / inf samples.
     """
-    try:
-        container = av.open(io.BytesIO(data), mode="r", options=_OPEN_OPTIONS, metadata_errors="ignore")
-    except av.FFmpegError as e:
-        raise AudioError(
-            f"cannot decode audio ({len(data)} bytes): FFmpeg cannot open it as an audio or video file "
-            f"({_reason(e)}), so it is corrupt, truncated or not audio; {FORMATS_HINT}"
-        ) from None
-    with container:
-        kind = container.format.long_name or container.format.name
-        stream = next((s for s in container.streams if s.type == "audio"), None)
-        if stream is None:
-            raise AudioError(f"the {kind} file has no audio stream; {FORMATS_HINT}")
-        cc = stream.codec_context
-        limits.check_rate(cc.sample_rate)
-        limits.check_channels(cc.channels)
-        names = container.format.name.split(",")
-        exact = any(name in _EXACT_LENGTH for name in names)
-        slack_s = _EXACT_SLACK_S if any(name in _EXACT_SAMPLES for name in names) else _TRUNCATION_SLACK_S
-        declared_s = _declared_s(container, stream)
-        if exact and declared_s is not None:
-            limits.check_duration(declared_s, " by its header")
+    with _open(data) as container:
+        stream, kind, names, declared_s = _checked_stream(container, limits)
         audio, decoded_s = _decode_stream(container, stream, limits, target_sample_rate, kind, declared_s)
+    exact = any(name in _EXACT_LENGTH for name in names)
+    slack_s = _EXACT_SLACK_S if any(name in _EXACT_SAMPLES for name in names) else _TRUNCATION_SLACK_S
     if audio.size == 0:
         raise AudioError(f"the {kind} file decodes to no samples (zero length); send audio with at least one sample")
+    if "ogg" in names and not _ogg_ends(data):
+        raise AudioError(
+            f"the {kind} file is truncated: its last page does not end the stream (no end-of-stream flag) after "
+            f"{decoded_s:.3f} s; send the whole file"
+        )
     if exact and declared_s is not None and decoded_s < declared_s - slack_s:
         raise AudioError(
             f"the {kind} file is truncated or damaged: its header declares {declared_s:.3f} s but only "
             f"{decoded_s:.3f} s could be decoded; send the whole file"
         )
     return audio
+
+
+def probe_av(data: bytes, limits: AudioLimits) -> float:
+    """The input samples (frames x channels) decoding ``data`` would read, from its header only: what
+    ``decode_av`` takes time in proportion to. A stream that states no length counts ``limits.max_duration_s``
+    (or an hour).
+
+    Raises:
+        AudioError: what ``decode_av`` refuses from the header (no container, no audio stream, a rate, channel
+            count or declared length over ``limits``).
+    """
+    with _open(data) as container:
+        stream, _, _, declared_s = _checked_stream(container, limits)
+        seconds = declared_s if declared_s is not None else (limits.max_duration_s or 3600.0)
+        cc = stream.codec_context
+        return float(seconds * cc.sample_rate * cc.channels)
+
+
+def _open(data: bytes):
+    try:
+        return av.open(io.BytesIO(data), mode="r", options=_OPEN_OPTIONS, metadata_errors="ignore")
+    except av.FFmpegError as e:
+        raise AudioError(
+            f"audio cannot be decoded ({len(data)} bytes): FFmpeg cannot open it as an audio or video file "
+            f"({_reason(e)}), so it is corrupt, truncated or not audio; {FORMATS_HINT}"
+        ) from None
+
+
+def _checked_stream(container, limits: AudioLimits):
+    """The first audio stream, its container's name and demuxer names, and its declared length (seconds or
+    None), after the checks its header allows: rate, channels, and the declared length where it is exact."""
+    kind = container.format.long_name or container.format.name
+    stream = next((s for s in container.streams if s.type == "audio"), None)
+    if stream is None:
+        raise AudioError(f"the {kind} file has no audio stream; {FORMATS_HINT}")
+    cc = stream.codec_context
+    limits.check_rate(cc.sample_rate)
+    limits.check_channels(cc.channels)
+    names = container.format.name.split(",")
+    declared_s = _declared_s(container, stream)
+    if declared_s is not None and any(name in _EXACT_LENGTH for name in names):
+        limits.check_duration(declared_s, " by its header")
+    return stream, kind, names, declared_s
 
 
 def _decode_stream(
@@ -129,6 +160,25 @@ def _decode_stream(
 def _append(out: PcmBuffer, frames) -> None:
     for frame in frames:  # packed s32 mono: [1, samples] int32 each, scaled into [-1, 1)
         out.append(frame.to_ndarray().reshape(-1), 2.0**-31)
+
+
+def _ogg_ends(data: bytes, tail: int = 1 << 16) -> bool:
+    """Whether the last Ogg page in ``data`` carries the end-of-stream flag (RFC 3533 section 6: capture pattern
+    "OggS", version 0, header type bit 0x04). FFmpeg takes an Ogg file's length from the last page it finds, so
+    a file cut off "declares" only what arrived; its last page then lacks the flag (or is itself cut)."""
+    pos = len(data)
+    start = max(0, len(data) - tail)
+    while True:
+        pos = data.rfind(b"OggS", start, pos)
+        if pos < 0:
+            return False
+        header = data[pos : pos + 27]
+        if len(header) == 27 and header[4] == 0 and not header[5] & ~0x07:
+            segments = header[26]
+            table = data[pos + 27 : pos + 27 + segments]
+            end = pos + 27 + segments + sum(table)
+            return len(table) == segments and end <= len(data) and bool(header[5] & 0x04)
+        # "OggS" inside a packet's data: keep looking before it
 
 
 def _declared_s(container, stream) -> float | None:

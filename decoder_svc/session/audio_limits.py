@@ -22,7 +22,13 @@ HARD_MAX_SAMPLE_RATE = 768_000  # the largest rate FFmpeg's resampler takes
 
 
 class AudioError(ValueError):
-    """The audio cannot be used; the message says why and what to send."""
+    """The audio cannot be used; the message says why and what to send.
+
+    Every message starts with "audio" ("audio: " is put before one that does not), so a client (the HTTP
+    gateway's ``param: "file"``) can tell an error about the audio from one about another field."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message if message.startswith("audio") else f"audio: {message}")
 
 
 @dataclass(frozen=True)

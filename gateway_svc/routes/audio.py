@@ -55,8 +55,9 @@ FORMATS = ("json", "text", "srt", "verbose_json", "vtt")
 TIMED_FORMATS = ("srt", "verbose_json", "vtt")  # answered from segments: long-form decoding with timestamps
 GRANULARITIES = ("segment", "word")
 ENDPOINTS = {"transcribe": "/v1/audio/transcriptions", "translate": "/v1/audio/translations"}
-# Media types an audio upload may carry (OpenAI takes flac, mp3, mp4, mpeg, mpga, m4a, ogg, wav, webm).
-AUDIO_TYPES = ("audio/", "video/mp4", "video/webm", "video/ogg", "application/ogg", "application/octet-stream")
+# Media types an audio upload may carry (OpenAI takes flac, mp3, mp4, mpeg, mpga, m4a, ogg, wav, webm; the decoder
+# reads any audio or video container FFmpeg does, and judges the bytes, whatever the type says).
+AUDIO_TYPES = ("audio/", "video/", "application/ogg", "application/x-matroska", "application/octet-stream")
 
 
 def _one(form, name: str) -> str | None:
@@ -205,7 +206,10 @@ def whisper_error(exc: grpc.RpcError) -> GatewayError:
     err = from_rpc_error(exc)
     if err.status == 400 and err.param is None:
         message = err.message.lower()
-        err.param = next((param for word, param in _PARAM_WORDS if word in message), None)
+        if message.startswith("audio"):  # the decoder's audio errors all start so (decoder_svc.session.audio_limits)
+            err.param = "file"
+        else:
+            err.param = next((param for word, param in _PARAM_WORDS if word in message), None)
     return err
 
 

@@ -92,11 +92,11 @@ def test_nan_samples_rejected():
     "data, match",
     [
         (b"", "empty"),
-        (b"this is not audio at all" * 10, "cannot decode"),
-        (bytes(range(256)) * 4, "cannot decode"),
-        (b"RIFF\x00\x00\x00\x00WAVEfmt ", "cannot decode"),
-        (b"\x89PNG\r\n\x1a\n" + bytes(2000), "cannot decode"),
-        (b"#EXTM3U\n#EXT-X-TARGETDURATION:10\n#EXTINF:10,\nfile:///etc/passwd\n#EXT-X-ENDLIST\n", "cannot decode"),
+        (b"this is not audio at all" * 10, "cannot be decoded"),
+        (bytes(range(256)) * 4, "cannot be decoded"),
+        (b"RIFF\x00\x00\x00\x00WAVEfmt ", "cannot be decoded"),
+        (b"\x89PNG\r\n\x1a\n" + bytes(2000), "cannot be decoded"),
+        (b"#EXTM3U\n#EXT-X-TARGETDURATION:10\n#EXTINF:10,\nfile:///etc/passwd\n#EXT-X-ENDLIST\n", "cannot be decoded"),
     ],
 )
 def test_garbage_rejected(data, match):
@@ -155,6 +155,8 @@ def test_video_only_file_has_no_audio_stream():
         ("flac-48k-5.1", "corrupt or truncated"),
         ("m4a-aac-48k-mono", "corrupt, truncated or not audio"),
         ("webm-opus-48k-mono", "is truncated or damaged: its header declares 7.2"),
+        ("ogg-opus-48k-stereo", "the Ogg file is truncated: its last page does not end the stream"),
+        ("ogg-vorbis-44k-stereo", "the Ogg file is truncated"),
     ],
 )
 def test_truncated_files_are_refused(speech, name, match):
@@ -183,6 +185,30 @@ def test_rate_and_channel_limits_refuse_before_decoding():
         decode_audio(silent_flac(1, 48_000, 8, declared_seconds=7200), max_duration_s=600)
     with pytest.raises(AudioError, match=r"7200\.00s long by its header"):  # mono: the libsndfile path
         decode_audio(silent_flac(1, 16_000, 1, declared_seconds=7200), max_duration_s=600)
+
+
+def test_decode_cost_is_the_headers_input_samples_and_refuses_from_the_header(speech):
+    from decoder_svc.session.audio import decode_cost
+
+    limits = AudioLimits(600)
+    assert decode_cost(encode_file(speech, "wav-44k-stereo"), limits) == pytest.approx(
+        len(speech) * 44_100 / 16_000 * 2, abs=4
+    )
+    assert decode_cost(silent_flac(10, 48_000, 8), limits) == pytest.approx(10 * 48_000 * 8)
+    assert decode_cost(encode_file(speech, "m4a-aac-48k-mono"), limits) == pytest.approx(7.27 * 48_000, rel=0.01)
+    for data, words in [
+        (silent_flac(600, 384_000, 8), "--max-audio-sample-rate"),
+        (silent_flac(1, 48_000, 8, declared_seconds=7200), "7200.00s long by its header"),
+        (b"", "audio is empty"),
+        (b"not audio" * 50, "audio cannot be decoded"),
+    ]:
+        with pytest.raises(AudioError, match=words):
+            decode_cost(data, limits)
+
+
+def test_every_error_message_starts_with_audio():
+    assert str(AudioError("the Ogg file is truncated")) == "audio: the Ogg file is truncated"
+    assert str(AudioError("audio is empty")) == "audio is empty"
 
 
 def test_decoding_stops_at_the_duration_limit(speech):

@@ -118,8 +118,8 @@ def test_bad_files_get_invalid_argument_and_leak_nothing(tiny_stub, speech):
         "corrupt m4a": (bytes(m4a), "corrupt"),
         "zero-length": (b"", "empty"),
         "header-only WAV": (wav_bytes(np.zeros(0, np.float32)), "no samples"),
-        "text": (b"this is a text file, not audio\n" * 40, "cannot decode audio"),
-        "PNG": (b"\x89PNG\r\n\x1a\n" + bytes(4000), "cannot decode audio"),
+        "text": (b"this is a text file, not audio\n" * 40, "audio cannot be decoded"),
+        "PNG": (b"\x89PNG\r\n\x1a\n" + bytes(4000), "audio cannot be decoded"),
         "video without audio": (video_only_mp4(), "no audio stream"),
     }
     for name, (data, words) in cases.items():

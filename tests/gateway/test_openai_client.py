@@ -139,6 +139,7 @@ def test_transcription_formats_equal_grpc_and_cli(stack, client, transcripts, cl
         ("webm-opus-48k-mono", "browser.webm", "audio/webm"),
         ("ogg-vorbis-44k-stereo", "song.ogg", "audio/ogg"),
         ("mp4-video-aac-44k-stereo", "call.mp4", "video/mp4"),
+        ("mp4-video-aac-44k-stereo", "call.mov", "video/quicktime"),
     ],
 )
 def test_every_openai_upload_format_transcribes_as_over_grpc(stack, client, name, filename, media):
@@ -160,8 +161,13 @@ def test_every_openai_upload_format_transcribes_as_over_grpc(stack, client, name
 @pytest.mark.parametrize(
     "data, words",
     [
-        (b"these are meeting notes, not a recording\n" * 20, "cannot decode audio"),
+        (b"these are meeting notes, not a recording\n" * 20, "audio cannot be decoded"),
         (b"", "file is empty"),
+        (
+            b"RIFF\x24\x00\x10\x00WAVEfmt \x10\x00\x00\x00\x01\x00\x01\x00\x80>\x00\x00\x00}\x00\x00\x02\x00\x10\x00"
+            b"data\x00\x00\x10\x00" + bytes(1000),
+            "WAV file is truncated",
+        ),
     ],
 )
 def test_a_file_that_is_not_audio_is_a_400_naming_the_file(client, data, words):
