@@ -31,6 +31,7 @@ from helpers.compose_file import (
     interpolate,
     load_project,
     parse_duration,
+    published_binds,
     published_ports,
 )
 from helpers.compose_local import LocalDeployment, local_command, remap
@@ -97,6 +98,13 @@ def test_only_the_public_ports_are_published_and_redis_stays_internal(project):
             f"decoder{suffix}": [DECODER_PORT],
             f"embed{suffix}": [EMBED_PORT],
             f"http{suffix}": [HTTP_PORT],
+        }
+        binds = {n: [ip for ip, _, _ in published_binds(s)] for n, s in services.items() if "ports" in s}
+        # The gRPC ports on loopback only (GRPC_BIND opts in to more); the HTTP API, behind its key, everywhere.
+        assert binds == {
+            f"decoder{suffix}": ["127.0.0.1"],
+            f"embed{suffix}": ["127.0.0.1"],
+            f"http{suffix}": ["0.0.0.0"],
         }
         assert services[f"encoder{suffix}"]["networks"] == ["internal"]  # Encode: internal only
         assert services[f"http{suffix}"]["networks"] == ["public"]  # reaches the decoder and embed, not Encode
@@ -203,12 +211,36 @@ def test_encoders_and_decoders_share_the_internal_token_and_nothing_else_sees_it
     assert re.search(r"mkdir [^\n]*/secrets[^\n]*chown encdec:encdec [^\n]*/secrets", dockerfile)
 
 
+def test_public_grpc_ports_require_the_backend_token_the_gateway_sends(project):
+    """Issue 34 item 1: with ENCDEC_API_KEY set, the published gRPC ports were an open way around it. The secrets
+    service generates a backend token into the backend-token volume; every decoder and embed service requires
+    it on its public port, every gateway sends it, and no encoder or Redis sees it."""
+    assert "backend-token" in project.volumes
+    secrets = project.services["secrets"]
+    assert "backend-token:" + secrets["environment"]["BACKEND_TOKEN_DIR"] in secrets["volumes"]
+    token = secrets["environment"]["BACKEND_TOKEN_DIR"] + "/backend-token"
+    for name, svc in encdec_services(project).items():
+        env, mounted = svc["environment"], any(str(m).startswith("backend-token:") for m in svc.get("volumes", []))
+        if name.startswith(("decoder", "embed")):
+            assert env["ENCDEC_AUTH_TOKEN_FILE"] == token and mounted, name
+            assert svc["depends_on"].get("secrets", {}).get("condition") == "service_completed_successfully" or (
+                name.startswith("decoder")  # through redis, which waits for secrets
+            ), name
+        elif name.startswith("http"):
+            assert env["ENCDEC_BACKEND_TOKEN_FILE"] == token and mounted, name
+        else:
+            assert "ENCDEC_AUTH_TOKEN_FILE" not in env and not mounted, name
+    assert not any(str(m).startswith("backend-token:") for m in project.services["redis"]["volumes"])
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert re.search(r"mkdir [^\n]*/run/encdec-backend[^\n]*chown encdec:encdec [^\n]*/run/encdec-backend", dockerfile)
+
+
 def test_models_volume_and_gpu_profile(project):
     assert "models" in project.volumes
     for name, svc in model_services(project).items():
         assert "models:/models" in svc["volumes"], name
-    for name, svc in gateways(project).items():  # no model: neither the volume nor a GPU
-        assert "volumes" not in svc and "deploy" not in svc, name
+    for name, svc in gateways(project).items():  # no model: neither the volume nor a GPU (only the backend token)
+        assert svc["volumes"] == ["backend-token:/run/encdec-backend"] and "deploy" not in svc, name
     gpu = in_profile(project, "gpu")
     for name, svc in gpu.items():
         if name in model_services(project):
@@ -266,6 +298,13 @@ def deployment(project, redis_url, tmp_path_factory):
         yield running
 
 
+def _token(deployment) -> tuple[tuple[str, str]]:
+    """The gRPC metadata of the deployment's backend token (the secrets service wrote it, mode 0600)."""
+    path = Path(deployment.env("decoder")["ENCDEC_AUTH_TOKEN_FILE"])
+    assert path.stat().st_mode & 0o777 == 0o600
+    return (("authorization", f"Bearer {path.read_text().strip()}"),)
+
+
 def _serving(address: str, service: str) -> bool:
     with grpc.insecure_channel(address) as ch:
         status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
@@ -283,14 +322,20 @@ def test_generate_through_the_published_decoder_port(deployment, hf_whisper, whi
     with grpc.insecure_channel(deployment.published(DECODER_PORT)) as ch:
         stub = decoder_pb2_grpc.DecoderServiceStub(ch)
         messages = list(
-            stub.Generate(decoder_pb2.GenerateRequest(audio=(DATA / "short.wav").read_bytes()), timeout=120)
+            stub.Generate(
+                decoder_pb2.GenerateRequest(audio=(DATA / "short.wav").read_bytes()),
+                timeout=120,
+                metadata=_token(deployment),
+            )
         )
         tokens = [t for m in messages for t in m.token_ids]
         assert messages[-1].finish_reason == decoder_pb2.FINISH_REASON_STOP
         assert tokens[:-1] == expected and tokens[-1] == 50256
         text = "".join(m.text for m in messages)
         assert text == load_tokenizer(resolve_model("whisper-tiny.en")[1]).decode(tokens, skip_special_tokens=True)
-        record = stub.GetRequest(decoder_pb2.GetRequestRequest(request_id=messages[0].request_id))  # from Redis
+        record = stub.GetRequest(  # from Redis
+            decoder_pb2.GetRequestRequest(request_id=messages[0].request_id), metadata=_token(deployment)
+        )
         assert record.state == decoder_pb2.REQUEST_STATE_FINISHED and record.finish_reason == "stop"
     for name, metric in (("decoder", "encdec_decoder_requests_total"), ("encoder", "encdec_encoder_requests_total")):
         host, port = deployment.endpoints[
@@ -330,6 +375,35 @@ def test_redis_takes_only_the_password_the_secrets_service_generated(deployment)
     assert redis.Redis(host=host, port=port, password=password_file.read_text().strip(), socket_timeout=5).ping()
 
 
+def test_published_grpc_ports_refuse_calls_without_the_backend_token(deployment):
+    """Issue 34 item 1: Generate, GetRequest and Abort on the published decoder port and Embed on the embed port
+    are UNAUTHENTICATED without the backend token (or with another); health stays open for probes."""
+    from shared.proto import decoder_pb2, decoder_pb2_grpc, embed_pb2, embed_pb2_grpc
+
+    wrong = (("authorization", "Bearer not-the-deployment-token"),)
+    with grpc.insecure_channel(deployment.published(DECODER_PORT)) as ch:
+        stub = decoder_pb2_grpc.DecoderServiceStub(ch)
+        calls = [
+            lambda m: list(
+                stub.Generate(
+                    decoder_pb2.GenerateRequest(audio=(DATA / "short.wav").read_bytes()), timeout=30, metadata=m
+                )
+            ),
+            lambda m: stub.GetRequest(decoder_pb2.GetRequestRequest(request_id="x"), timeout=30, metadata=m),
+            lambda m: stub.Abort(decoder_pb2.AbortRequest(request_id="x"), timeout=30, metadata=m),
+        ]
+        for call in calls:
+            for metadata in (None, wrong):
+                with pytest.raises(grpc.RpcError) as info:
+                    call(metadata)
+                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, info.value
+    with grpc.insecure_channel(deployment.published(EMBED_PORT)) as ch:
+        with pytest.raises(grpc.RpcError) as info:
+            embed_pb2_grpc.EmbedServiceStub(ch).Embed(embed_pb2.EmbedRequest(inputs=["x"]), timeout=30)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert _serving(deployment.published(DECODER_PORT), "encdec.v1.DecoderService")
+
+
 def test_embed_through_the_published_embed_port(deployment):
     from encoder_svc.embed.engine import finish_embedding, load_embed_engine
     from shared.proto import embed_pb2, embed_pb2_grpc
@@ -338,7 +412,9 @@ def test_embed_through_the_published_embed_port(deployment):
     assert _serving(address, "encdec.v1.EmbedService")
     texts = SENTENCES[:6]
     with grpc.insecure_channel(address) as ch:
-        resp = embed_pb2_grpc.EmbedServiceStub(ch).Embed(embed_pb2.EmbedRequest(inputs=texts), timeout=60)
+        resp = embed_pb2_grpc.EmbedServiceStub(ch).Embed(
+            embed_pb2.EmbedRequest(inputs=texts), timeout=60, metadata=_token(deployment)
+        )
     assert resp.model == "all-MiniLM-L6-v2" and len(resp.embeddings) == len(texts)
     engine = load_embed_engine("all-MiniLM-L6-v2")  # checked against sentence-transformers in test_embed_minilm
     seqs = engine.tokenize(texts, truncate=False)
@@ -359,7 +435,7 @@ def test_http_gateway_through_the_published_http_port(deployment):
     audio = (DATA / "short.wav").read_bytes()
     with grpc.insecure_channel(deployment.published(DECODER_PORT)) as ch:
         messages = decoder_pb2_grpc.DecoderServiceStub(ch).Generate(
-            decoder_pb2.GenerateRequest(audio=audio), timeout=120
+            decoder_pb2.GenerateRequest(audio=audio), timeout=120, metadata=_token(deployment)
         )
         expected = "".join(m.text for m in messages).strip()
     assert expected

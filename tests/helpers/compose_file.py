@@ -137,13 +137,19 @@ def exposed_ports(service: dict) -> list[int]:
 
 
 def published_ports(service: dict) -> list[tuple[int, int]]:
-    """``(host port, container port)`` of each short-syntax ``HOST:CONTAINER`` entry."""
+    """``(host port, container port)`` of each short-syntax ``[IP:]HOST:CONTAINER`` entry."""
+    return [(host, container) for _, host, container in published_binds(service)]
+
+
+def published_binds(service: dict) -> list[tuple[str, int, int]]:
+    """``(host IP, host port, container port)`` of each short-syntax ``[IP:]HOST:CONTAINER`` entry (IP
+    ``0.0.0.0``, every interface, when the entry names none)."""
     out = []
     for entry in service.get("ports", []):
-        m = re.fullmatch(r"(\d+):(\d+)", str(entry))
+        m = re.fullmatch(r"(?:(\d{1,3}(?:\.\d{1,3}){3}):)?(\d+):(\d+)", str(entry))
         if not m:
-            raise UnsupportedCompose(f'ports entry not understood (use "HOST:CONTAINER"): {entry!r}')
-        out.append((int(m[1]), int(m[2])))
+            raise UnsupportedCompose(f'ports entry not understood (use "[IP:]HOST:CONTAINER"): {entry!r}')
+        out.append((m[1] or "0.0.0.0", int(m[2]), int(m[3])))
     return out
 
 
