@@ -145,9 +145,12 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
                 )
             self._check_model(request.model)
             params = convert.sampling_params_from_pb(request.sampling, self.model.config.vocab_size)
-            if len(request_id) > convert.MAX_REQUEST_ID_LEN:
+            convert.check_request_id(request_id)
+            if request.priority < self.config.min_client_priority:
                 raise InvalidRequestError(
-                    f"request_id is {len(request_id)} characters; the limit is {convert.MAX_REQUEST_ID_LEN}"
+                    f"priority {request.priority} is more urgent than this server lets a request ask for: the "
+                    f"lowest accepted is {self.config.min_client_priority} (--min-client-priority); send "
+                    f"{self.config.min_client_priority} or more"
                 )
             # At once, before any parsing: RESOURCE_EXHAUSTED (queue full) or DEADLINE_EXCEEDED (it cannot start in time).
             ticket = self.sessions.admission.admit(request.priority, context.time_remaining())
@@ -192,12 +195,14 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
                 yield message
 
     async def GetRequest(self, request, context):
+        convert.check_request_id(request.request_id)
         record = await asyncio.to_thread(self.sessions.store.get, request.request_id)
         if record is None:
             raise NotFoundError(f"no request {convert.shown_request_id(request.request_id)!r} (unknown or expired)")
         return convert.request_record_pb(record)
 
     async def Abort(self, request, context):
+        convert.check_request_id(request.request_id)
         if self.sessions.abort(request.request_id):  # running here
             return decoder_pb2.AbortResponse(aborted=True)
         if self.control is None:

@@ -232,6 +232,23 @@ def stats_pb(stats: dict) -> decoder_pb2.DecoderStats:
     return decoder_pb2.DecoderStats(**{k: cast(k, v) for k, v in stats.items() if k in fields})
 
 
+def check_request_id(request_id: str) -> None:
+    """Refuses a client-chosen request id over ``MAX_REQUEST_ID_LEN`` characters or with a character that is not
+    printable (a newline would forge log lines; the id is also a Redis key).
+
+    Raises:
+        InvalidRequestError: naming the length and the limit, or the first such character's position.
+    """
+    if len(request_id) > MAX_REQUEST_ID_LEN:
+        raise InvalidRequestError(f"request_id is {len(request_id)} characters; the limit is {MAX_REQUEST_ID_LEN}")
+    bad = next((i for i, c in enumerate(request_id) if not c.isprintable()), None)
+    if bad is not None:
+        raise InvalidRequestError(
+            f"request_id has a character that is not printable at position {bad} ({request_id[bad]!r}); use "
+            "letters, digits and punctuation"
+        )
+
+
 def shown_request_id(request_id: str) -> str:
     """``request_id`` as an error message shows it: cut at ``MAX_REQUEST_ID_LEN`` characters."""
     return request_id if len(request_id) <= MAX_REQUEST_ID_LEN else request_id[:MAX_REQUEST_ID_LEN] + "..."

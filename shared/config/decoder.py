@@ -138,6 +138,9 @@ class DecoderServiceConfig(ServiceConfig):
         max_input_tokens: most source tokens of a text request (0 = the model's max source positions).
         max_new_tokens: most tokens generated per sample; a larger ``max_tokens`` gets INVALID_ARGUMENT
             (0 = the model's max target length).
+        min_client_priority: the most urgent ``priority`` a request may ask for (lower = earlier); a lower value
+            gets INVALID_ARGUMENT. 0: clients can only lower their own urgency, never jump others' queue or win
+            preemption over them; set it lower (-10) where the clients are trusted to rank their own requests.
         max_n: most samples per request (``n``), at most ``decoder_svc.core.sampling_params.MAX_N``.
         max_beams: most beams per request, at most ``decoder_svc.core.sampling_params.MAX_BEAMS``.
     """
@@ -171,6 +174,7 @@ class DecoderServiceConfig(ServiceConfig):
     max_queue_time_s: float = 30.0
     max_input_tokens: int = 0
     max_new_tokens: int = 0
+    min_client_priority: int = 0
     max_n: int = 16
     max_beams: int = 16
 

@@ -49,6 +49,7 @@ def served(text_checkpoints, redis_url, tmp_path_factory):
         extra_decoder_args=[
             *("--block-size", "8", "--max-num-seqs", "4", "--num-cross-blocks", "4", "--encoder-cache", "0"),
             *("--max-waiting-requests", str(MAX_WAITING), "--metrics-port", str(decoder_metrics)),
+            *("--min-client-priority", "-1"),  # the flood test's urgent request
         ],
         extra_encoder_args=["--metrics-port", str(encoder_metrics)],
     ) as svc:

@@ -150,6 +150,9 @@ BAD_INPUTS = {
         grpc.StatusCode.INVALID_ARGUMENT,
         "max_tokens",
     ),
+    # Issue 34 item 5: -2^31 displaced other users' queued requests and won preemption; the floor is 0 by default.
+    "urgent priority": (dict(priority=-(2**31)), grpc.StatusCode.INVALID_ARGUMENT, "(--min-client-priority)"),
+    "slightly urgent priority": (dict(priority=-1), grpc.StatusCode.INVALID_ARGUMENT, "lowest accepted is 0"),
 }
 
 
@@ -254,9 +257,18 @@ def test_over_long_request_id_is_refused(stub):
     with pytest.raises(grpc.RpcError) as info:
         generate(stub, (DATA / "short.wav").read_bytes(), "x" * 5000, max_tokens=1)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "limit is 256" in info.value.details()
-    with pytest.raises(grpc.RpcError) as missing:
-        stub.GetRequest(decoder_pb2.GetRequestRequest(request_id="y" * 100_000))
-    assert missing.value.code() == grpc.StatusCode.NOT_FOUND and len(missing.value.details()) < 400
+    # Issue 34 item 7: GetRequest and Abort bound ids too (a Redis key of any size before), and no id may carry a
+    # character that is not printable (a newline forged log lines).
+    for call in (stub.GetRequest, stub.Abort):
+        request = decoder_pb2.GetRequestRequest if call is stub.GetRequest else decoder_pb2.AbortRequest
+        for bad, words in (("y" * 100_000, "limit is 256"), ("id\nFAKE LOG LINE", "not printable at position 2")):
+            with pytest.raises(grpc.RpcError) as info:
+                call(request(request_id=bad))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in info.value.details()
+            assert len(info.value.details()) < 400
+    with pytest.raises(grpc.RpcError) as info:
+        generate(stub, (DATA / "short.wav").read_bytes(), "a\tb", max_tokens=1)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not printable" in info.value.details()
 
 
 @pytest.mark.parametrize(
