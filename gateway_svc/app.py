@@ -29,7 +29,10 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
         finally:
             await app.state.backends.close()
 
-    app = FastAPI(title="encdec-serve", summary="OpenAI-compatible HTTP API of encdec-serve", lifespan=lifespan)
+    # With an API key the interactive docs and the OpenAPI schema are off (issue 34 item 8): nothing but /health
+    # answers a caller without the key.
+    docs = {} if not cfg.api_key else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="encdec-serve", summary="OpenAI-compatible HTTP API of encdec-serve", lifespan=lifespan, **docs)
     app.state.config = cfg
     app.state.metrics = GatewayMetrics()
     errors.install(app)

@@ -79,6 +79,14 @@ def test_the_right_api_key_is_served(keyed_gateway):
         assert client.get("/metrics").status_code == 200
 
 
+def test_docs_and_openapi_schema_are_off_with_a_key(keyed_gateway, stack):
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        response = httpx.get(keyed_gateway + path, timeout=30)
+        assert response.status_code in (401, 404), (path, response.status_code)
+        assert "openapi" not in response.text.lower() and "swagger" not in response.text.lower(), path
+    assert httpx.get(stack.url + "/openapi.json", timeout=30).status_code == 200  # no key: the docs stay on
+
+
 def test_health_needs_no_key_but_metrics_does(keyed_gateway):
     assert httpx.get(keyed_gateway + "/health", timeout=30).status_code == 200
     response = httpx.get(keyed_gateway + "/metrics", timeout=30)
