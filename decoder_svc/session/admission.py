@@ -21,15 +21,16 @@ freed); an Encode carries the request's deadline (``decoder_svc.session.encode_c
 
 **Estimated wait.** The work ahead of the new request: 0 when nothing with a priority at least as good waits
 (an idle decoder always admits), else ``max(ahead * gap, open)``. ``ahead`` is the requests queued with priority
-at least as good; ``gap`` the median time between two requests leaving the queue (their first token) while it
-was not empty, over the last ``GAP_SAMPLES`` such gaps of the last ``GAP_WINDOW_S`` seconds: busy time per
-request, the queue's measured service rate (batching shows as gaps of ~0 between the requests of one batch). The
-median and the window bound what one slow request (a long decode, an encoder that stalled) does to the estimate,
-and the first departure after start-up (model warm-up) is not a sample. ``open`` is the gap open now (since the
-last departure, or since the queue filled): a queue that has not moved for that long is not expected to move
-sooner, so an encoder that stopped delivering raises the estimate as it stalls, and once it delivers again the
-estimate falls back at once. With no sample yet the estimate is the open gap only: ``max_waiting_requests``
-bounds a cold start's burst.
+at least as good; ``gap`` the median time between two consecutive departures (first tokens) of a busy queue, over
+the last ``GAP_SAMPLES`` such gaps of the last ``GAP_WINDOW_S`` seconds: busy time per request, the queue's
+measured service rate (batching shows as gaps of ~0 between the requests of one batch). The gap that opens a busy
+period (from the queue filling to its first departure: one request's whole time to first token, model warm-up
+and encoder stalls included) is no sample, so requests sent one at a time never price a burst that will share a
+batch as if it ran one by one; the median (the lower of two) and the window bound what one slow departure does.
+``open`` is the gap open now (since the last departure, or since the queue filled): a queue that has not moved
+for that long is not expected to move sooner, so an encoder that stopped delivering raises the estimate as it
+stalls, and once it delivers again the estimate falls back at once. With no sample yet the estimate is the
+open gap only: ``max_waiting_requests`` bounds a cold start's burst.
 
 Single-threaded: every method runs on the service's event loop; ``stats`` may also be read from the metrics
 scrape thread (it copies what it reads).
@@ -127,7 +128,7 @@ class AdmissionQueue:
         self._queued: dict[int, Ticket] = {}  # id(ticket) -> ticket, not yet started
         self._orders = itertools.count()
         self._gaps: deque[tuple[float, float]] = deque(maxlen=GAP_SAMPLES)  # (when, gap seconds)
-        self._warm = False  # the first departure after start-up (model warm-up) is no sample
+        self._since_departure = False  # ``_last_event`` is a departure (not the start of a busy period)
         self._last_event: float | None = None  # last departure, or when the queue last filled from empty
         self.num_refused: dict[str, int] = {"queue_full": 0, "queue_time": 0, "deadline": 0, "displaced": 0}
 
@@ -174,7 +175,7 @@ class AdmissionQueue:
         deadline = None if time_remaining is None else now + time_remaining
         ticket = Ticket(priority, now, deadline, next(self._orders), _clock=self._clock)
         if not self._queued:
-            self._last_event = now  # a busy period starts
+            self._last_event, self._since_departure = now, False  # a busy period starts
         self._queued[id(ticket)] = ticket
         if total + 1 > self.max_waiting_requests:
             self._displace_for(ticket)
@@ -204,10 +205,10 @@ class AdmissionQueue:
         if self._queued.pop(id(ticket), None) is None:
             return
         now = self._clock()
-        if self._last_event is not None and self._warm:
+        if self._last_event is not None and self._since_departure:  # between two departures of a busy queue
             self._gaps.append((now, max(now - self._last_event, 0.0)))
-        self._warm = True
         self._last_event = now if self._queued else None
+        self._since_departure = self._last_event is not None
 
     def leave(self, ticket: Ticket | None) -> None:
         """``ticket``'s request ended (any way): it no longer waits. No rate sample: it was not served."""
@@ -215,7 +216,7 @@ class AdmissionQueue:
             return
         ticket.started = True
         if self._queued.pop(id(ticket), None) is not None and not self._queued:
-            self._last_event = None
+            self._last_event, self._since_departure = None, False
 
     # --- what it looks like -----------------------------------------------------
     def _estimate(self, ahead: int, now: float) -> float:
@@ -223,7 +224,7 @@ class AdmissionQueue:
         if ahead == 0:
             return 0.0
         recent = sorted(gap for when, gap in self._gaps if now - when <= GAP_WINDOW_S)
-        gap = recent[len(recent) // 2] if recent else 0.0  # the median (the upper one of an even count)
+        gap = recent[(len(recent) - 1) // 2] if recent else 0.0  # the median (the lower one of an even count)
         open_gap = max(now - self._last_event, 0.0) if self._queued and self._last_event is not None else 0.0
         return max(ahead * gap, open_gap)
 

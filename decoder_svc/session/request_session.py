@@ -199,9 +199,13 @@ class RequestSession:
             raise
         finally:  # an error is recorded (FAILED) and the blocks freed before the client sees its status
             if self.end is None:
-                await self._release(RequestState.FAILED, {}, record=False)
+                release = self._release(RequestState.FAILED, {}, record=False)
             else:
-                await self._release(*self.end, redis_down)
+                release = self._release(*self.end, redis_down)
+            # Shielded: a call cancelled again while it cleans up (a deadline, then the stream closing) still
+            # frees its blocks, leaves the engine and the session table, and records its end; unshielded, a second
+            # cancel between engine.abort and the table left a sequence that never ran (issue 34 break test).
+            await asyncio.shield(asyncio.ensure_future(release))
 
     async def _messages(self):
         """One sequence group: its stream messages, merged per ``--stream-interval``; sets ``self.end``."""

@@ -180,3 +180,24 @@ def test_limits_are_checked():
         AdmissionQueue(0, 1.0)
     with pytest.raises(ValueError, match="max_queue_time_s"):
         AdmissionQueue(1, float("nan"))
+
+
+def test_requests_sent_one_at_a_time_do_not_price_a_burst_as_serial():
+    """A break test (issue 34): after ~30 requests sent one at a time (each sample was a whole 0.5 s time to first
+    token), a burst of 16 (max-num-seqs: one batch) had 6 refused at "an estimated 5.2 s"; the slowest admitted
+    took 1.1 s. The gap that opens a busy period is no sample now."""
+    clock = Clock()
+    q = AdmissionQueue(32, 5.0, clock)
+    for _ in range(30):
+        t = q.admit(0, None)
+        clock.now += 0.5
+        q.started(t)
+        clock.now += 0.3
+    burst = [q.admit(0, None) for _ in range(16)]  # none refused
+    assert q.stats()["estimated_queue_wait_s"] == 0.0
+    clock.now += 1.0
+    for t in burst:  # one batch: the first tokens come together
+        q.started(t)
+    for t in [q.admit(0, None) for _ in range(16)]:  # the batch's gaps of ~0 price the next burst
+        assert t is not None
+    assert q.stats()["estimated_queue_wait_s"] < 1.0
