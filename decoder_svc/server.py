@@ -74,6 +74,8 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         # decoder_svc.replicas.replica_control.ReplicaControl, set by start-up: Abort of others' requests
         self.control = None
         self.parsing = 0  # Generate calls past the draining check, not yet in `sessions.active` (parsing their input)
+        # As parse_input tells the input's kind: text models (T5, BART family) declare input_modality, Whisper not.
+        self.input_kind = getattr(model, "input_modality", "audio")
         # Audio files decode on a pool of their own, at most audio_decode_workers at once, cheapest first
         # (decoder_svc.session.decode_pool): a burst of large uploads queues there instead of multiplying memory,
         # never holds up Redis writes, and a short clip never waits behind it.
@@ -90,11 +92,6 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             bm.num_blocks_for(max(engine.max_total_len - 1, 1)),
             bm.num_blocks_for(model.config.max_source_positions),
         )
-
-    @property
-    def _audio_model(self) -> bool:
-        # As parse_input tells the input's kind: text models (T5, BART family) declare input_modality, Whisper not.
-        return getattr(self.model, "input_modality", "audio") == "audio"
 
     def start(self) -> None:
         """Starts the engine thread; call on the event loop that serves the RPCs."""
@@ -156,9 +153,11 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             ticket = self.sessions.admission.admit(request.priority, context.time_remaining())
             # Decoding and resampling audio takes a while: keep it off the event loop that serves every stream.
             pcm, source = None, request.WhichOneof("input")
-            if source == "pcm" and self._audio_model:  # raw samples: no container to decode, never queued
+            if source == "pcm" and self.input_kind == "audio":  # raw samples: no container to decode, never queued
                 pcm = await asyncio.to_thread(decode_request_audio, request, self.audio_limits)
-            elif source == "audio" and self._audio_model:  # refused from the header at once, else queued by cost
+            elif (
+                source == "audio" and self.input_kind == "audio"
+            ):  # refused from the header at once, else queued by cost
                 cost = await asyncio.to_thread(decode_cost, request.audio, self.audio_limits)
                 pcm = await self.audio_pool.run(cost, decode_request_audio, request, self.audio_limits)
             inp = await asyncio.to_thread(
@@ -214,7 +213,6 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         stats["max_concurrent_requests"] = self.max_concurrent_requests
         stats.update(self.sessions.admission.stats())
         stats["model"], stats["served_model_names"] = self.config.model, sorted(self.served_names)
-        # As parse_input tells the input's kind: text models (T5, BART family) declare input_modality, Whisper not.
-        stats["input_kind"] = getattr(self.model, "input_modality", "audio")
+        stats["input_kind"] = self.input_kind
         stats["replica_id"] = self.sessions.replica_id
         return convert.stats_pb(stats)

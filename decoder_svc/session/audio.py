@@ -17,6 +17,7 @@ message says what was wrong and what to send, so servicers can map it to INVALID
 
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import numpy as np
@@ -70,9 +71,7 @@ def decode_audio(
         AudioError: empty or undecodable bytes, no audio stream, no samples, NaN / inf samples, a cut-off
             file, a rate, channel count or length over the limits.
     """
-    limits = limits or AudioLimits()
-    if max_duration_s is not None:
-        limits = AudioLimits(max_duration_s, limits.max_sample_rate, limits.max_channels)
+    limits = _limits(limits, max_duration_s)
     info = _sndfile_info(data)
     if info is not None and info.channels <= 2:
         return _decode_sndfile(data, info, limits, target_sample_rate)
@@ -90,10 +89,21 @@ def decode_cost(data: bytes, limits: AudioLimits) -> float:
     info = _sndfile_info(data)
     if info is None:
         return probe_av(data, limits)
+    _check_header(info, limits)
+    return float(info.frames * info.channels)
+
+
+def _limits(limits: AudioLimits | None, max_duration_s: float | None) -> AudioLimits:
+    """``limits`` (default ``AudioLimits()``) with ``max_duration_s`` in place of its own when that is set."""
+    limits = limits or AudioLimits()
+    return limits if max_duration_s is None else dataclasses.replace(limits, max_duration_s=max_duration_s)
+
+
+def _check_header(info, limits: AudioLimits) -> None:
+    """What a libsndfile header alone shows over ``limits``: its rate, channels and stated length."""
     limits.check_rate(info.samplerate)
     limits.check_channels(info.channels)
     limits.check_duration(info.frames / info.samplerate, " by its header")
-    return float(info.frames * info.channels)
 
 
 def _sndfile_info(data: bytes):
@@ -134,9 +144,7 @@ def pcm_to_array(
         AudioError: an unknown encoding, empty, a byte length not a multiple of the sample size, a bad sample
             rate, NaN / inf samples, or too long.
     """
-    limits = limits or AudioLimits()
-    if max_duration_s is not None:
-        limits = AudioLimits(max_duration_s, limits.max_sample_rate, limits.max_channels)
+    limits = _limits(limits, max_duration_s)
     encoding = encoding or "pcm_f32le"
     if encoding not in PCM_ENCODINGS:
         raise AudioError(f"unknown PCM encoding {encoding[:64]!r}; use one of {', '.join(PCM_ENCODINGS)}")
@@ -162,8 +170,7 @@ def pcm_to_array(
 def _decode_sndfile(data: bytes, info, limits: AudioLimits, target_rate: int) -> np.ndarray:
     """The fast path: a mono / stereo WAV or FLAC read by libsndfile in blocks, channels averaged, resampled by
     soxr as it streams."""
-    limits.check_rate(info.samplerate)
-    limits.check_duration(info.frames / info.samplerate, " by its header")
+    _check_header(info, limits)
     rate = info.samplerate
     stream = None if rate == target_rate else soxr.ResampleStream(rate, target_rate, 1, dtype="float32", quality="HQ")
     out, read = PcmBuffer(info.frames * target_rate // rate + target_rate), 0

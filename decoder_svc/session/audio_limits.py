@@ -18,7 +18,6 @@ MIN_SAMPLE_RATE = 1_000  # Hz; below it no speech band survives
 # cost decode time: --max-audio-sample-rate takes them.
 DEFAULT_MAX_SAMPLE_RATE = 192_000
 DEFAULT_MAX_CHANNELS = 8  # 7.1 surround; more is a multitrack session, not a recording to transcribe
-HARD_MAX_SAMPLE_RATE = 768_000  # the largest rate FFmpeg's resampler takes
 
 
 class AudioError(ValueError):

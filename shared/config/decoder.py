@@ -227,7 +227,7 @@ class DecoderServiceConfig(ServiceConfig):
         for name in ("encode_timeout_s", "max_audio_s"):
             if not 0 < getattr(self, name) < float("inf"):  # also refuses NaN
                 raise ValueError(f"{name} must be > 0 and finite (seconds), got {getattr(self, name)}")
-        if not 1_000 <= self.max_audio_sample_rate <= 768_000:  # decoder_svc.session.audio_limits
+        if not 1_000 <= self.max_audio_sample_rate <= 768_000:  # the largest rate FFmpeg's resampler takes
             raise ValueError(f"max_audio_sample_rate must be in [1000, 768000] Hz, got {self.max_audio_sample_rate}")
         if not 1 <= self.max_audio_channels <= 64:
             raise ValueError(f"max_audio_channels must be in [1, 64], got {self.max_audio_channels}")

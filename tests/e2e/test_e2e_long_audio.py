@@ -9,13 +9,13 @@ from its header / sample count before any decoding, with no Redis record or bloc
 
 from __future__ import annotations
 
-import io
 import uuid
 
 import grpc
 import numpy as np
 import pytest
 import soundfile as sf
+from helpers.audio_files import wav_bytes
 from test_e2e_whisper import assert_all_blocks_free, wait_state
 
 from encdec import DATA_DIR
@@ -61,12 +61,6 @@ def _pcm(samples: np.ndarray, rate: int = RATE) -> decoder_pb2.PcmAudio:
     return decoder_pb2.PcmAudio(samples=samples.astype("<f4").tobytes(), sample_rate=rate)
 
 
-def _wav(samples: np.ndarray, rate: int = RATE, subtype: str = "PCM_16") -> bytes:
-    buf = io.BytesIO()
-    sf.write(buf, samples, rate, format="WAV", subtype=subtype)
-    return buf.getvalue()
-
-
 def test_max_tokens_counts_over_the_whole_request(stub):
     clip = long_clip()
     whole = list(stub.Generate(decoder_pb2.GenerateRequest(pcm=_pcm(clip)), timeout=300))
@@ -96,7 +90,7 @@ def test_max_tokens_counts_over_the_whole_request(stub):
 def test_over_configured_limit_is_invalid_argument(stub, kind):
     seconds, rate = MAX_AUDIO_S + 1, 8000  # checked before resampling
     samples = np.zeros(seconds * rate, np.float32)
-    fields = {"audio": _wav(samples, rate, "PCM_U8")} if kind == "audio" else {"pcm": _pcm(samples, rate)}
+    fields = {"audio": wav_bytes(samples, rate, "PCM_U8")} if kind == "audio" else {"pcm": _pcm(samples, rate)}
     request_id = f"long-over-{uuid.uuid4().hex[:8]}"
     with pytest.raises(grpc.RpcError) as info:
         list(stub.Generate(decoder_pb2.GenerateRequest(request_id=request_id, **fields), timeout=60))

@@ -8,7 +8,6 @@ read back from the real services.
 
 from __future__ import annotations
 
-import io
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 import pytest
-import soundfile as sf
+from helpers.audio_files import wav_bytes
 
 from encdec import DATA_DIR
 from shared.models.registry import resolve_model
@@ -117,15 +116,13 @@ def test_get_stats_names_the_served_audio_model(stub):
         assert len([t for m in stub.Generate(request, timeout=120) for t in m.token_ids]) == 2, name
 
 
-def _wav(samples: np.ndarray, rate: int = 16000) -> bytes:
-    buf = io.BytesIO()
-    sf.write(buf, samples, rate, format="WAV", subtype="PCM_16")
-    return buf.getvalue()
-
-
 BAD_INPUTS = {
     "undecodable audio": (dict(audio=b"this is not audio at all" * 10), grpc.StatusCode.INVALID_ARGUMENT, "audio"),
-    "empty audio": (dict(audio=_wav(np.zeros(0, dtype=np.float32))), grpc.StatusCode.INVALID_ARGUMENT, "no samples"),
+    "empty audio": (
+        dict(audio=wav_bytes(np.zeros(0, dtype=np.float32))),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "no samples",
+    ),
     "no input": (dict(), grpc.StatusCode.INVALID_ARGUMENT, "no input"),
     "too long": (
         dict(pcm=decoder_pb2.PcmAudio(samples=np.zeros(1000 * 601, "<f4").tobytes(), sample_rate=1000)),
