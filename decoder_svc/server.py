@@ -23,6 +23,11 @@ import uuid
 
 from decoder_svc.core.engine import DecoderEngine
 from decoder_svc.core.kv_budget import max_concurrent_requests
+from decoder_svc.core.sampling_params import SamplingParams
+from decoder_svc.realtime.realtime_session import RealtimeSession
+from decoder_svc.realtime.stream_admission import StreamAdmission
+from decoder_svc.realtime.stream_config import parse_stream_config
+from decoder_svc.realtime.stream_vad import VadBatcher
 from decoder_svc.replicas.request_state import RedisUnavailableError, RequestState, RequestStateStore
 from decoder_svc.session import convert
 from decoder_svc.session.audio import AudioLimits, decode_cost
@@ -85,6 +90,10 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         self.metrics.watch_engine(engine.stats, engine.scheduler)
         self.sessions = Sessions(config, engine, store, EncodeClient(config, pool, self.metrics), self.metrics)
         self.metrics.watch_admission(self.sessions.admission)
+        # Realtime streams (TranscribeStream): their VAD batched together, refused at open when the machine is full.
+        self.realtime_step_s = config.realtime_step_ms / 1000.0
+        self.streams = StreamAdmission(config.max_realtime_streams, self.realtime_step_s)
+        self.vad_batcher = VadBatcher()
         bm = engine.block_manager
         self.max_concurrent_requests = max_concurrent_requests(  # as decoder_svc.core.kv_budget sized the pools
             bm.num_self_blocks,
@@ -192,6 +201,52 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         async with contextlib.aclosing(session.run()) as messages:
             async for message in messages:
                 yield message
+
+    async def TranscribeStream(self, request_iterator, context):
+        """A realtime stream (``decoder_svc.realtime``): its first message is its config, then audio / control."""
+        arrival = time.monotonic()
+        self.parsing += 1  # the drain waits for it as for a running request
+        try:
+            if self.draining:
+                raise UnavailableError("this decoder is shutting down; open the stream on another replica")
+            if self.readiness is not None and self.readiness.redis_reason is not None:
+                raise RedisUnavailableError(
+                    f"{self.readiness.redis_reason}: the stream's state cannot be recorded; retry once Redis is back"
+                )
+            first = await anext(aiter(request_iterator), None)
+            if first is None or first.WhichOneof("message") != "config":
+                raise InvalidRequestError("a TranscribeStream call's first message must be its config")
+            config = first.config
+            self._check_model(config.model)
+            request_id = config.request_id or uuid.uuid4().hex
+            convert.check_request_id(request_id)
+            if config.priority < self.config.min_client_priority:
+                raise InvalidRequestError(
+                    f"priority {config.priority} is more urgent than this server lets a stream ask for: the lowest "
+                    f"accepted is {self.config.min_client_priority} (--min-client-priority)"
+                )
+            inp, settings = await asyncio.to_thread(
+                parse_stream_config, config, self.model, self.engine.tokenizer, self.realtime_step_s
+            )
+            self.streams.check()  # RESOURCE_EXHAUSTED: too many streams, or they fall behind already
+            await self.sessions.create_record(request_id)  # Redis: QUEUED
+        finally:
+            self.parsing -= 1
+        params = SamplingParams()
+        try:
+            session = self.sessions.open(request_id, inp, params, config.priority, arrival, None, RealtimeSession)
+            session.bind(settings, request_iterator, self.vad_batcher)
+        except Exception as exc:  # its record exists: end it (FAILED) before the status goes out
+            self.sessions.active.pop(request_id, None)
+            await self.sessions.end_record(request_id, RequestState.FAILED, error=str(exc))
+            raise
+        self.streams.open(session)
+        try:
+            async with contextlib.aclosing(session.run()) as messages:
+                async for message in messages:
+                    yield message
+        finally:
+            self.streams.close(session)
 
     async def GetRequest(self, request, context):
         convert.check_request_id(request.request_id)

@@ -143,6 +143,10 @@ class DecoderServiceConfig(ServiceConfig):
             preemption over them; set it lower (-10) where the clients are trusted to rank their own requests.
         max_n: most samples per request (``n``), at most ``decoder_svc.core.sampling_params.MAX_N``.
         max_beams: most beams per request, at most ``decoder_svc.core.sampling_params.MAX_BEAMS``.
+        realtime_step_ms: a realtime stream's running utterance is re-decoded this often (ms; ``TranscribeStream``,
+            ``decoder_svc.realtime``): shorter gives earlier partials and finals for more compute per stream.
+        max_realtime_streams: live ``TranscribeStream`` calls at most; a new one beyond gets RESOURCE_EXHAUSTED
+            (so does one while the streams' steps take longer than ``realtime_step_ms``: the machine is full).
     """
 
     port: int = 50051
@@ -177,6 +181,8 @@ class DecoderServiceConfig(ServiceConfig):
     min_client_priority: int = 0
     max_n: int = 16
     max_beams: int = 16
+    realtime_step_ms: int = 1000
+    max_realtime_streams: int = 16
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -218,6 +224,10 @@ class DecoderServiceConfig(ServiceConfig):
                 check_address(self.encoder_address, "encoder_address")
             except ValueError as exc:
                 raise ValueError(f"{exc}, or 'registry' (encoders from the Redis registry)") from None
+        if not 100 <= self.realtime_step_ms <= 10_000:
+            raise ValueError(f"realtime_step_ms must be in [100, 10000], got {self.realtime_step_ms}")
+        if not 0 <= self.max_realtime_streams <= 1024:
+            raise ValueError(f"max_realtime_streams must be in [0, 1024] (0 = none), got {self.max_realtime_streams}")
         if self.max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
         if not 0 < self.max_queue_time_s < float("inf"):  # also refuses NaN
