@@ -23,7 +23,7 @@ def parse_stream_config(
 
     Raises:
         InvalidRequestError: a text model; an unknown language or task, one the model cannot do; a prompt too long;
-            a sample rate outside 8000-48000 Hz, an unknown encoding; VAD options out of range; word timestamps
+            a sample rate outside 8000-48000 Hz, an unknown encoding; VAD options or step_ms out of range; word timestamps
             on a checkpoint without alignment heads.
     """
     if getattr(model, "input_modality", "audio") != "audio":
@@ -52,6 +52,14 @@ def parse_stream_config(
         model.config.num_mel_bins,
         "openai",
     )
+    if config.HasField("step_ms"):
+        least = round(step_s * 1000)
+        if not least <= config.step_ms <= 10_000:
+            raise InvalidRequestError(
+                f"step_ms must be in [{least}, 10000] (this server re-decodes at most every {least} ms, "
+                f"--realtime-step-ms), got {config.step_ms}"
+            )
+        step_s = config.step_ms / 1000
     settings = RealtimeSettings(
         sample_rate=rate,
         encoding=encoding,
