@@ -59,8 +59,8 @@ class ErrorStatusInterceptor(grpc.aio.ServerInterceptor):
     ``shared.errors.status_for`` gives, an INTERNAL one logged with its
     traceback. A status the handler set itself (``context.abort``) and a
     cancellation pass through unchanged. A request body that is not a valid
-    protobuf gets INVALID_ARGUMENT naming the message. Unary-unary and unary-stream handlers
-    (async generators) are wrapped; of others, such as health's ``Watch``
+    protobuf gets INVALID_ARGUMENT naming the message. Unary-unary, unary-stream and stream-stream handlers
+    (async generators; a bidirectional call's every request message checked as it is read) are wrapped; of others, such as health's ``Watch``
     (``context.write``), only the request body is checked.
     """
 
@@ -98,6 +98,25 @@ class ErrorStatusInterceptor(grpc.aio.ServerInterceptor):
                     await abort_with(context, exc)
 
             return grpc.unary_stream_rpc_method_handler(unary_stream, deserializer, handler.response_serializer)
+        if handler.stream_stream is not None and inspect.isasyncgenfunction(handler.stream_stream):
+            inner_bidi = handler.stream_stream
+
+            async def checked(requests):
+                async for request in requests:
+                    if isinstance(request, BadRequestBody):
+                        raise InvalidRequestError(request.message)
+                    yield request
+
+            async def stream_stream(requests, context):
+                try:
+                    async for message in inner_bidi(checked(requests), context):
+                        yield message
+                except BaseException as exc:
+                    if _passes_through(exc):
+                        raise
+                    await abort_with(context, exc)
+
+            return grpc.stream_stream_rpc_method_handler(stream_stream, deserializer, handler.response_serializer)
         if handler.unary_stream is not None:  # writes with context.write (health's Watch): only the body is checked
             inner_writer = handler.unary_stream
 

@@ -90,6 +90,12 @@ class LocalAgreement:
         self.pending = new[agreed:]
         return made_final
 
+    def finalize(self, count: int) -> list[TimedWord]:
+        """Makes the first ``count`` words of the partial final without a second hypothesis; returns them."""
+        made_final, self.pending = self.pending[:count], self.pending[count:]
+        self.final += made_final
+        return made_final
+
     def flush(self, hypothesis: list[TimedWord] | None = None) -> list[TimedWord]:
         """The utterance ended: every word of ``hypothesis`` (the last decode of the whole buffer; None: the
         current partial) that is not final yet becomes final; returns them."""

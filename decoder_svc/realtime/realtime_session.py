@@ -8,20 +8,21 @@ continuously beside every other request's, one sequence at a time:
   (``stream_vad``, batched with the other streams'); its speech starts and stops, the client's commit / clear and
   the half-close go to the session's inbox in order.
 - **Utterances**: speech start opens one (``speech_started``), its audio starting ``prefix_padding_ms`` earlier;
-  without VAD the first audio after the previous utterance opens one. While it runs, every ``step_s`` (when new
-  audio came) its buffer, at most 30 s, is encoded and decoded with timestamps (prompt: the stream's initial
+  without VAD the first audio after the previous utterance opens one. While it runs, every ``step_s`` of stream
+  audio its buffer, at most 30 s, is encoded and decoded with timestamps (prompt: the stream's initial
   prompt and its finals before the buffer, as previous text; greedy), and the hypothesis's words, timed from the
   alignment heads' cross-attention (``decoder_svc.whisper.word_timing``), go to LocalAgreement-2
   (``agreement``): what two consecutive hypotheses agree on is sent as a final segment, the rest as the partial.
   A buffer past ``TRIM_S`` moves its start to the last final word's end (whisper_streaming's buffer trimming);
   one near 30 s with nothing agreed makes its hypothesis final.
 - **Utterance end** (VAD silence, commit, half-close): the buffer is decoded once more up to the speech's end
-  (unless the last step already heard all of it: once the VAD hears ``PAUSE_PAD_S`` of silence inside speech, a
-  step runs at once, so when the silence lasts ``silence_duration_ms`` its last decode is done already), with openai-whisper's fallback (compression ratio 2.4, average
+  (unless the last step already heard all of it: once the VAD hears ``stream_vad.PAUSE_MS`` of silence inside
+  speech, a step runs at once, so when the silence lasts ``silence_duration_ms`` its last decode is done already), with openai-whisper's fallback (compression ratio 2.4, average
   logprob -1.0 at temperatures 0, 0.2, 0.4, 0.6), and everything not yet final becomes final; ``utterance_done``
   carries its whole text and the cross KV is freed, so an idle stream holds no KV blocks.
 - A window the model rates as no speech (``no_speech_prob`` over 0.6 with an average logprob under -1.0,
-  openai-whisper's skip rule) gives no words, so silence is never transcribed.
+  openai-whisper's skip rule, or in which silero-vad hears no speech either) gives no words, so silence is never
+  transcribed.
 
 The stream's sequences run one priority level more urgent than its ``priority`` (file requests of the same
 priority wait behind its steps: a stream that falls behind real time is worse than a file that waits).
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from decoder_svc.core.sampling_params import SamplingParams
+from decoder_svc.core.sequence import next_arrival_order
 from decoder_svc.realtime.agreement import LocalAgreement, TimedWord
 from decoder_svc.realtime.stream_audio import SAMPLE_RATE, ChunkDecoder, StreamAudio
 from decoder_svc.realtime.stream_vad import StreamVad, TurnOptions, VadBatcher
@@ -48,7 +50,8 @@ from decoder_svc.whisper.longform import WindowPlan
 from decoder_svc.whisper.quality import avg_logprob, text_passes
 from decoder_svc.whisper.segments import split_window
 from decoder_svc.whisper.timestamp_rules import TimestampRules
-from shared.errors import InvalidRequestError
+from decoder_svc.whisper.vad import has_speech
+from shared.errors import InvalidRequestError, ResourceExhaustedError
 from shared.proto import decoder_pb2
 
 log = logging.getLogger(__name__)
@@ -56,10 +59,10 @@ log = logging.getLogger(__name__)
 MAX_BUFFER_S = 30.0  # Whisper's window: the most audio one decode hears
 TRIM_S = 15.0  # a buffer longer than this starts again after its last final word (whisper_streaming's default)
 FORCE_S = MAX_BUFFER_S - 2.0  # a buffer this long with nothing agreed makes its hypothesis final
-MIN_NEW_AUDIO_S = 0.25  # a step decodes only when this much audio came since the last one
+FORCE_KEEP_S = 1.0  # ... but for the words in its last second
+MAX_BACKLOG_S = 120.0  # audio received but not yet decoded or dropped: beyond it the stream fails (a stuck reader)
 DETECT_MIN_S = 2.0  # multilingual streams without a language: steps wait until the utterance has this much audio
 END_PAD_S = 0.3  # audio after the speech's end kept in the utterance's last decode
-PAUSE_PAD_S = 0.2  # a pause in speech this long is decoded at once (the utterance may be ending: module docstring)
 MIN_UTTERANCE_S = 0.2  # speech shorter than this (a click) is not decoded
 FINAL_TEMPERATURES = (0.0, 0.2, 0.4, 0.6)  # the utterance-end decode's fallback (openai-whisper's, cut short)
 COMPRESSION_RATIO_THRESHOLD = 2.4  # openai-whisper transcribe()
@@ -119,13 +122,15 @@ class RealtimeSession(WhisperSession):
         self.speech_end: int | None = None  # where the VAD heard its speech stop
         self.agreement = LocalAgreement()
         self.last: _Hypothesis | None = None
-        self.last_step_at = 0.0
+        self.next_step = 0  # stream sample at which the running utterance's next step is due
+        self.stop_heard_at = 0  # where the VAD was when it found the speech's stop
         self.prior_text = ""  # finals of earlier utterances (the prompt's previous text)
         self.utterance_start = 0
         self.utterances = 0
         self.finals = 0
         self.partial_sent = ""
         self.speech_start = 0
+        self.heard_to = 0  # stream sample up to which the session has taken the audio in (its inbox order)
         self.step_time_s = 0.0  # moving average of a step's decode time (admission reads it)
         self.priority = self.priority - 1
 
@@ -143,44 +148,43 @@ class RealtimeSession(WhisperSession):
             while True:
                 get = get or asyncio.create_task(self.inbox.get())
                 watch = watch or asyncio.create_task(self.stream.get())
-                timeout = self._step_due()
-                done, _ = await asyncio.wait({get, watch}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait({get, watch}, return_when=asyncio.FIRST_COMPLETED)
                 if watch in done:
                     self._on_engine_item(watch.result())
                     watch = None
                     continue
-                watch.cancel()  # a sequence is about to read the engine stream itself
+                watch.cancel()  # a sequence may be about to read the engine stream itself
                 watch = None
-                if get in done:
-                    item, get = get.result(), None
-                    async for message in self._on_input(item):
-                        yield message
-                    if item is _END:
-                        break
-                else:
-                    async for message in self._step():
-                        yield message
-            yield self._event(
-                end=decoder_pb2.RealtimeEnd(
-                    usage=decoder_pb2.Usage(
-                        prompt_tokens=self.progress.prompt_tokens,
-                        completion_tokens=self.progress.completion_tokens,
-                        encoder_tokens=self.progress.encoder_tokens,
-                    ),
-                    audio_s=self.audio.end / SAMPLE_RATE,
-                    finals=self.finals,
-                    utterances=self.utterances,
-                    language=self.language or "",
-                )
-            )
-            self.end = (RequestState.FINISHED, {"finish_reason": "stop", **self.progress.usage()})
-        except _Aborted:
-            self.end = (RequestState.ABORTED, {"finish_reason": "abort", **self.progress.usage()})
-            raise
+                item, get = get.result(), None
+                async for message in self._on_input(item):
+                    yield message
+                if item is _END:
+                    break
+            reason = "stop"
+        except _Aborted:  # the Abort RPC: the stream ends now, with what is final
+            reason = "abort"
         finally:
             for task in (reader, watch, get):
                 if task is not None:
                     task.cancel()
+        yield self._end_message()
+        state = RequestState.ABORTED if reason == "abort" else RequestState.FINISHED
+        self.end = (state, {"finish_reason": reason, **self.progress.usage()})
+
+    def _end_message(self) -> decoder_pb2.TranscribeStreamResponse:
+        return self._event(
+            end=decoder_pb2.RealtimeEnd(
+                usage=decoder_pb2.Usage(
+                    prompt_tokens=self.progress.prompt_tokens,
+                    completion_tokens=self.progress.completion_tokens,
+                    encoder_tokens=self.progress.encoder_tokens,
+                ),
+                audio_s=self.audio.end / SAMPLE_RATE,
+                finals=self.finals,
+                utterances=self.utterances,
+                language=self.language or "",
+            )
+        )
 
     def _on_engine_item(self, item) -> None:
         """Something came on the engine stream while no sequence ran."""
@@ -190,20 +194,6 @@ class RealtimeSession(WhisperSession):
             log.debug("stream %s: a step failed while none of its sequences ran: %s", self.request_id, item)
         elif item.finish_reason == "abort":
             raise _Aborted()
-
-    def _step_due(self) -> float | None:
-        """Seconds until the next step should run (0: now), None while none is due (no utterance, no new audio)."""
-        if not self.open:
-            return None
-        heard = self.last.upto if self.last is not None else self.buffer_start
-        pause = self.vad.silence_from if self.vad is not None and self.vad.speaking else None
-        if pause is not None and heard < pause and self.audio.end >= pause + PAUSE_PAD_S * SAMPLE_RATE:
-            return 0.0  # the speech may have ended: its last decode now, not after silence_duration_ms
-        if self.audio.end - heard < MIN_NEW_AUDIO_S * SAMPLE_RATE:
-            return None if self.vad is None else self.settings.step_s  # woken by the next chunk or turn
-        if self.language is None and self.audio.end - self.buffer_start < DETECT_MIN_S * SAMPLE_RATE:
-            return self.settings.step_s / 2
-        return max(0.0, self.last_step_at + self.settings.step_s - time.monotonic())
 
     # -- input -----------------------------------------------------------------------
     async def _read(self) -> None:
@@ -232,10 +222,15 @@ class RealtimeSession(WhisperSession):
 
     async def _take(self, pcm: np.ndarray) -> None:
         self.audio.append(pcm)
+        if self.audio.end - self.audio.start > MAX_BACKLOG_S * SAMPLE_RATE:
+            raise ResourceExhaustedError(
+                f"the stream is {(self.audio.end - self.heard_to) / SAMPLE_RATE:.0f} s of audio behind (its events are "
+                f"not read, or this decoder is overloaded); at most {MAX_BACKLOG_S:.0f} s is held"
+            )
         if self.vad is not None:
             probabilities = await self._vad_batcher.probabilities(self.vad, self.vad.windows(pcm))
             for turn in self.vad.turns(probabilities):
-                self.inbox.put_nowait((turn.kind, turn.sample))
+                self.inbox.put_nowait((turn.kind, turn.sample, turn.heard_at))
         if pcm.size:  # its end, and where the VAD had got to: no speech can start before that any more
             self.inbox.put_nowait(
                 ("audio", self.audio.end, pcm.size, self.vad.position if self.vad else self.audio.end)
@@ -252,18 +247,27 @@ class RealtimeSession(WhisperSession):
         kind = item[0]
         if kind == "audio":
             _, end, size, heard = item
+            self.heard_to = end
             if self.vad is None and not self.open:
                 self._begin(end - size)
             elif not self.open:  # between utterances only the next one's prefix padding is kept
                 self.audio.drop_before(min(end, heard) - self._padding())
+            # A step every step_s of stream audio (the same steps however fast the audio comes: a stream's text
+            # depends on its audio alone), and at once when the buffer nears 30 s.
+            if self.open and (end >= self.next_step or (end - self.buffer_start) / SAMPLE_RATE >= FORCE_S):
+                async for message in self._step(end):
+                    yield message
+        elif kind == "pause":  # the speech may be ending: its last decode now, not after silence_duration_ms
+            if self.open and (self.last is None or self.last.upto < item[1]):
+                async for message in self._step(item[2]):
+                    yield message
         elif kind == "start":
             if not self.open:
-                self._begin(max(item[1] - self._padding(), self.audio.start))
-                self.speech_start = item[1]
+                self._begin(max(item[1] - self._padding(), self.audio.start), item[1])
                 yield self._event(speech_started=decoder_pb2.SpeechBoundary(audio_s=item[1] / SAMPLE_RATE))
         elif kind == "stop":
             if self.open:
-                self.speech_end = item[1]
+                self.speech_end, self.stop_heard_at = item[1], item[2]
                 yield self._event(speech_stopped=decoder_pb2.SpeechBoundary(audio_s=item[1] / SAMPLE_RATE))
                 async for message in self._finish():
                     yield message
@@ -282,26 +286,34 @@ class RealtimeSession(WhisperSession):
         """Samples of prefix padding before an utterance's speech."""
         return (self.settings.turns.prefix_padding_ms if self.settings.turns else 0) * SAMPLE_RATE // 1000
 
-    def _begin(self, start: int) -> None:
+    def _step_samples(self) -> int:
+        return int(self.settings.step_s * SAMPLE_RATE)
+
+    def _begin(self, start: int, speech_start: int | None = None) -> None:
         self.utterance += 1
         self.open, self.speech_end, self.last = True, None, None
         self.buffer_start = self.utterance_start = self.speech_start = start
+        if speech_start is not None:
+            self.speech_start = speech_start
         self.agreement = LocalAgreement()
         self.partial_sent = ""
-        self.last_step_at = time.monotonic()  # the first step comes one step after the speech starts
+        self.next_step = self.speech_start + self._step_samples()  # the first step: one step into the speech
 
-    async def _step(self):
-        """One re-decode of the running utterance: finals agreed, the partial."""
-        self.last_step_at = time.monotonic()
-        upto = self.audio.end
+    async def _step(self, upto: int):
+        """One re-decode of the running utterance's ``[buffer_start, upto)``: finals agreed, the partial."""
+        started = time.monotonic()
+        self.next_step = upto + self._step_samples()
         hypothesis = await self._decode(upto, final=False)
-        elapsed = time.monotonic() - self.last_step_at
+        elapsed = time.monotonic() - started
         self.step_time_s = elapsed if not self.step_time_s else (1 - EMA) * self.step_time_s + EMA * elapsed
         if hypothesis is None:
             return
         made_final = self.agreement.insert(hypothesis.words)
         if not made_final and (upto - self.buffer_start) / SAMPLE_RATE >= FORCE_S:
-            made_final = self.agreement.flush()  # nothing agreed in a buffer near 30 s: no later step hears more
+            # Nothing agreed in a buffer near 30 s, which no later step can hear whole: its words are final, but for
+            # those in its last second (maybe cut off), which the next buffer, starting after the finals, hears again.
+            keep = [w for w in self.agreement.pending if w.end > upto / SAMPLE_RATE - FORCE_KEEP_S]
+            made_final = self.agreement.finalize(len(self.agreement.pending) - len(keep))
         if made_final:
             yield self._final(made_final, hypothesis)
         self._trim()
@@ -316,9 +328,9 @@ class RealtimeSession(WhisperSession):
 
     async def _finish(self):
         """The utterance ended: its last decode (unless the last step heard all its speech), every word final."""
-        end = self.audio.end
-        if self.speech_end is not None:
-            end = min(end, self.speech_end + int(END_PAD_S * SAMPLE_RATE))
+        end = self.heard_to  # commit / half-close: the audio before it
+        if self.speech_end is not None:  # the VAD's stop: the speech and some of the silence it heard after
+            end = min(self.stop_heard_at, self.speech_end + int(END_PAD_S * SAMPLE_RATE))
         speech_s = ((self.speech_end or end) - self.speech_start) / SAMPLE_RATE
         words: list[TimedWord] = []
         last = self.last
@@ -359,7 +371,7 @@ class RealtimeSession(WhisperSession):
 
     def _trim(self) -> None:
         """Whisper_streaming's buffer trimming: a buffer over ``TRIM_S`` restarts at its last final word's end."""
-        if (self.audio.end - self.buffer_start) / SAMPLE_RATE > TRIM_S and self.agreement.final:
+        if (self.heard_to - self.buffer_start) / SAMPLE_RATE > TRIM_S and self.agreement.final:
             cut = int(self.agreement.final_end * SAMPLE_RATE)
             if cut > self.buffer_start:
                 self.buffer_start = cut
@@ -409,6 +421,8 @@ class RealtimeSession(WhisperSession):
             await self._sessions.loop.call(self._sessions.engine.release_cross, self.request_id)
             self.kept_window = None
         job.pcm = pcm
+        # Each decode queues (encoder, engine) as a new arrival, so the streams' steps take turns.
+        self.arrival_order, self.arrival_s = next_arrival_order(), time.time()
         if self.language is None:
             if not final and pcm.size < DETECT_MIN_S * SAMPLE_RATE:
                 return None
@@ -444,7 +458,11 @@ class RealtimeSession(WhisperSession):
                 self._observe_tokens(len(item.new_token_ids))
             no_speech = no_speech_probability(probe, specials)
             mean = avg_logprob(logprobs) if logprobs else 0.0
-            if no_speech > NO_SPEECH_THRESHOLD and mean < LOGPROB_THRESHOLD:  # openai-whisper's silence skip
+            # openai-whisper's silence skip; or silero-vad hears no speech either (Whisper says " you" over silence
+            # with a confident logprob, which openai-whisper keeps: the file path's rule, whisper_session)
+            if no_speech > NO_SPEECH_THRESHOLD and (
+                mean < LOGPROB_THRESHOLD or not await asyncio.to_thread(has_speech, pcm)
+            ):
                 return _Hypothesis([], mean, no_speech, temperature, upto)
             tokenizer = self._sessions.engine.tokenizer
             text = tokenizer.decode(specials.text_tokens(generated), skip_special_tokens=True)

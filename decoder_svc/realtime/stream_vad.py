@@ -25,6 +25,7 @@ from decoder_svc.whisper import vad
 
 WINDOW = vad.WINDOW  # 512 samples = 32 ms at 16 kHz
 SAMPLE_RATE = vad.SAMPLE_RATE
+PAUSE_MS = 200  # silence inside speech reported as a pause (the realtime session decodes its utterance at once)
 NEG_THRESHOLD_GAP = 0.15  # silero VADIterator / get_speech_timestamps: neg_threshold = threshold - 0.15
 
 
@@ -56,10 +57,13 @@ class TurnOptions:
 
 @dataclass(frozen=True)
 class Turn:
-    """A speech boundary: ``kind`` "start" or "stop" at ``sample`` (stream samples, 16 kHz)."""
+    """A speech boundary: ``kind`` "start", "pause" (``PAUSE_MS`` of silence inside speech: it may be ending) or
+    "stop" at ``sample`` (stream samples, 16 kHz; a pause's and a stop's: where the silence starts), found once the
+    VAD had heard up to ``heard_at``."""
 
     kind: str
     sample: int
+    heard_at: int
 
 
 class StreamVad:
@@ -73,6 +77,7 @@ class StreamVad:
         self.position = 0  # stream samples consumed into windows
         self.speaking = False
         self.silence_from: int | None = None  # first window of the silence inside speech, while it lasts
+        self._paused = False  # that silence was reported as a pause
 
     def windows(self, pcm: np.ndarray) -> np.ndarray:
         """``[k, 512]`` float32: the whole windows ``pcm`` completes (the rest waits for more)."""
@@ -85,6 +90,7 @@ class StreamVad:
         """The boundaries the windows just run (in order) cross."""
         opts, found = self.options, []
         silence_samples = opts.silence_duration_ms * SAMPLE_RATE // 1000
+        pause_samples = min(PAUSE_MS, opts.silence_duration_ms) * SAMPLE_RATE // 1000
         for p in probabilities:
             start = self.position
             self.position += WINDOW
@@ -92,13 +98,17 @@ class StreamVad:
                 self.silence_from = None
                 if not self.speaking:
                     self.speaking = True
-                    found.append(Turn("start", start))
+                    found.append(Turn("start", start, self.position))
             elif self.speaking and p < opts.threshold - NEG_THRESHOLD_GAP:
                 if self.silence_from is None:
-                    self.silence_from = start
-                if self.position - self.silence_from >= silence_samples:
-                    found.append(Turn("stop", self.silence_from))
+                    self.silence_from, self._paused = start, False
+                silent = self.position - self.silence_from
+                if silent >= silence_samples:
+                    found.append(Turn("stop", self.silence_from, self.position))
                     self.speaking, self.silence_from = False, None
+                elif silent >= pause_samples and not self._paused:
+                    found.append(Turn("pause", self.silence_from, self.position))
+                    self._paused = True
         return found
 
 

@@ -99,7 +99,8 @@ def test_batched_stream_vad_equals_silero_window_by_window_and_finds_turns():
         b.turns(pb)
     reference = speech_probabilities(audio[: len(probs_a) * 512])[:64]  # silero from its reset state (row 0)
     np.testing.assert_allclose(probs_a[:64], reference, atol=1e-4)
-    assert [t.kind for t in turns_a] == ["start", "stop"]
-    start, stop = (t.sample / 16_000 for t in turns_a)
+    assert [t.kind for t in turns_a] == ["start", "pause", "stop"]
+    assert turns_a[1].sample == turns_a[2].sample and turns_a[1].heard_at < turns_a[2].heard_at
+    start, stop = (t.sample / 16_000 for t in turns_a if t.kind != "pause")
     assert 0.9 <= start <= 1.2 and 1.0 + speech.size / 16_000 - 0.5 <= stop <= 1.1 + speech.size / 16_000
     assert not b.speaking
