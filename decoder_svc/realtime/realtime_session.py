@@ -169,7 +169,13 @@ class RealtimeSession(WhisperSession):
                     task.cancel()
         yield self._end_message()
         state = RequestState.ABORTED if reason == "abort" else RequestState.FINISHED
-        self.end = (state, {"finish_reason": reason, **self.progress.usage()})
+        self.end = (state, {"finish_reason": reason, **self._progress_fields()})
+
+    def _progress_fields(self) -> dict:
+        """What the stream's record shows while it runs (written with each re-decode's DECODING) and at its end."""
+        chunks = getattr(self, "chunks", None)  # bound right after the session opens
+        audio_bytes = chunks.bytes_received if chunks is not None else 0
+        return {**self.progress.usage(), "audio_bytes": audio_bytes, "finals": getattr(self, "finals", 0)}
 
     def _end_message(self) -> decoder_pb2.TranscribeStreamResponse:
         return self._event(

@@ -90,7 +90,7 @@ _ALLOWED_FROM: dict[RequestState, frozenset[RequestState]] = {
 }
 
 FINISH_REASONS = ("stop", "length", "abort", "")
-_INT_FIELDS = ("prompt_tokens", "completion_tokens")
+_INT_FIELDS = ("prompt_tokens", "completion_tokens", "audio_bytes", "finals")
 _STR_FIELDS = ("finish_reason", "error")
 UPDATABLE_FIELDS = _INT_FIELDS + _STR_FIELDS
 
@@ -134,6 +134,8 @@ class RequestRecord:
     finish_reason: str = ""  # "stop", "length", "abort" or ""
     error: str = ""
     owner: str = ""  # decoder replica id (shared.registry); "" for records made without one
+    audio_bytes: int = 0  # realtime streams: audio bytes received so far
+    finals: int = 0  # realtime streams: final segments sent so far
 
 
 class RequestStateStore:
@@ -254,7 +256,7 @@ class RequestStateStore:
             state: the new state; a terminal state sets the record's expiry and removes the id from its owner's set.
             created: the record as ``create`` returned it: a terminal write that finds no record (Redis lost it)
                 writes the whole record from it (model, owner, created_at) and ``fields``. None: no such upsert.
-            **fields: any of prompt_tokens, completion_tokens (ints >= 0),
+            **fields: any of prompt_tokens, completion_tokens, audio_bytes, finals (ints >= 0),
                 finish_reason ("stop", "length", "abort", ""), error (str).
 
         Returns:
@@ -417,4 +419,6 @@ def _decode_record(h: dict[str, str]) -> RequestRecord:
         finish_reason=h.get("finish_reason", ""),
         error=h.get("error", ""),
         owner=h.get("owner", ""),
+        audio_bytes=int(h.get("audio_bytes") or 0),
+        finals=int(h.get("finals") or 0),
     )

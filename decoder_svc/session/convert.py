@@ -214,6 +214,8 @@ def request_record_pb(record: RequestRecord) -> decoder_pb2.RequestRecord:
         finish_reason=record.finish_reason or "",
         error=record.error or "",
         owner=record.owner or "",
+        audio_bytes=record.audio_bytes or 0,
+        finals=record.finals or 0,
     )
 
 

@@ -162,7 +162,7 @@ class RequestSession:
                 failed the record after this decoder's lease expired (``RecordEndedElsewhereError``).
             Exception: whatever failed the request's engine step (recorded FAILED, blocks freed, before it is raised).
         """
-        sessions, progress = self._sessions, self.progress
+        sessions = self._sessions
         # Set by _messages before its last message; None: another replica ended the record (nothing to record).
         self.end: tuple[RequestState, dict] | None = (RequestState.FAILED, {})
         redis_down = False  # a state write found Redis unreachable: the end is recorded once it answers
@@ -175,10 +175,10 @@ class RequestSession:
             asyncio.CancelledError,
             GeneratorExit,
         ):  # client went away (GeneratorExit: cancelled while paused at a yield)
-            self.end = (RequestState.ABORTED, {"finish_reason": "abort", **progress.usage()})
+            self.end = (RequestState.ABORTED, {"finish_reason": "abort", **self._progress_fields()})
             raise
         except Exception as exc:  # noqa: BLE001 - recorded, then mapped to a status code by the server's interceptor
-            self.end = (RequestState.FAILED, {"error": str(exc), **progress.usage()})
+            self.end = (RequestState.FAILED, {"error": str(exc), **self._progress_fields()})
             redis_down = isinstance(exc, RedisUnavailableError)
             if ended_elsewhere(exc):  # its record is FAILED already: nothing more to record
                 log.warning(
@@ -307,11 +307,17 @@ class RequestSession:
             )
             if self.abort_requested:
                 return
-            await self.record_progress(RequestState.DECODING, **(self.progress.usage() if self.progress.window else {}))
+            await self.record_progress(
+                RequestState.DECODING, **(self._progress_fields() if self.progress.window else {})
+            )
             self.decoding_recorded = True
             await sessions.loop.call(sessions.engine.mark_encoded, self.request_id)
         except Exception as exc:  # noqa: BLE001 - reported on the request's stream
             self.stream.put_nowait(exc)
+
+    def _progress_fields(self) -> dict:
+        """The record's fields a later window's DECODING write updates (its usage so far)."""
+        return self.progress.usage()
 
     def _observe_tokens(self, num_tokens: int) -> None:
         """Time to first token on a request's first tokens, then one time-per-output-token sample per token."""

@@ -106,6 +106,7 @@ def test_stream_transcribes_each_utterance_and_finals_equal_alone_and_beside_sev
     assert_all_blocks_free(tiny_stub)
     record = tiny_stub.GetRequest(decoder_pb2.GetRequestRequest(request_id=alone[0][1].request_id))
     assert record.state == decoder_pb2.REQUEST_STATE_FINISHED
+    assert (record.audio_bytes, record.finals) == (pcm.nbytes, len(finals))
 
 
 def test_partials_come_before_the_finals_that_settle_them(tiny_stub):
