@@ -195,11 +195,158 @@ def client_security(args: argparse.Namespace):
     )
 
 
+# Flags of `encdec transcribe` a realtime stream has no field for, and the realtime-only ones (None unless given).
+NOT_REALTIME = (
+    *("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", "min_tokens", "repetition_penalty"),
+    *("no_repeat_ngram_size", "stop", "condition_on_previous_text", "compression_ratio_threshold"),
+    *("logprob_threshold", "no_speech_threshold", "decoding_rules", "best_of", "vad_gate", "vad_gate_min_silence_s"),
+    *("hallucination_silence_threshold", "clip_timestamps", "language_detection_segments"),
+)
+REALTIME_ONLY = ("realtime_speed", "sample_rate", "encoding", "partials", "silence_duration_ms", "vad_threshold")
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _realtime_config(args: argparse.Namespace):
+    """``encdec transcribe --realtime``'s flags as ``decoder_pb2.RealtimeConfig``.
+
+    Raises:
+        ValueError: several inputs, a flag a stream does not take, raw-PCM flags for a file.
+    """
+    from shared.proto import decoder_pb2
+
+    if len(args.files) != 1:
+        raise ValueError("--realtime streams one input: a FILE, or - for raw PCM on standard input")
+    if given := [_flag(d) for d in NOT_REALTIME if getattr(args, d) is not None] + ["--vad"] * args.vad:
+        raise ValueError(f"{', '.join(given)}: not for --realtime (a stream decodes greedily, its VAD cuts turns)")
+    if args.files[0] != "-" and (args.sample_rate is not None or args.encoding is not None):
+        raise ValueError("--sample-rate / --encoding describe raw PCM on standard input (--realtime -)")
+    timestamps = args.timestamps or ("none" if args.format == "text" else "segment")
+    if args.format in ("srt", "vtt") and timestamps == "none":
+        raise ValueError(f"--format {args.format} needs segment timestamps: drop --timestamps none")
+    vad = decoder_pb2.RealtimeVad(disabled=args.turn_detection is False)
+    if args.vad_threshold is not None:
+        vad.threshold = args.vad_threshold
+    if args.silence_duration_ms is not None:
+        vad.silence_duration_ms = args.silence_duration_ms
+    config = decoder_pb2.RealtimeConfig(
+        language=args.language or "",
+        task=args.task or "",
+        prompt=args.prompt or "",
+        sample_rate=args.sample_rate or 0,
+        encoding=args.encoding or "",
+        vad=vad,
+        timestamps=decoder_pb2.TIMESTAMP_GRANULARITY_WORD if timestamps == "word" else 0,
+    )
+    if args.partials is False:
+        config.partials = False
+    return config
+
+
+def _transcribe_realtime(args: argparse.Namespace) -> int:
+    """``encdec transcribe --realtime FILE|-``: one TranscribeStream, finals on standard output (or
+    ``--output-dir``), partials in place on a terminal, the stream's totals on standard error."""
+    import contextlib
+    from pathlib import Path
+
+    import grpc
+
+    from decoder_svc.session.audio import AudioError, decode_audio
+    from encdec.client import SUFFIXES
+    from encdec.realtime_client import (
+        Pacing,
+        RealtimePrinter,
+        chunk_bytes,
+        pcm16,
+        pcm_chunks,
+        reader_chunks,
+        transcribe_realtime,
+    )
+
+    config = _realtime_config(args)
+    source = args.files[0]
+    security = client_security(args)
+    stdin = source == "-"
+    pacing = Pacing(args.realtime_speed if args.realtime_speed is not None else 0.0 if stdin else 1.0)
+    size = chunk_bytes(config.sample_rate or 16000, config.encoding or "pcm_s16le")
+    if not stdin:
+        try:
+            pcm = pcm16(decode_audio(Path(source).read_bytes()))  # 16 kHz mono s16le
+        except OSError as exc:
+            print(f"error: {source}: cannot read the file: {exc.strerror or exc}", file=sys.stderr)
+            return 1
+        except AudioError as exc:
+            print(f"error: {source}: {exc}", file=sys.stderr)
+            return 1
+    times = (args.timestamps or "none") != "none"
+    start = time.perf_counter()
+
+    async def run(out) -> object:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+
+        def interrupted() -> None:  # the first Ctrl-C ends the input (the tail is still transcribed), a second aborts
+            stop.set()
+            loop.remove_signal_handler(signal.SIGINT)
+            print("\nencdec: input ended (Ctrl-C); transcribing the rest", file=sys.stderr, flush=True)
+
+        with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread, or no signals
+            loop.add_signal_handler(signal.SIGINT, interrupted)
+
+        async def file_chunks():
+            for chunk in pcm_chunks(pcm, size):
+                if stop.is_set():
+                    return
+                yield chunk
+
+        chunks = reader_chunks(sys.stdin.fileno(), size, stop) if stdin else file_chunks()
+        live = out is sys.stdout and out.isatty()
+        printer = RealtimePrinter(out, args.format, times, live)
+        return await transcribe_realtime(args.address, config, chunks, printer, pacing, security)
+
+    name = "stdin" if stdin else Path(source).stem
+    try:
+        if args.output_dir is None:
+            end = asyncio.run(run(sys.stdout))
+        else:
+            Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+            with open(Path(args.output_dir) / (name + SUFFIXES[args.format]), "w", encoding="utf-8") as out:
+                end = asyncio.run(run(out))
+    except grpc.aio.AioRpcError as exc:
+        print(f"error: {source}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # reading standard input
+        print(f"error: {source}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("encdec: aborted", file=sys.stderr)
+        return 130
+    if end is None:
+        print(f"error: {source}: the stream ended without its end message", file=sys.stderr)
+        return 1
+    e = end.message.end
+    language = f", language {e.language}" if e.language else ""
+    print(
+        f"{source}: {e.finals} finals in {e.utterances} utterances, {e.audio_s:.2f} s of audio{language}, "
+        f"{e.usage.completion_tokens} tokens; wall time {time.perf_counter() - start:.2f} s",
+        file=sys.stderr,
+    )
+    return 0
+
+
 def _transcribe(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from encdec.client import transcribe_files
 
+    if args.realtime:
+        return _transcribe_realtime(args)
+    if given := [_flag(d) for d in REALTIME_ONLY if getattr(args, d) is not None]:
+        raise ValueError(f"{', '.join(given)}: only with --realtime")
+    if args.turn_detection is not None:
+        raise ValueError("--no-turn-detection: only with --realtime")
     start = time.perf_counter()
     many = len(args.files) > 1
     if many and args.format in ("srt", "vtt") and args.output_dir is None:

@@ -60,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_client_security(p)
     _add_sampling(p)
     _add_whisper(p)
+    _add_realtime(p)
 
     p = sub.add_parser("demo", help="start everything, transcribe the bundled clip (or FILES), stop")
     p.add_argument("files", nargs="*")
@@ -206,6 +207,62 @@ def _add_whisper(p: argparse.ArgumentParser) -> None:
         "--output-dir",
         default=None,
         help="write each file's result to DIR/<file stem>.<txt|json|srt|vtt> instead of standard output",
+    )
+
+
+def _add_realtime(p: argparse.ArgumentParser) -> None:
+    """``encdec transcribe --realtime``'s flags (``RealtimeConfig`` in proto/encdec/v1/decoder.proto); all None
+    unless given, so the command can tell which were set."""
+    p.add_argument(
+        "--realtime",
+        action="store_true",
+        help="stream FILE (or -: raw PCM from standard input) through TranscribeStream as it plays: partial text "
+        "in place on a terminal, each final as a line (finals only into a pipe)",
+    )
+    p.add_argument(
+        "--realtime-speed",
+        type=non_negative_float,
+        default=None,
+        help="--realtime FILE: send it at this many times real time (default 1; 0 = as fast as the server "
+        "takes it); standard input is sent as it arrives",
+    )
+    p.add_argument(
+        "--sample-rate",
+        type=int,
+        default=None,
+        help="--realtime -: Hz of the raw PCM on standard input, 8000-48000 (default 16000)",
+    )
+    p.add_argument(
+        "--encoding",
+        choices=("pcm_s16le", "pcm_f32le"),
+        default=None,
+        help="--realtime -: sample format of standard input (default pcm_s16le, as arecord -f S16_LE writes)",
+    )
+    p.add_argument(
+        "--no-partials",
+        dest="partials",
+        action="store_false",
+        default=None,
+        help="--realtime: ask for finals only",
+    )
+    p.add_argument(
+        "--silence-duration-ms",
+        type=int,
+        default=None,
+        help="--realtime: silence that ends an utterance (the server's VAD; default 500)",
+    )
+    p.add_argument(
+        "--vad-threshold",
+        type=float,
+        default=None,
+        help="--realtime: speech probability above which audio is speech (default 0.5)",
+    )
+    p.add_argument(
+        "--no-turn-detection",
+        dest="turn_detection",
+        action="store_false",
+        default=None,
+        help="--realtime: no server VAD; utterances end only at the end of the input",
     )
 
 
@@ -376,6 +433,14 @@ def _add_bench(sub) -> None:
     p.set_defaults(func=BenchEntry("http"))
 
     p = benches.add_parser(
+        "realtime",
+        help="N TranscribeStream streams at once at 1x real time: final / partial latency, real time held, WER "
+        "stream vs file, file requests beside; faster-whisper LocalAgreement-2 as the anchor",
+    )
+    _add_realtime_bench_arguments(p)
+    p.set_defaults(func=BenchEntry("realtime"))
+
+    p = benches.add_parser(
         "transfer", help="cross-KV transports (shm, torch_dist, cuda_ipc) in GB/s next to a plain memcpy"
     )
     add_transfer_arguments(p)
@@ -461,6 +526,45 @@ def _add_quality_arguments(p: argparse.ArgumentParser) -> None:
         '\'{"decoding_rules": "hf"}\' (default: none, the user\'s default path)',
     )
     p.add_argument("--json", default=None, help="also write the results here, every file's hypothesis included")
+
+
+def _add_realtime_bench_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``encdec bench realtime`` flags (also used by ``encdec bench all``)."""
+    p.add_argument("--model", default="whisper-tiny.en", help="whisper-tiny.en (default) or whisper-base")
+    p.add_argument("--streams", default="1,2,4,8", help="comma-separated numbers of concurrent streams, a run each")
+    p.add_argument(
+        "--duration-s", type=float, default=60.0, help="length of each stream's recording (seconds, at least 10)"
+    )
+    p.add_argument("--clips", default=str(DATA_DIR), help="folder of the bundled clips the recordings are joined from")
+    p.add_argument(
+        "--corpus",
+        default="auto",
+        help="auto: also the quality corpus's pauses files (built or reused; needs espeak-ng and sox); none; "
+        "or the corpus folder",
+    )
+    p.add_argument("--stagger-s", type=non_negative_float, default=0.3, help="seconds between the streams' starts")
+    p.add_argument(
+        "--file-every-s",
+        type=non_negative_float,
+        default=5.0,
+        help="one file Generate (the bundled sample.wav) every this many seconds during each run; 0: none",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the clip recordings' order and pauses")
+    p.add_argument(
+        "--threads", type=int, default=2, help="torch threads per service; CTranslate2 threads of the anchor"
+    )
+    p.add_argument("--skip-fw", action="store_true", help="no faster-whisper anchor (marked optional in the notes)")
+    p.add_argument("--skip-ct2", action="store_true", help="the same as --skip-fw (what encdec bench all passes)")
+    p.add_argument(
+        "--address", default=None, help="use running services at this decoder address instead of starting them"
+    )
+    p.add_argument(
+        "--decoder-args",
+        default="",
+        help="more serve-decoder flags for the services started here: --decoder-args='--realtime-step-ms 500'",
+    )
+    p.add_argument("--json", default=None, help="also write the results here, every stream's scores and text")
+    p.add_argument("--plot", default=None, help="write a PNG of the latencies against N here (matplotlib)")
 
 
 def _add_online_arguments(p: argparse.ArgumentParser) -> None:

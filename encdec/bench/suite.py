@@ -1,7 +1,7 @@
 """``encdec bench`` / ``encdec bench all``: every bench in one invocation.
 
 Runs whisper, seq2seq, embed, transfer (when ``encdec/bench/transfer.py``
-exists), online, http (when httpx, its client, is installed) and quality one
+exists), online, http (when httpx, its client, is installed), quality and realtime one
 after another, each exactly as its own sub-command would with its defaults (the CLI
 parser builds each one's arguments, plus ``--threads`` / ``--skip-ct2`` and any
 ``--<bench>-args``), collects each bench's JSON, then prints every Markdown
@@ -29,8 +29,8 @@ from encdec.bench.table import markdown_table, write_json
 from encdec.parser import build_parser
 
 # Benches that take --threads / --skip-ct2.
-THREADED = {"whisper", "seq2seq", "embed", "transfer", "online", "http", "quality"}
-CT2 = {"whisper", "seq2seq", "quality"}
+THREADED = {"whisper", "seq2seq", "embed", "transfer", "online", "http", "quality", "realtime"}
+CT2 = {"whisper", "seq2seq", "quality", "realtime"}
 
 
 def available() -> list[str]:
