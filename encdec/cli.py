@@ -202,7 +202,9 @@ NOT_REALTIME = (
     *("logprob_threshold", "no_speech_threshold", "decoding_rules", "best_of", "vad_gate", "vad_gate_min_silence_s"),
     *("hallucination_silence_threshold", "clip_timestamps", "language_detection_segments"),
 )
-REALTIME_ONLY = ("realtime_speed", "sample_rate", "encoding", "partials", "silence_duration_ms", "vad_threshold")
+REALTIME_ONLY = (
+    *("realtime_speed", "sample_rate", "encoding", "step_ms", "partials", "silence_duration_ms", "vad_threshold"),
+)
 
 
 def _flag(dest: str) -> str:
@@ -242,6 +244,8 @@ def _realtime_config(args: argparse.Namespace):
     )
     if args.partials is False:
         config.partials = False
+    if args.step_ms is not None:
+        config.step_ms = args.step_ms
     return config
 
 

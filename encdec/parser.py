@@ -239,6 +239,13 @@ def _add_realtime(p: argparse.ArgumentParser) -> None:
         help="--realtime -: sample format of standard input (default pcm_s16le, as arecord -f S16_LE writes)",
     )
     p.add_argument(
+        "--step-ms",
+        type=int,
+        default=None,
+        help="--realtime: re-decode the running utterance every this many ms of audio (at least the server's "
+        "--realtime-step-ms, its default): longer costs less, partials and finals come later",
+    )
+    p.add_argument(
         "--no-partials",
         dest="partials",
         action="store_false",

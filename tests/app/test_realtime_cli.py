@@ -145,7 +145,7 @@ def test_realtime_flags_map_onto_the_config():
     assert config() == decoder_pb2.RealtimeConfig(vad=decoder_pb2.RealtimeVad())
     got = config(
         *("--language", "de", "--task", "translate", "--prompt", "Names: Ada.", "--timestamps", "word"),
-        *("--sample-rate", "8000", "--encoding", "pcm_f32le", "--no-partials"),
+        *("--sample-rate", "8000", "--encoding", "pcm_f32le", "--no-partials", "--step-ms", "1500"),
         *("--silence-duration-ms", "800", "--vad-threshold", "0.6"),
         source="-",
     )
@@ -157,6 +157,7 @@ def test_realtime_flags_map_onto_the_config():
         sample_rate=8000,
         encoding="pcm_f32le",
         partials=False,
+        step_ms=1500,
         vad=decoder_pb2.RealtimeVad(silence_duration_ms=800, threshold=0.6),
     )
     assert got == want
