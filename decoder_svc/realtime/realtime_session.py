@@ -51,7 +51,7 @@ from decoder_svc.whisper.quality import avg_logprob, text_passes
 from decoder_svc.whisper.segments import split_window
 from decoder_svc.whisper.timestamp_rules import TimestampRules
 from decoder_svc.whisper.vad import has_speech
-from shared.errors import InvalidRequestError, ResourceExhaustedError
+from shared.errors import InvalidRequestError
 from shared.proto import decoder_pb2
 
 log = logging.getLogger(__name__)
@@ -60,8 +60,10 @@ MAX_BUFFER_S = 30.0  # Whisper's window: the most audio one decode hears
 TRIM_S = 15.0  # a buffer longer than this starts again after its last final word (whisper_streaming's default)
 FORCE_S = MAX_BUFFER_S - 2.0  # a buffer this long with nothing agreed makes its hypothesis final
 FORCE_KEEP_S = 1.0  # ... but for the words in its last second
-MAX_BACKLOG_S = 120.0  # audio received but not yet decoded or dropped: beyond it the stream fails (a stuck reader)
+MAX_AHEAD_S = 30.0  # audio read ahead of what the session has taken in: beyond it reading waits (backpressure)
 DETECT_MIN_S = 2.0  # multilingual streams without a language: steps wait until the utterance has this much audio
+CONTEXT_S = 8.0  # audio before an utterance's speech its decodes also hear (earlier speech, final already)
+KEEP_FINAL_WORDS = 400  # final words kept for the prompt (its last PROMPT_CHARS characters) and the checks
 END_PAD_S = 0.3  # audio after the speech's end kept in the utterance's last decode
 MIN_UTTERANCE_S = 0.2  # speech shorter than this (a click) is not decoded
 FINAL_TEMPERATURES = (0.0, 0.2, 0.4, 0.6)  # the utterance-end decode's fallback (openai-whisper's, cut short)
@@ -116,15 +118,17 @@ class RealtimeSession(WhisperSession):
         self.vad = StreamVad(settings.turns) if settings.turns is not None else None
         self.audio = StreamAudio()
         self.inbox: asyncio.Queue = asyncio.Queue()
+        self.caught_up = asyncio.Event()  # the session took in more audio (the reader's backpressure)
         self.utterance = -1  # index of the current / last utterance
         self.open = False  # an utterance is running
         self.buffer_start = 0  # stream sample where its decode buffer starts
         self.speech_end: int | None = None  # where the VAD heard its speech stop
-        self.agreement = LocalAgreement()
+        self.agreement = LocalAgreement()  # the stream's: finals of every utterance, the running one's partial
         self.last: _Hypothesis | None = None
         self.next_step = 0  # stream sample at which the running utterance's next step is due
         self.stop_heard_at = 0  # where the VAD was when it found the speech's stop
-        self.prior_text = ""  # finals of earlier utterances (the prompt's previous text)
+        self.first_final = 0  # the running utterance's first word in agreement.final
+        self.floor = 0  # stream sample before which no audio is heard again (a clear)
         self.utterance_start = 0
         self.utterances = 0
         self.finals = 0
@@ -227,12 +231,12 @@ class RealtimeSession(WhisperSession):
             self.inbox.put_nowait(exc)
 
     async def _take(self, pcm: np.ndarray) -> None:
+        # Backpressure: a client sending faster than the stream is decoded (a file fed unpaced, an overloaded
+        # decoder, a client not reading its events) waits here, and gRPC's flow control holds its sends.
+        while self.audio.end - self.heard_to > MAX_AHEAD_S * SAMPLE_RATE:
+            self.caught_up.clear()
+            await self.caught_up.wait()
         self.audio.append(pcm)
-        if self.audio.end - self.audio.start > MAX_BACKLOG_S * SAMPLE_RATE:
-            raise ResourceExhaustedError(
-                f"the stream is {(self.audio.end - self.heard_to) / SAMPLE_RATE:.0f} s of audio behind (its events are "
-                f"not read, or this decoder is overloaded); at most {MAX_BACKLOG_S:.0f} s is held"
-            )
         if self.vad is not None:
             probabilities = await self._vad_batcher.probabilities(self.vad, self.vad.windows(pcm))
             for turn in self.vad.turns(probabilities):
@@ -254,10 +258,11 @@ class RealtimeSession(WhisperSession):
         if kind == "audio":
             _, end, size, heard = item
             self.heard_to = end
+            self.caught_up.set()
             if self.vad is None and not self.open:
                 self._begin(end - size)
-            elif not self.open:  # between utterances only the next one's prefix padding is kept
-                self.audio.drop_before(min(end, heard) - self._padding())
+            elif not self.open:  # between utterances: the next one's prefix padding and context
+                self.audio.drop_before(max(min(end, heard) - max(self._padding(), int(CONTEXT_S * SAMPLE_RATE)), self.floor))
             # A step every step_s of stream audio (the same steps however fast the audio comes: a stream's text
             # depends on its audio alone), and at once when the buffer nears 30 s.
             if self.open and (end >= self.next_step or (end - self.buffer_start) / SAMPLE_RATE >= FORCE_S):
@@ -284,6 +289,7 @@ class RealtimeSession(WhisperSession):
         elif kind == "clear":
             if self.open:
                 self.agreement.pending = []
+                self.floor = self.heard_to  # what was cleared is not heard again, as context either
                 async for message in self._close():
                     yield message
 
@@ -298,10 +304,14 @@ class RealtimeSession(WhisperSession):
     def _begin(self, start: int, speech_start: int | None = None) -> None:
         self.utterance += 1
         self.open, self.speech_end, self.last = True, None, None
-        self.buffer_start = self.utterance_start = self.speech_start = start
+        self.utterance_start = self.speech_start = start
         if speech_start is not None:
             self.speech_start = speech_start
-        self.agreement = LocalAgreement()
+        # The buffer starts up to CONTEXT_S earlier (audio of earlier utterances, all final, or silence): Whisper
+        # hears a sentence better after the speech before it; the words heard there are context only.
+        self.buffer_start = max(self.audio.start, self.floor, start - int(CONTEXT_S * SAMPLE_RATE))
+        self.agreement.floor = start / SAMPLE_RATE
+        self.first_final = len(self.agreement.final)
         self.partial_sent = ""
         self.next_step = self.speech_start + self._step_samples()  # the first step: one step into the speech
 
@@ -355,11 +365,9 @@ class RealtimeSession(WhisperSession):
     async def _close(self):
         """Ends the utterance: ``utterance_done`` (when it had any speech), its cross KV freed."""
         self.open = False
-        words = self.agreement.final
+        words = self.agreement.final[self.first_final :]
         text = "".join(w.text for w in words)
         self.utterances += 1
-        if text:
-            self.prior_text = (self.prior_text + text)[-PROMPT_CHARS:]
         yield self._event(
             utterance_done=decoder_pb2.UtteranceDone(
                 text=text.strip(),
@@ -370,6 +378,7 @@ class RealtimeSession(WhisperSession):
         )
         if self.partial_sent and self.settings.partials:  # the partial is gone: every word of it is final now
             self.partial_sent = ""
+        self.agreement.forget(KEEP_FINAL_WORDS)
         if self.kept_window is not None:
             sessions = self._sessions
             await sessions.loop.call(sessions.engine.release_cross, self.request_id)
@@ -406,9 +415,9 @@ class RealtimeSession(WhisperSession):
 
     # -- decoding --------------------------------------------------------------------
     def _previous_ids(self) -> list[int]:
-        """The prompt's previous text: the initial prompt, earlier utterances' finals, this one's before the buffer."""
+        """The prompt's previous text: the initial prompt, then the finals before the buffer."""
         before = [w for w in self.agreement.final if w.end * SAMPLE_RATE <= self.buffer_start + 1]
-        text = (self.prior_text + "".join(w.text for w in before))[-PROMPT_CHARS:]
+        text = "".join(w.text for w in before)[-PROMPT_CHARS:]
         ids = list(self.job.prompt_ids)
         if text.strip():
             tokenizer = self._sessions.engine.tokenizer
