@@ -13,7 +13,7 @@ from gateway_svc.backends import Backends
 from gateway_svc.config import GatewayConfig
 from gateway_svc.metrics import GatewayMetrics, MetricsMiddleware
 from gateway_svc.route_support import require_api_key
-from gateway_svc.routes import audio, completions, embeddings, meta
+from gateway_svc.routes import audio, completions, embeddings, meta, realtime
 from gateway_svc.upload import UploadLimitMiddleware
 
 
@@ -42,6 +42,7 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
     app.include_router(audio.router, dependencies=guarded)
     app.include_router(completions.router, dependencies=guarded)
     app.include_router(embeddings.router, dependencies=guarded)
+    app.include_router(realtime.router)  # a WebSocket: it checks the API key at its handshake itself
     app.add_middleware(UploadLimitMiddleware, upload_bytes=cfg.max_upload_bytes, request_bytes=cfg.max_request_bytes)
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     return app
