@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from collections import Counter
 from pathlib import Path
 
 from encdec.bench import realtime_load as rl
@@ -127,6 +128,7 @@ def score(
                 "file p50 s": rl.percentile([f["latency_s"] for f in ok], 50),
                 "file req/s": len(ok) / span_s if span_s else None,
                 "file audio s/s": sum(f["audio_s"] for f in ok) / span_s if span_s else None,
+                "file errors": dict(Counter(f["error"].split(":", 1)[0] for f in files if f["error"])),
             }
         )
     row["holds"] = kept == n and row["missed"] == 0 and rl.meets_targets(row)  # kept: none refused or failed
