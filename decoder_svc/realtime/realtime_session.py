@@ -262,7 +262,9 @@ class RealtimeSession(WhisperSession):
             if self.vad is None and not self.open:
                 self._begin(end - size)
             elif not self.open:  # between utterances: the next one's prefix padding and context
-                self.audio.drop_before(max(min(end, heard) - max(self._padding(), int(CONTEXT_S * SAMPLE_RATE)), self.floor))
+                self.audio.drop_before(
+                    max(min(end, heard) - max(self._padding(), int(CONTEXT_S * SAMPLE_RATE)), self.floor)
+                )
             # A step every step_s of stream audio (the same steps however fast the audio comes: a stream's text
             # depends on its audio alone), and at once when the buffer nears 30 s.
             if self.open and (end >= self.next_step or (end - self.buffer_start) / SAMPLE_RATE >= FORCE_S):
