@@ -343,6 +343,174 @@ TARGET INLINE void run_items(const void* ctx, size_t begin, size_t end, int bf16
 TARGET static void run_items_f32(const void* ctx, size_t begin, size_t end) { run_items(ctx, begin, end, 0); }
 TARGET static void run_items_bf16(const void* ctx, size_t begin, size_t end) { run_items(ctx, begin, end, 1); }
 
+/* Rows that read the same keys: consecutive rows of one length over the same used block ids (a prefill's
+ * cross-attention rows, expanded by query_rows; the best_of samples of one window over its cross KV). Their
+ * (row tile, head) items read each tile of KEY_TILE keys and values once for up to ROW_TILE rows (from L1) instead
+ * of once per row, and a head's keys and values stay in L2 across the tiles of its rows (items head-major). Every
+ * row's sums are head_major's, in its order: dot4 over the same groups of four keys (KEY_TILE % 4 == 0, the tail
+ * with dot), the same softmax_row, and per output lane the fmadds over keys in key order (the accumulators stored
+ * to out and reloaded between key tiles, which rounds nothing). So a row's result is bit for bit what it gets
+ * alone: results still do not depend on the batch. 225 rows x 1500 keys x 6 heads of 64 (a Whisper tiny prefill's
+ * cross-attention): measured in docs/benchmarks.md. */
+#define ROW_TILE 8
+#define KEY_TILE 64
+
+typedef struct {
+    const attn_t* a;
+    const int64_t* tile_row;  /* [num_tiles]: first row of tile t (rows of a tile share their keys) */
+    const int64_t* tile_rows; /* [num_tiles]: rows in tile t (1 .. ROW_TILE) */
+    int64_t num_tiles;
+} tiles_t;
+
+TARGET INLINE void tile_head(const attn_t* a, int64_t b0, int64_t n, int64_t h, const int64_t* rows, int64_t len,
+                             float* s, int bf16) {
+    const int64_t H = a->num_heads, D = a->head_dim, row = H * D, stride = len + 8;
+    const void *kc = elem(a->k_cache, h * D, bf16), *vc = elem(a->v_cache, h * D, bf16);
+    for (int64_t j0 = 0; j0 < len; j0 += KEY_TILE) {
+        const int64_t j1 = j0 + KEY_TILE < len ? j0 + KEY_TILE : len;
+        for (int64_t r = 0; r < n; r++) {
+            const float* qh = a->q + (b0 + r) * a->q_stride + h * D;
+            float* sr = s + r * stride;
+            int64_t j = j0;
+            for (; j + 4 <= j1; j += 4)
+                _mm_storeu_ps(sr + j, _mm_mul_ps(dot4(qh, elem(kc, rows[j] * row, bf16), elem(kc, rows[j + 1] * row, bf16),
+                                                      elem(kc, rows[j + 2] * row, bf16),
+                                                      elem(kc, rows[j + 3] * row, bf16), D, bf16),
+                                                 _mm_set1_ps(a->scale)));
+            for (; j < j1; j++) sr[j] = dot(qh, elem(kc, rows[j] * row, bf16), D, bf16) * a->scale;
+        }
+    }
+    for (int64_t r = 0; r < n; r++) {
+        float* sr = s + r * stride;
+        if (a->bias) {
+            const float* bias = a->bias + h * a->bias_len;
+            for (int64_t j = 0; j < len; j++) {
+                const int64_t dist = len - 1 - j;
+                sr[j] += bias[dist < a->bias_len ? dist : a->bias_len - 1];
+            }
+        }
+        softmax_row(sr, len);
+    }
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+        for (int64_t j0 = 0; j0 < len; j0 += KEY_TILE) {
+            const int64_t j1 = j0 + KEY_TILE < len ? j0 + KEY_TILE : len;
+            for (int64_t r = 0; r < n; r++) {
+                const float* sr = s + r * stride;
+                float* o = a->out + (b0 + r) * H * D + h * D + d0;
+                __m256 o0, o1, o2, o3, o4, o5, o6, o7;
+                if (j0 == 0) {
+                    o0 = o1 = o2 = o3 = o4 = o5 = o6 = o7 = _mm256_setzero_ps();
+                } else {
+                    o0 = _mm256_loadu_ps(o), o1 = _mm256_loadu_ps(o + 8), o2 = _mm256_loadu_ps(o + 16);
+                    o3 = _mm256_loadu_ps(o + 24), o4 = _mm256_loadu_ps(o + 32), o5 = _mm256_loadu_ps(o + 40);
+                    o6 = _mm256_loadu_ps(o + 48), o7 = _mm256_loadu_ps(o + 56);
+                }
+                for (int64_t j = j0; j < j1; j++) {
+                    const __m256 p = _mm256_set1_ps(sr[j]);
+                    const void* v = elem(vc, rows[j] * row + d0, bf16);
+                    o0 = _mm256_fmadd_ps(p, load8(v, 0, bf16), o0);
+                    o1 = _mm256_fmadd_ps(p, load8(v, 8, bf16), o1);
+                    o2 = _mm256_fmadd_ps(p, load8(v, 16, bf16), o2);
+                    o3 = _mm256_fmadd_ps(p, load8(v, 24, bf16), o3);
+                    o4 = _mm256_fmadd_ps(p, load8(v, 32, bf16), o4);
+                    o5 = _mm256_fmadd_ps(p, load8(v, 40, bf16), o5);
+                    o6 = _mm256_fmadd_ps(p, load8(v, 48, bf16), o6);
+                    o7 = _mm256_fmadd_ps(p, load8(v, 56, bf16), o7);
+                }
+                _mm256_storeu_ps(o, o0);
+                _mm256_storeu_ps(o + 8, o1);
+                _mm256_storeu_ps(o + 16, o2);
+                _mm256_storeu_ps(o + 24, o3);
+                _mm256_storeu_ps(o + 32, o4);
+                _mm256_storeu_ps(o + 40, o5);
+                _mm256_storeu_ps(o + 48, o6);
+                _mm256_storeu_ps(o + 56, o7);
+            }
+        }
+    }
+}
+
+/* Items [begin, end) of tiles_t: item = h * num_tiles + t (head-major), tile t's rows for head h. */
+TARGET INLINE void run_tiles(const void* ctx, size_t begin, size_t end, int bf16) {
+    const tiles_t* T = (const tiles_t*)ctx;
+    const attn_t* a = T->a;
+    const int64_t H = a->num_heads, D = a->head_dim, bs = a->block_size;
+    float* s = malloc(sizeof(float) * (size_t)(ROW_TILE * (a->max_len + 8)));
+    int64_t* rows = malloc(sizeof(int64_t) * (size_t)(a->max_len + 1));
+    if (s == NULL || rows == NULL) { /* cannot happen for sane sizes; leave NaN so it is seen */
+        for (size_t it = begin; it < end; it++) {
+            const int64_t t = (int64_t)it % T->num_tiles, h = (int64_t)it / T->num_tiles;
+            for (int64_t r = 0; r < T->tile_rows[t]; r++)
+                for (int64_t i = 0; i < D; i++) a->out[(T->tile_row[t] + r) * H * D + h * D + i] = NAN;
+        }
+        free(s);
+        free(rows);
+        return;
+    }
+    int64_t rows_of = -1; /* the tile whose keys rows[] holds */
+    for (size_t it = begin; it < end; it++) {
+        const int64_t t = (int64_t)it % T->num_tiles, h = (int64_t)it / T->num_tiles;
+        const int64_t b0 = T->tile_row[t], n = T->tile_rows[t], len = a->context_lens[b0];
+        if (len <= 0) {
+            for (int64_t r = 0; r < n; r++) memset(a->out + (b0 + r) * H * D + h * D, 0, sizeof(float) * (size_t)D);
+            continue;
+        }
+        if (rows_of != t) {
+            const int64_t* table = a->block_tables + b0 * a->bt_stride;
+            for (int64_t j = 0; j < len; j++) rows[j] = table[j / bs] * bs + j % bs;
+            rows_of = t;
+        }
+        tile_head(a, b0, n, h, rows, len, s, bf16);
+    }
+    free(s);
+    free(rows);
+}
+
+TARGET static void run_tiles_f32(const void* ctx, size_t begin, size_t end) { run_tiles(ctx, begin, end, 0); }
+TARGET static void run_tiles_bf16(const void* ctx, size_t begin, size_t end) { run_tiles(ctx, begin, end, 1); }
+
+/* Whether row b reads the keys of row b - 1: the same length and the same used block ids. */
+static int same_keys(const int64_t* block_tables, int64_t bt_stride, const int64_t* context_lens, int64_t b,
+                     int64_t block_size) {
+    const int64_t len = context_lens[b];
+    if (len != context_lens[b - 1]) return 0;
+    const int64_t used = len / block_size + (len % block_size != 0);
+    return memcmp(block_tables + b * bt_stride, block_tables + (b - 1) * bt_stride, sizeof(int64_t) * (size_t)used) == 0;
+}
+
+/* The calls whose rows share keys (head_dim % 64 == 0): cut into tiles of up to ROW_TILE rows of one run of rows over
+ * the same keys, run head-major. Returns the parallel_for code, or 1 when no two rows share keys (nothing done:
+ * the per-row path runs). */
+static int run_shared_keys(const attn_t* a, int64_t batch, int num_threads, int cache_dtype) {
+    int shared = 0;
+    for (int64_t b = 1; b < batch && !shared; b++)
+        shared = same_keys(a->block_tables, a->bt_stride, a->context_lens, b, a->block_size);
+    if (!shared) return 1;
+    int64_t* tile_row = malloc(sizeof(int64_t) * (size_t)batch);
+    int64_t* tile_rows = malloc(sizeof(int64_t) * (size_t)batch);
+    if (tile_row == NULL || tile_rows == NULL) {
+        free(tile_row);
+        free(tile_rows);
+        return 1;
+    }
+    int64_t num_tiles = 0;
+    for (int64_t b = 0; b < batch; b++) {
+        if (b > 0 && tile_rows[num_tiles - 1] < ROW_TILE &&
+            same_keys(a->block_tables, a->bt_stride, a->context_lens, b, a->block_size)) {
+            tile_rows[num_tiles - 1]++;
+            continue;
+        }
+        tile_row[num_tiles] = b;
+        tile_rows[num_tiles++] = 1;
+    }
+    tiles_t T = {a, tile_row, tile_rows, num_tiles};
+    const int rc = parallel_for(cache_dtype == CACHE_BF16 ? run_tiles_bf16 : run_tiles_f32, &T,
+                                (size_t)(num_tiles * a->num_heads), num_threads);
+    free(tile_row);
+    free(tile_rows);
+    return rc;
+}
+
 /* q [B, H, D] with sequence b's H * D floats contiguous at q + b * q_stride (a row of a fused q/k/v product);
  * k_cache, v_cache [num_blocks, block_size, H, D] of cache_dtype (CACHE_F32: float32, CACHE_BF16: bfloat16);
  * block_tables [B, bt_stride]; context_lens [B]; bias [H, bias_len] or NULL; out [B, H, D]. All else contiguous;
@@ -369,6 +537,10 @@ int paged_decode_attention(const float* q, int64_t q_stride, const void* k_cache
     groups = groups < 1 ? 1 : groups > num_heads ? num_heads : groups;
     attn_t a = {q, k_cache, v_cache, bias, block_tables, context_lens, out,
                 num_heads, head_dim, block_size, bt_stride, bias_len, max_len, groups, q_stride, scale};
+    if (head_dim % 64 == 0 && batch > 1) {
+        const int rc = run_shared_keys(&a, batch, num_threads, cache_dtype);
+        if (rc != 1) return rc;
+    }
     return parallel_for(cache_dtype == CACHE_BF16 ? run_items_bf16 : run_items_f32, &a, (size_t)(batch * groups),
                         num_threads);
 }

@@ -197,6 +197,32 @@ def test_prefill_rows_equal_decode_steps_bit_for_bit(head_dim):
         assert torch.equal(step[row], alone[0]), row
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_rows_that_share_keys_equal_each_row_alone_bit_for_bit(dtype, with_bias):
+    """Rows over the same keys (a prefill's cross-attention rows, best_of samples over one window's cross KV) take the
+    row-tiled path: 19 rows of one sequence (tiles of 8, 8, 3), a row of another sequence between two runs, lengths
+    that are not multiples of the key tile or of four (the dot tail), and a run of empty rows; every row equals that
+    row computed alone, bit for bit, under any thread split, and the reference to float rounding."""
+    if dtype == torch.bfloat16 and not cpu_paged_attention.is_available():
+        pytest.skip("no C kernel")
+    g = torch.Generator().manual_seed(3)
+    heads, head_dim, block_size = 3, 64, 16
+    query, k, v, tables, lens = _case([1500, 67, 0], heads, head_dim, block_size, seed=11, dtype=dtype)
+    runs = [0] * 12 + [1] + [0] * 7 + [1] * 3 + [2] * 2  # sequence of each row
+    q = torch.randn(len(runs), heads, head_dim, generator=g) * 4
+    row_tables, row_lens = tables[runs], lens[runs]
+    bias = torch.randn(heads, 40, generator=g) if with_bias else None
+    got = paged_decode_attention(q, k, v, row_tables, row_lens, 0.125, bias, num_threads=2)
+    for threads in (1, 3):
+        assert torch.equal(paged_decode_attention(q, k, v, row_tables, row_lens, 0.125, bias, num_threads=threads), got)
+    for r, b in enumerate(runs):
+        alone = paged_decode_attention(q[r : r + 1], k, v, tables[b : b + 1], lens[b : b + 1], 0.125, bias)
+        assert torch.equal(alone[0], got[r]), r
+    want = _reference(q, k.float(), v.float(), row_tables, row_lens, 0.125, bias)  # one query a row: causal == all keys
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("head_dim", [8, 64])
 def test_non_finite_scores_as_the_reference(head_dim):
     """A NaN key or an infinite query makes that head NaN (not a silently finite answer); a head whose keys a -inf
