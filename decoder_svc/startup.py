@@ -26,6 +26,7 @@ from decoder_svc.replicas.replica_control import ReplicaControl
 from decoder_svc.replicas.request_state import RequestStateStore
 from decoder_svc.server import DecoderServicer
 from decoder_svc.session.readiness import DecoderReadiness
+from decoder_svc.whisper.options import warm_audio_front_end
 from kernels.calibration import calibrate_packed_isa
 from shared.compute_thread import single_threaded_main
 from shared.config import DecoderServiceConfig
@@ -206,6 +207,8 @@ def run(config: DecoderServiceConfig) -> None:
         config.attention_backend,
         config.stream_interval,
     )
+    if getattr(model, "input_modality", "audio") == "audio":  # else the first request pays for it (0.3-0.5 s)
+        warm_audio_front_end(model.config.num_mel_bins)
     store = RequestStateStore(resolve_redis_url(config.redis_url, config.redis_password_file))
     store.ping()
     engine, pool = build_engine(config, model)

@@ -251,6 +251,17 @@ def _vad_options(pb: decoder_pb2.WhisperOptions, **defaults):
         raise InvalidRequestError(f"vad: {exc}") from None
 
 
+def warm_audio_front_end(num_mel_bins: int) -> None:
+    """Loads what a Whisper request's options parsing first uses: silero-vad (the VAD gate, ``vad_filter``) and the
+    long-form log-mel extractor (transformers' ``WhisperFeatureExtractor``, imported and built once). Called at the
+    decoder's start; without it the first request of each kind pays for the loads."""
+    from decoder_svc.whisper.vad import load_vad_model, speech_probabilities
+
+    load_vad_model()
+    speech_probabilities(np.zeros(SAMPLE_RATE, np.float32))  # the TorchScript model's first calls
+    log_mel_frames(np.zeros(SAMPLE_RATE, np.float32), num_mel_bins)
+
+
 def _clips(pb: decoder_pb2.WhisperOptions, pcm: np.ndarray, gate: bool):
     """The frames to decode, ``clip_timestamps`` within the VAD gate's clips (None = all of ``pcm``), and the
     gate's speech regions (None without the gate)."""

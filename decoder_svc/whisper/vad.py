@@ -139,13 +139,14 @@ def speech_regions(pcm: np.ndarray, options: VadOptions | None = None, batched: 
 WINDOW = 512  # samples per silero-vad step at 16 kHz (32 ms)
 CHUNK_WINDOWS = 64  # windows per independently run stretch (2.05 s)
 WARMUP_WINDOWS = 32  # windows of the audio before a stretch run first, their outputs dropped (1.02 s)
-MAX_BATCH = 32
+MAX_BATCH = 256  # stretches side by side (8.7 min of audio): each model call's cost is mostly per call
 
 
 def speech_probabilities(pcm: np.ndarray) -> list[float]:
     """silero-vad's speech probability of every 512-sample window of ``pcm`` (the last one zero-padded), as
     ``get_speech_timestamps`` computes them, but batched: the clip is cut into stretches of ``CHUNK_WINDOWS``
-    windows run side by side (``MAX_BATCH`` at a time, one recurrent state each), each after the
+    windows run side by side (``MAX_BATCH`` at a time, one recurrent state each; a row's numbers depend on how many
+    run beside it only by float rounding, under 1e-4: tests/decoder/test_whisper_vad.py), each after the
     ``WARMUP_WINDOWS`` windows before it, whose outputs are dropped, so its state has heard what precedes it.
     One window at a time costs about as much as 20 side by side on the CPU; the warm-up's 0.5 s covers the
     model's memory for most windows, not all: a window's probability can differ from the sequential run's by

@@ -56,6 +56,19 @@ def test_batched_regions_are_the_sequential_ones_within_a_window(padded_speech):
     assert len(probs) == -(-pcm.size // 512) and all(0.0 <= p <= 1.0 for p in probs)
 
 
+def test_batched_probabilities_barely_depend_on_the_batch_size(padded_speech, monkeypatch):
+    """``speech_probabilities`` runs up to MAX_BATCH stretches side by side: whatever that size, the same numbers to
+    float rounding (the batched products' order) and the same regions."""
+    pcm, _, _ = padded_speech
+    clip = np.concatenate([pcm] * 3)  # 52 s: 25 stretches
+    want = np.array(vad.speech_probabilities(clip))
+    regions = speech_regions(clip, batched=True)
+    for size in (1, 7):
+        monkeypatch.setattr(vad, "MAX_BATCH", size)
+        np.testing.assert_allclose(vad.speech_probabilities(clip), want, atol=1e-4)
+        assert speech_regions(clip, batched=True) == regions, size
+
+
 def test_speech_map_round_trip_on_detected_regions(padded_speech):
     pcm, speech_start, speech_end = padded_speech
     regions = speech_regions(pcm)
