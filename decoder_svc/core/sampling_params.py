@@ -151,6 +151,10 @@ class SamplingParams:
             HF's ``WhisperTimeStampLogitsProcessor``); None = none.
         logprobs_before_warpers: logprobs are ``log_softmax`` of the processed scores before
             temperature / top-k / top-p / min-p (what HF's Whisper fallback averages).
+        stop_criterion: a callable ``(output token ids) -> bool`` asked after each new token (once no stop
+            token ended the sequence); True ends the sequence as "stop", its ``reason`` attribute the
+            ``stop_reason`` (``decoder_svc.whisper.repetition.LoopStop``: a window that loops); None = none.
+            One object per sequence (n = 1): it may keep state between calls.
         probe_position: a prompt position whose raw logits ``[V]`` (before any processor)
             come with the sequence's first output (``RequestOutput.probe_logits``); Whisper
             reads language and no-speech probabilities at ``<|startoftranscript|>``.
@@ -183,6 +187,7 @@ class SamplingParams:
     early_stopping: bool = False
     logits_rules: object | None = None
     logprobs_before_warpers: bool = False
+    stop_criterion: object | None = None
     probe_position: int | None = None
 
     def __post_init__(self) -> None:
@@ -244,6 +249,10 @@ class SamplingParams:
             raise ValueError(f"probe_position must be a prompt index >= 0, got {self.probe_position!r:.80}")
         if self.logits_rules is not None and not callable(getattr(self.logits_rules, "apply", None)):
             raise ValueError("logits_rules must have an apply(scores, token_ids) method")
+        if self.stop_criterion is not None and not callable(self.stop_criterion):
+            raise ValueError("stop_criterion must be callable with the output token ids")
+        if self.stop_criterion is not None and (self.n != 1 or self.num_beams != 1):
+            raise ValueError("stop_criterion keeps one sequence's state: n = 1 and num_beams = 1 only")
         if not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
         if not 1 <= self.num_beams <= MAX_BEAMS:

@@ -154,7 +154,8 @@ class Sequence:
         """The finished status the last appended token implies by ids and lengths alone, or None.
 
         The scheduler's check: a stop token id ("stop", sets ``stop_reason`` to
-        the id), then the length limit (``max_tokens`` / model max length,
+        the id), then ``sampling_params.stop_criterion`` ("stop", ``stop_reason``
+        its ``reason``), then the length limit (``max_tokens`` / model max length,
         "length"). Before ``min_tokens`` new tokens only the length limit can end
         the sequence (a forced end token at the model's max length ends it as "length").
         """
@@ -163,6 +164,10 @@ class Sequence:
         last = self.output_token_ids[-1]
         if self.num_output_tokens >= self.sampling_params.min_tokens and last in self.stop_token_ids:
             self.stop_reason = last
+            return SequenceStatus.FINISHED_STOPPED
+        criterion = self.sampling_params.stop_criterion
+        if criterion is not None and criterion(self.output_token_ids):
+            self.stop_reason = getattr(criterion, "reason", "stop_criterion")
             return SequenceStatus.FINISHED_STOPPED
         if self.num_tokens >= self.max_len:
             return SequenceStatus.FINISHED_LENGTH
@@ -188,8 +193,12 @@ class Sequence:
         if text is None:
             raise RuntimeError(f"{self.request_id!r} has no output_text")
         last = self.output_token_ids[-1]
-        if status is SequenceStatus.FINISHED_STOPPED:  # a stop token id (the only "stop" decided on ids)
+        if status is SequenceStatus.FINISHED_STOPPED and self.stop_reason == last:  # a stop token id
             text.finish(last if self.sampling_params.include_stop_str_in_output else None)
+            return status
+        if status is SequenceStatus.FINISHED_STOPPED:  # the stop criterion: the last token's text is output
+            text.add_token(last, check_stop=False)
+            text.finish()
             return status
         matched = text.add_token(last, check_stop=self.num_output_tokens >= self.sampling_params.min_tokens)
         if matched is not None:

@@ -28,7 +28,9 @@ request's (the engine never knows a request is long-form):
 - **The window loop** (everything else; ``decoder_svc.whisper.longform.LongFormState``):
   each window is decoded (with the timestamp rules, ``TimestampRules`` as the
   row's ``logits_rules``, unless it is one window without timestamps), judged
-  (compression ratio, average logprob, no-speech), decoded again at the next
+  (compression ratio, average logprob, no-speech; a greedy attempt whose text
+  falls into a repetition loop is ended there, ``repetition.LoopStop``, when
+  that already decides its verdict), decoded again at the next
   temperature over the same kept cross KV when it fails (under openai rules
   as ``best_of`` samples of one sequence group, n > 1, sharing that KV; the
   best by sum logprob / length judged), and once accepted its segments stream
@@ -61,6 +63,7 @@ from decoder_svc.whisper.clips import speech_windows
 from decoder_svc.whisper.language import detect_language, language_probabilities, no_speech_probability
 from decoder_svc.whisper.longform import LongFormOptions, LongFormState
 from decoder_svc.whisper.quality import Verdict, avg_logprob, rank_samples, text_passes
+from decoder_svc.whisper.repetition import LoopStop
 from decoder_svc.whisper.segments import split_window
 from decoder_svc.whisper.timestamp_rules import TimestampRules
 from decoder_svc.whisper.vad import has_speech
@@ -245,6 +248,7 @@ class WhisperSession(RequestSession):
                 max_tokens=max_new,
                 repetition_penalty=self.params.repetition_penalty,
                 no_repeat_ngram_size=self.params.no_repeat_ngram_size,
+                stop_criterion=self._loop_stop(plan, tokenizer) if rules.samples_at(plan.temperature) == 1 else None,
             )
             samples: dict[int, tuple[list[int], list[float]]] = {}
             probe = None
@@ -370,6 +374,23 @@ class WhisperSession(RequestSession):
                 progress.sample_completion.clear()
                 self.encoding = None
                 return
+
+    def _loop_stop(self, plan, tokenizer) -> LoopStop | None:
+        """The attempt's ``LoopStop`` where a loop's verdict cannot depend on what the attempt decodes after it: openai
+        rules (a loop fails the attempt, ``quality.judge``), a later temperature to retry at, and a no-speech skip
+        either impossible or certain (no threshold, or the VAD gate heard speech in the window, or none), since
+        only that skip reads the average logprob of the whole attempt. Else None: the attempt runs to its end."""
+        job, rules = self.job, self.job.rules
+        if not rules.openai or plan.attempt >= len(rules.temperatures) - 1:
+            return None
+        if rules.no_speech_threshold is not None:
+            if job.gate_regions is None:
+                return None
+            heard = self._gate_speech_s(plan.start_sample, plan.num_samples)
+            if 0.0 < heard < HEARD_SPEECH_S:
+                return None
+        eot = job.specials.eot
+        return LoopStop(lambda ids: tokenizer.decode(ids, skip_special_tokens=True), lambda t: t < eot)
 
     def _gate_speech_s(self, start: int, num_samples: int) -> float:
         """Seconds of the VAD gate's speech regions inside ``[start, start + num_samples)`` of the job's audio."""

@@ -42,6 +42,37 @@ def test_max_tokens_is_length():
     assert run(SamplingParams(max_tokens=3), [5, 6, 7, 8]) == (SequenceStatus.FINISHED_LENGTH, 3)
 
 
+class StopAfter:
+    """A stop criterion that says stop once it has seen ``n`` output tokens; counts its calls."""
+
+    reason = "enough"
+
+    def __init__(self, n: int) -> None:
+        self.n, self.calls = n, 0
+
+    def __call__(self, output_token_ids) -> bool:
+        self.calls += 1
+        return len(output_token_ids) >= self.n
+
+
+def test_stop_criterion_ends_the_sequence_after_a_stop_token_and_before_the_length_limit():
+    crit = StopAfter(3)
+    assert run(SamplingParams(stop_criterion=crit), [5, 6, 7, 8]) == (SequenceStatus.FINISHED_STOPPED, 3)
+    assert crit.calls == 3
+    assert run(SamplingParams(stop_criterion=StopAfter(3)), [5, 6, EOS, 7]) == (SequenceStatus.FINISHED_STOPPED, 3)
+    seq = Sequence("r", [0], 10, SamplingParams(stop_criterion=StopAfter(2)), EOS, 100)
+    seq.append_token(EOS)
+    assert seq.check_token_stop() is SequenceStatus.FINISHED_STOPPED and seq.stop_reason == EOS  # the id first
+    seq = Sequence("r", [0], 10, SamplingParams(stop_criterion=StopAfter(2), max_tokens=2), EOS, 100)
+    seq.append_token(5)
+    seq.append_token(6)
+    assert seq.check_token_stop() is SequenceStatus.FINISHED_STOPPED and seq.stop_reason == "enough"
+    with pytest.raises(ValueError, match="stop_criterion"):
+        SamplingParams(stop_criterion=3)
+    with pytest.raises(ValueError, match="stop_criterion"):
+        SamplingParams(stop_criterion=StopAfter(1), n=2, temperature=1.0)
+
+
 @pytest.mark.parametrize(
     "kwargs, field",
     [
@@ -159,3 +190,11 @@ def test_stop_string_property(tok, seed):
         cut = full.find(stop)
         assert (reason, "".join(deltas)) == (stop, full[: cut + len(stop) if include else cut]), (text, stop)
         assert all(REPLACEMENT_CHAR not in d for d in deltas)
+
+
+def test_stop_criterion_keeps_the_last_tokens_text(tok):
+    """Unlike a stop token id, the token that met the criterion is text like any other: it is streamed."""
+    ids = tok.encode(" the cat sat down", add_special_tokens=False)
+    status, reason, deltas, n = stream(tok, SamplingParams(stop_criterion=StopAfter(3)), ids + [EOS])
+    assert (status, reason, n) == (SequenceStatus.FINISHED_STOPPED, "enough", 3)
+    assert "".join(deltas) == tok.decode(ids[:3])

@@ -23,7 +23,7 @@ from decoder_svc.whisper.quality import (
     text_compression_ratio,
     text_passes,
 )
-from decoder_svc.whisper.repetition import find_loops, has_loop, loop_words
+from decoder_svc.whisper.repetition import LoopStop, ends_in_loop, find_loops, has_loop, loop_words
 from decoder_svc.whisper.word_seek import is_segment_anomaly, word_seek
 from decoder_svc.whisper.word_timing import WordTiming
 from shared.models.whisper import load_tokenizer
@@ -89,6 +89,51 @@ def test_loops_are_phrases_said_back_to_back(text, loops):
     assert [(lp.start, lp.period, lp.copies) for lp in found] == loops
     assert has_loop(text) == bool(loops)
     assert text_passes(text, 2.4) == (not loops)
+
+
+@pytest.mark.parametrize(
+    ("text", "ends"),
+    [
+        ("the new one, the new one, the new one", True),
+        ("He said: a b c a b c a b c", True),
+        ("a b c a b c a b c and then left", False),  # a loop, but not at the end
+        ("no, no, no", False),
+        ("so so so so so so so so", False),  # 8 words: not yet a loop
+        ("so so so so so so so so so", True),
+    ],
+)
+def test_ends_in_loop_is_a_loop_at_the_end_that_every_continuation_keeps(text, ends):
+    words = loop_words(text)
+    assert ends_in_loop(words) == ends
+    if ends:  # what follows never takes the loop away: the attempt fails whatever it decodes after
+        for tail in ("", " and then it stopped", " the new one the", " so"):
+            assert has_loop(text + tail)
+
+
+def test_loop_stop_ends_a_greedy_attempt_at_its_loop_on_text_tokens_only(tokenizer, specials):
+    """``LoopStop`` is asked after every token with the ids so far (as ``Sequence.check_token_stop`` does); it reads
+    the window's text tokens (timestamps between copies do not hide the loop), leaves the last word out (it may
+    still grow), and says stop at the first token after which the text ends in a loop, never before."""
+    sentence = tokenizer(" The new one.", add_special_tokens=False)["input_ids"]
+    ts = specials.timestamp_begin
+    ids = []
+    for k in range(5):
+        ids += [ts + 10 * k, *sentence, ts + 10 * k + 8]
+
+    def words_before_last(n: int) -> list[str]:
+        return loop_words(tokenizer.decode(specials.text_tokens(ids[:n])))[:-1]
+
+    stop = LoopStop(decode_with(tokenizer), lambda t: t < specials.eot)
+    said = [n for n in range(1, len(ids) + 1) if stop(ids[:n])]
+    assert said and said[0] < len(ids)  # stopped before the fifth copy ended
+    first = said[0]
+    assert ends_in_loop(words_before_last(first)) and has_loop(tokenizer.decode(specials.text_tokens(ids)))
+    assert not any(ends_in_loop(words_before_last(n)) for n in range(1, first))
+    plain = tokenizer(
+        " It was a bright cold day in April, and the clocks were striking thirteen.", add_special_tokens=False
+    )
+    fresh = LoopStop(decode_with(tokenizer), lambda t: t < specials.eot)
+    assert not any(fresh(plain["input_ids"][:n]) for n in range(1, len(plain["input_ids"]) + 1))
 
 
 def test_best_of_ranks_by_mean_logprob_and_never_prefers_a_loop():
