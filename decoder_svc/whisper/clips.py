@@ -67,7 +67,10 @@ def gate_clips(
     min_silence_s: float = DEFAULT_GATE_MIN_SILENCE_S,
     pad_s: float = DEFAULT_GATE_PAD_S,
 ) -> list[Clip]:
-    """Clips of the speech in a recording: VAD regions padded, merged across silences shorter than ``min_silence_s``.
+    """Clips of the speech in a recording: VAD regions padded, merged across silences shorter than ``min_silence_s``;
+    a silence that short before the first clip or after the last one is kept too (the recording's start and end
+    count as speech edges), so only silence of ``min_silence_s`` or more is ever left out: a clip that opens after
+    a short lead-in is decoded from the recording's start, as openai-whisper and faster-whisper decode it.
 
     Args:
         regions: speech ``(start, end)`` sample ranges (``vad.speech_regions``), sorted.
@@ -96,6 +99,10 @@ def gate_clips(
             clips[-1][1] = max(clips[-1][1], e)
         else:
             clips.append([s, e])
+    if clips and clips[0][0] < gap:
+        clips[0][0] = 0
+    if clips and total - clips[-1][1] < gap:
+        clips[-1][1] = total
     return [(s, e) for s, e in clips]
 
 

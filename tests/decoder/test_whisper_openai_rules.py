@@ -191,12 +191,16 @@ def test_gate_merges_short_silences_and_leaves_long_ones_out():
     sr = 16000
     regions = [(1 * sr, 5 * sr), (6 * sr, 9 * sr), (30 * sr, 31 * sr)]  # 1 s apart, then 21 s of silence
     clips = gate_clips(regions, 40 * sr, min_silence_s=3.0, pad_s=0.4)
-    assert clips == [(60, 940), (2960, 3140)]
-    assert gate_clips(regions, 40 * sr, min_silence_s=30.0, pad_s=0.0) == [(100, 3100)]
+    assert clips == [(0, 940), (2960, 3140)]  # the 0.6 s before the first region is no gap: kept
+    assert gate_clips(regions, 40 * sr, min_silence_s=30.0, pad_s=0.0) == [(0, 4000)]  # nor the 9 s after the last
+    assert gate_clips(regions, 40 * sr, min_silence_s=0.5, pad_s=0.4) == [(60, 940), (2960, 3140)]  # 0.6 s >= 0.5 s
+    late = [(8 * sr, 9 * sr), (30 * sr, 31 * sr)]  # 8 s before the first region: left out
+    assert gate_clips(late, 40 * sr, min_silence_s=3.0, pad_s=0.4) == [(760, 940), (2960, 3140)]
     assert gate_clips([], 40 * sr) == []
-    assert intersect_clips([(0, 500), (2000, 3500)], clips) == [(60, 500), (2960, 3140)]
-    # language detection hears the first windows of speech, not the silence before it
-    assert speech_windows(clips, 40 * sr, 2) == [(60 * 160, 880 * 160), (2960 * 160, 180 * 160)]
+    assert intersect_clips([(0, 500), (2000, 3500)], clips) == [(0, 500), (2960, 3140)]
+    # language detection hears the first windows of speech, not the long silence before it
+    late_clips = gate_clips(late, 40 * sr, min_silence_s=3.0, pad_s=0.4)
+    assert speech_windows(late_clips, 40 * sr, 2) == [(760 * 160, 180 * 160), (2960 * 160, 180 * 160)]
     assert speech_windows(None, 40 * sr, 5) == [(0, 30 * sr), (30 * sr, 10 * sr)]
 
 
