@@ -14,6 +14,9 @@ request's (the engine never knows a request is long-form):
   ``language_detection_segments`` > 1 up to that many windows are heard, the
   first whose top language passes ``language_detection_threshold`` deciding,
   else the language most windows chose (faster-whisper's ``detect_language``).
+  A detection under that threshold is then tried on the speech: the first
+  window decoded greedily in the likeliest languages until one passes the
+  quality checks (``whisper_language``, ours).
 - **Short-form, token-streamed** (HF rules: <= 30 s, no timestamps, no VAD;
   openai rules: the same with a token-level sampling setting): one window, prompt
   ``[<|startofprev|> prompt] <|sot|> <|lang|> <|task|> <|notimestamps|>``,
@@ -58,9 +61,9 @@ from decoder_svc.session import convert
 from decoder_svc.session.inputs import RequestInput
 from decoder_svc.session.request_progress import StreamCoalescer
 from decoder_svc.session.request_session import RequestSession
+from decoder_svc.session.whisper_language import LanguageDetection
 from decoder_svc.whisper import segment_output
-from decoder_svc.whisper.clips import speech_windows
-from decoder_svc.whisper.language import detect_language, language_probabilities, no_speech_probability
+from decoder_svc.whisper.language import no_speech_probability
 from decoder_svc.whisper.longform import LongFormOptions, LongFormState
 from decoder_svc.whisper.quality import Verdict, avg_logprob, rank_samples, text_passes
 from decoder_svc.whisper.repetition import LoopStop
@@ -88,7 +91,7 @@ class _Aborted(Exception):
     """The Abort RPC's output arrived: the request ends with "abort"."""
 
 
-class WhisperSession(RequestSession):
+class WhisperSession(LanguageDetection, RequestSession):
     """A Whisper request's session (see the module docstring); ``inp.whisper`` holds its job."""
 
     def __init__(self, *args, **kwargs) -> None:
@@ -133,31 +136,12 @@ class WhisperSession(RequestSession):
         yield final
 
     # -- the three kinds of sequence ------------------------------------------
-    async def _detect_language(self) -> None:
-        job, specials = self.job, self.job.specials
-        params = SamplingParams(max_tokens=1, probe_position=0)
-        if job.long_form and job.rules.openai:  # where the speech is: the windows the loop will decode
-            windows = speech_windows(job.clips, len(job.pcm), job.language_detection_segments)
-        else:
-            windows = [(0, min(len(job.pcm), 30 * 16_000))]
-        votes: dict[str, list[float]] = {}
-        for start, num_samples in windows:
-            logits = None
-            async for item in self._sequence(start, num_samples, [specials.sot], params):
-                if item.probe_logits is not None:
-                    logits = item.probe_logits
-            if len(windows) == 1:
-                self.language, self.language_probability = detect_language(logits, specials)
-                return
-            probs = language_probabilities(logits, specials)
-            code = max(probs, key=probs.get)
-            if probs[code] > job.language_detection_threshold:
-                self.language, self.language_probability = code, probs[code]
-                return
-            votes.setdefault(code, []).append(probs[code])
-        # faster-whisper: no window was sure enough, the language most windows chose (its best probability)
-        self.language = max(votes, key=lambda c: len(votes[c]))
-        self.language_probability = max(votes[self.language])
+    @property
+    def _timestamps(self) -> bool:
+        """Whether the window loop decodes with timestamps: always under HF rules; under openai rules unless the
+        request is one window of at most 30 s that asked for none."""
+        job = self.job
+        return not job.rules.openai or job.timestamps != "none" or len(job.pcm) > 30 * 16_000
 
     async def _short_form(self, final: decoder_pb2.GenerateResponse):
         job, specials, sessions = self.job, self.job.specials, self._sessions
@@ -210,8 +194,7 @@ class WhisperSession(RequestSession):
         job, specials, sessions = self.job, self.job.specials, self._sessions
         rules = job.rules
         tokenizer = sessions.engine.tokenizer
-        # Under openai rules a clip of at most 30 s with no timestamps asked is decoded without them.
-        timestamps = not rules.openai or job.timestamps != "none" or len(job.pcm) > 30 * 16_000
+        timestamps = self._timestamps
         state = LongFormState(
             specials,
             len(job.pcm),
