@@ -17,6 +17,8 @@ check), real gRPC.
 - A long recording with silence gaps (the quality corpus's ``gaps-1``, built with espeak-ng and sox): HF's rules
   invent text inside the gaps; openai-whisper's rules with the VAD gate (the default) put no word there, with no
   repetition loop and a lower WER.
+- English under loud brown noise (the corpus's ``noise-brown-5db``), whose language whisper-base rates nearly flat:
+  the uncertain detection is tried on the speech and English wins.
 """
 
 from __future__ import annotations
