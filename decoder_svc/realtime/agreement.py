@@ -8,9 +8,11 @@ are compared on their normalized form (lower case, punctuation and spaces stripp
 " Hello" agree; the final keeps the newer hypothesis's spelling and times.
 
 A new hypothesis starts where the buffer starts, which may lie before the end of the finals (the buffer keeps
-some audio already final as context): its words that start before the last final word's end, or before
-``floor`` (less ``OVERLAP_S``), are dropped, and a head that repeats the last one to ``MAX_NGRAM`` final words is dropped too
-(whisper_streaming's n-gram check), so no final word is sent twice.
+some audio already final as context): its words that start before the last final word's end (less
+``OVERLAP_S``), or end before ``floor`` (the utterance's start: by the end, since the alignment puts an
+utterance's first word's start a few tenths early in one hypothesis and not in the next, and a word dropped from
+one hypothesis only never becomes final), are dropped, and a head that repeats the last one to ``MAX_NGRAM``
+final words is dropped too (whisper_streaming's n-gram check), so no final word is sent twice.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ class LocalAgreement:
     def __init__(self) -> None:
         self.final: list[TimedWord] = []
         self.pending: list[TimedWord] = []
-        self.floor = 0.0  # stream seconds: words starting before it are context only (an earlier utterance's audio)
+        self.floor = 0.0  # stream seconds: words ending before it are context only (an earlier utterance's audio)
 
     def forget(self, keep: int) -> None:
         """Keeps only the last ``keep`` final words (what the time and repeated-head checks need)."""
@@ -71,8 +73,8 @@ class LocalAgreement:
 
     def _new_words(self, words: list[TimedWord]) -> list[TimedWord]:
         """``words`` without those already final (by time, then by a repeated head)."""
-        if self.final or self.floor:
-            words = [w for w in words if w.start > max(self.final_end, self.floor) - OVERLAP_S]
+        if self.final or self.floor:  # not final yet, and reaching into the utterance (a first word's start wanders)
+            words = [w for w in words if w.start > self.final_end - OVERLAP_S and w.end > self.floor]
         words = [w for w in words if w.key]  # a lone punctuation mark agrees with nothing
         if words and self.final and abs(words[0].start - self.final_end) < NEAR_S:
             for n in range(min(MAX_NGRAM, len(self.final), len(words)), 0, -1):

@@ -14,7 +14,9 @@ continuously beside every other request's, one sequence at a time:
   alignment heads' cross-attention (``decoder_svc.whisper.word_timing``), go to LocalAgreement-2
   (``agreement``): what two consecutive hypotheses agree on is sent as a final segment, the rest as the partial.
   A buffer past ``TRIM_S`` moves its start to the last final word's end (whisper_streaming's buffer trimming);
-  one near 30 s with nothing agreed makes its hypothesis final.
+  one near 30 s with nothing agreed makes its hypothesis final. A decode whose words all lie in the context
+  (the model transcribed the earlier speech and ended there) is run again without it, and so is the rest of
+  that utterance.
 - **Utterance end** (VAD silence, commit, half-close): the buffer is decoded once more up to the speech's end
   (unless the last step already heard all of it: once the VAD hears ``stream_vad.PAUSE_MS`` of silence inside
   speech, a step runs at once, so when the silence lasts ``silence_duration_ms`` its last decode is done already), with openai-whisper's fallback (compression ratio 2.4, average
@@ -374,7 +376,7 @@ class RealtimeSession(WhisperSession):
             utterance_done=decoder_pb2.UtteranceDone(
                 text=text.strip(),
                 start=words[0].start if words else self.utterance_start / SAMPLE_RATE,
-                end=words[-1].end if words else self.audio.end / SAMPLE_RATE,
+                end=words[-1].end if words else (self.speech_end or self.heard_to) / SAMPLE_RATE,
                 language=self.language or "",
             )
         )
@@ -492,6 +494,11 @@ class RealtimeSession(WhisperSession):
         if not final and not passes:
             return None  # a step that loops says nothing; the next one (or the utterance's end) decodes again
         words = await self._timed_words(start, pcm.size, num_frames, prompt, generated, logprobs, temperature)
+        if start < self.utterance_start and not any(w.end > self.agreement.floor for w in words):
+            # The model transcribed the context and ended there (whisper-base does, the new speech unheard): the
+            # utterance is decoded without its context from now on.
+            self.buffer_start = max(self.buffer_start, self.utterance_start)
+            return await self._decode(upto, final)
         hypothesis = _Hypothesis(words, mean, no_speech, temperature, upto)
         self.last = hypothesis
         return hypothesis

@@ -42,6 +42,20 @@ def test_local_agreement_never_sends_a_final_word_twice():
     assert [w.text for w in la.flush()] == [" five"]
 
 
+def test_an_utterances_first_word_timed_before_its_start_in_one_hypothesis_still_becomes_final():
+    """The bench's lost "The" (whisper-base, "The lighthouse keeper ..."): the utterance starts at 32.87 s (its
+    floor); one hypothesis times "The" at 32.95-33.2 s, the next at 32.6-33.2 s. Dropped by its start, it was in
+    one hypothesis only and never became final; a word is context only when it ends before the floor."""
+    la = LocalAgreement()
+    la.floor = 32.87
+    context = [TimedWord(" lake.", 29.6, 30.0)]  # the utterance before, heard again as context
+    first = context + [TimedWord(" The", 32.95, 33.2), *words("lighthouse keeper", 33.2, 0.4)]
+    second = context + [TimedWord(" The", 32.6, 33.2), *words("lighthouse keeper climbs", 33.2, 0.4)]
+    assert la.insert(first) == []
+    assert [w.text for w in la.insert(second)] == [" The", " lighthouse", " keeper"]
+    assert [w.text for w in la.flush()] == [" climbs"]
+
+
 def test_chunk_decoder_joins_split_samples_and_resamples_in_any_chunking():
     rng = np.random.default_rng(0)
     pcm = (rng.uniform(-0.5, 0.5, 24_000) * 32767).astype("<i2")

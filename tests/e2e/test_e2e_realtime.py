@@ -250,3 +250,26 @@ def test_abort_disconnect_and_a_slow_reader(tiny_stub):
     time.sleep(4)
     slow = [(r.WhichOneof("event"), str(r).replace("rt-slow", "rt-prompt")) for r in call]
     assert slow == prompt
+
+
+def test_an_utterance_whose_decode_hears_only_its_context_is_decoded_without_it(base_stub, tmp_path_factory):
+    """The bench's lost utterance (whisper-base, the quality corpus's ``pauses-0``): the decodes of its fourth
+    sentence (19.8-23.9 s) hear 8 s of context before it, and the model transcribed the context sentence and
+    ended there, every step and the utterance's end: an empty ``utterance_done``. Such an utterance is decoded
+    without its context: every sentence of the first 25 s comes out, each in its own utterance."""
+    from encdec.bench.quality_corpus import build_corpus, load_corpus
+
+    root = build_corpus(tmp_path_factory.mktemp("quality-corpus"), subsets=["pauses"])
+    meta = next(f for f in load_corpus(root, ["pauses"]) if f.name == "pauses-0")
+    pcm, rate = sf.read(root / "pauses-0.wav", dtype="int16")
+    assert rate == 16_000
+    events = run_stream(base_stub, pcm[: 25 * 16_000], language="en")
+    done = [d.text for d in of(events, "utterance_done")]
+    assert len(done) == 4 and all(done), done
+    assert "teacher opened the window" in normalize_text(done[3]), done
+    assert meta.sentences[3][0] < 20.0 < meta.sentences[3][1]  # the corpus still puts that sentence there
+    assert_all_blocks_free(base_stub)
+
+
+def normalize_text(text: str) -> str:
+    return " ".join(normalize(w) for w in text.split())
