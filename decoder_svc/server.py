@@ -92,7 +92,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         self.metrics.watch_admission(self.sessions.admission)
         # Realtime streams (TranscribeStream): their VAD batched together, refused at open when the machine is full.
         self.realtime_step_s = config.realtime_step_ms / 1000.0
-        self.streams = StreamAdmission(config.max_realtime_streams, self.realtime_step_s)
+        self.streams = StreamAdmission(config.max_realtime_streams, self.realtime_step_s, config.realtime_capacity)
         self.vad_batcher = VadBatcher()
         bm = engine.block_manager
         self.max_concurrent_requests = max_concurrent_requests(  # as decoder_svc.core.kv_budget sized the pools
@@ -228,14 +228,14 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             inp, settings = await asyncio.to_thread(
                 parse_stream_config, config, self.model, self.engine.tokenizer, self.realtime_step_s
             )
-            self.streams.check()  # RESOURCE_EXHAUSTED: too many streams, or they fall behind already
+            self.streams.check(settings.step_s)  # RESOURCE_EXHAUSTED: too many streams, or no time for one more
             await self.sessions.create_record(request_id)  # Redis: QUEUED
         finally:
             self.parsing -= 1
         params = SamplingParams()
         try:
             session = self.sessions.open(request_id, inp, params, config.priority, arrival, None, RealtimeSession)
-            session.bind(settings, request_iterator, self.vad_batcher)
+            session.bind(settings, request_iterator, self.vad_batcher, self.streams.observe)
         except Exception as exc:  # its record exists: end it (FAILED) before the status goes out
             self.sessions.active.pop(request_id, None)
             await self.sessions.end_record(request_id, RequestState.FAILED, error=str(exc))

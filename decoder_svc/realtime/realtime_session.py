@@ -111,9 +111,11 @@ _END = object()  # the half-close
 class RealtimeSession(WhisperSession):
     """A ``TranscribeStream`` call's session (module docstring); ``bind`` gives it its input before ``run``."""
 
-    def bind(self, settings: RealtimeSettings, requests, vad_batcher: VadBatcher) -> None:
-        """``requests``: the call's messages after its config (an async iterator)."""
+    def bind(self, settings: RealtimeSettings, requests, vad_batcher: VadBatcher, on_step=None) -> None:
+        """``requests``: the call's messages after its config (an async iterator); ``on_step``: called with each
+        step's decode time, seconds (the replica's admission, ``stream_admission``)."""
         self.settings = settings
+        self._on_step = on_step
         self._requests = requests
         self._vad_batcher = vad_batcher
         self.chunks = ChunkDecoder(settings.sample_rate, settings.encoding)
@@ -326,6 +328,8 @@ class RealtimeSession(WhisperSession):
         hypothesis = await self._decode(upto, final=False)
         elapsed = time.monotonic() - started
         self.step_time_s = elapsed if not self.step_time_s else (1 - EMA) * self.step_time_s + EMA * elapsed
+        if self._on_step is not None and hypothesis is not None:  # a decode ran (not a wait for the language)
+            self._on_step(elapsed)
         if hypothesis is None:
             return
         made_final = self.agreement.insert(hypothesis.words)

@@ -1,8 +1,17 @@
 """Which realtime streams this replica takes: refused at open when its measured capacity is spent.
 
-A stream is refused (RESOURCE_EXHAUSTED) when ``max_realtime_streams`` are live, or when the live streams'
-re-decodes already take longer than their step (the moving average of a step's decode time over
-``realtime_step_ms``, measured per stream): one more stream would make every stream fall behind real time.
+A stream is refused (RESOURCE_EXHAUSTED) when
+
+- ``max_realtime_streams`` are live;
+- the live streams' re-decodes already take longer than their step (the moving average of a step's decode time
+  over ``realtime_step_ms``, measured per stream): every stream is falling behind real time;
+- the streams, this one included, would need more decoding than the replica has: each stream's step costs
+  ``step_cost_s``, the replica's moving average of a step's decode time divided by the streams in an utterance
+  when it ended (their steps run at the same time, batched in the encoder and the engine), and a stream needs
+  ``step_cost_s / step_s`` seconds of decoding per second of audio; over ``realtime_capacity`` (1.0: all of the
+  replica's time) in all, one more stream would make them all fall behind. This is what refuses a burst of
+  opens that come before any of them has decoded a step; until the replica has timed a step at all (a fresh
+  decoder), only the first two rules apply.
 """
 
 from __future__ import annotations
@@ -10,17 +19,39 @@ from __future__ import annotations
 from shared.errors import ResourceExhaustedError
 
 FULL_FRACTION = 1.0  # a step that takes its whole interval: the streams have no time left
+COST_EMA = 0.2  # weight of the newest step in step_cost_s
 
 
 class StreamAdmission:
-    """The replica's live streams (``open`` / ``close``), with the ``max_streams`` and step-time rules."""
+    """The replica's live streams (``open`` / ``close``), with the rules of the module docstring.
 
-    def __init__(self, max_streams: int, step_s: float) -> None:
-        self.max_streams, self.step_s = max_streams, step_s
+    Args:
+        max_streams: ``max_realtime_streams``. step_s: the server's step (``realtime_step_ms`` in seconds).
+        capacity: ``realtime_capacity``, decoding seconds per second the streams may need in all; 0 turns the
+            projected-load rule off.
+    """
+
+    def __init__(self, max_streams: int, step_s: float, capacity: float = 1.0) -> None:
+        self.max_streams, self.step_s, self.capacity = max_streams, step_s, capacity
         self.live: set = set()
+        self.step_cost_s: float | None = None  # a stream's step, seconds of decoding (module docstring)
 
-    def check(self) -> None:
-        """Raises ResourceExhaustedError when a new stream would not be kept up with (module docstring)."""
+    def observe(self, step_time_s: float) -> None:
+        """A live stream's step took ``step_time_s`` (its decode, wall seconds): updates ``step_cost_s``."""
+        decoding = max(1, sum(1 for s in self.live if s.open))
+        cost = step_time_s / decoding
+        self.step_cost_s = cost if self.step_cost_s is None else (1 - COST_EMA) * self.step_cost_s + COST_EMA * cost
+
+    def load(self, new_step_s: float | None = None) -> float:
+        """Seconds of decoding per second of audio the live streams need (and one more of step ``new_step_s``)."""
+        if self.step_cost_s is None:
+            return 0.0
+        steps = [s.settings.step_s for s in self.live] + ([new_step_s] if new_step_s else [])
+        return sum(self.step_cost_s / step for step in steps)
+
+    def check(self, step_s: float | None = None) -> None:
+        """Raises ResourceExhaustedError when a new stream (of step ``step_s``; None: the server's) would not be kept
+        up with (module docstring)."""
         if len(self.live) >= self.max_streams:
             raise ResourceExhaustedError(
                 f"this decoder serves {len(self.live)} realtime streams, its limit (--max-realtime-streams="
@@ -31,6 +62,14 @@ class StreamAdmission:
             raise ResourceExhaustedError(
                 f"this decoder's {len(self.live)} realtime streams take {slowest:.2f} s per {self.step_s:.2f} s step "
                 "already: one more would fall behind real time; retry later or use another replica"
+            )
+        load = self.load(step_s or self.step_s)
+        if self.capacity and load > self.capacity:
+            raise ResourceExhaustedError(
+                f"this decoder's {len(self.live)} realtime streams and one more would need {load:.2f} s of decoding "
+                f"per second of audio (a step costs {self.step_cost_s:.2f} s here), over its capacity of "
+                f"{self.capacity:g} (--realtime-capacity): every stream would fall behind real time; retry later "
+                "or use another replica"
             )
 
     def open(self, session) -> None:

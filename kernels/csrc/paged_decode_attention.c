@@ -158,6 +158,81 @@ TARGET static void softmax_row(float* s, int64_t len) {
     for (int64_t j = 0; j < len; j++) s[j] *= inv;
 }
 
+/* Scores of keys [j0, j1) (j0 % 4 == 0) of one head against qh into s[j0 .. j1): four keys a dot4, a tail of fewer
+ * with dot, each times scale; with prefetch, the keys PREFETCH_KEYS ahead (below len) prefetched. rows[j]: key j's row in the
+ * cache; kc: the cache at the head's first element. The one place scores are computed (head_major, tile_head). */
+TARGET INLINE void key_scores(const attn_t* a, const float* qh, const void* kc, const int64_t* rows, int64_t j0,
+                              int64_t j1, int64_t len, float* s, int prefetch, int bf16) {
+    const int64_t D = a->head_dim, row = a->num_heads * D;
+    int64_t j = j0;
+    for (; j + 4 <= j1; j += 4) {
+        if (prefetch && j + PREFETCH_KEYS(bf16) + 4 <= len) {
+            const int64_t* r = rows + j + PREFETCH_KEYS(bf16);
+            for (int64_t d0 = 0; d0 < D; d0 += 64) {
+                prefetch_elems(elem(kc, r[0] * row + d0, bf16), 64, bf16);
+                prefetch_elems(elem(kc, r[1] * row + d0, bf16), 64, bf16);
+                prefetch_elems(elem(kc, r[2] * row + d0, bf16), 64, bf16);
+                prefetch_elems(elem(kc, r[3] * row + d0, bf16), 64, bf16);
+            }
+        }
+        _mm_storeu_ps(s + j, _mm_mul_ps(dot4(qh, elem(kc, rows[j] * row, bf16), elem(kc, rows[j + 1] * row, bf16),
+                                             elem(kc, rows[j + 2] * row, bf16), elem(kc, rows[j + 3] * row, bf16), D,
+                                             bf16),
+                                        _mm_set1_ps(a->scale)));
+    }
+    for (; j < j1; j++) s[j] = dot(qh, elem(kc, rows[j] * row, bf16), D, bf16) * a->scale;
+}
+
+/* Head h's scores s[0 .. len) made probabilities: T5's bias by causal distance added (if any), then softmax_row. */
+TARGET INLINE void bias_softmax(const attn_t* a, int64_t h, float* s, int64_t len) {
+    if (a->bias) {
+        const float* bias = a->bias + h * a->bias_len;
+        for (int64_t j = 0; j < len; j++) {
+            const int64_t dist = len - 1 - j;
+            s[j] += bias[dist < a->bias_len ? dist : a->bias_len - 1];
+        }
+    }
+    softmax_row(s, len);
+}
+
+/* o[0 .. 64) = (from_out ? o : 0) + sum_{j0 <= j < j1} p[j] v_j[d0 .. d0 + 64), the fmadds in key order into eight
+ * registers (a store and reload between calls rounds nothing); with prefetch, the values PREFETCH_KEYS ahead
+ * (below len) prefetched. vc: the cache at the head's first element. The one place values are summed (head_major, tile_head). */
+TARGET INLINE void weighted_values64(const void* vc, const int64_t* rows, int64_t row, int64_t d0, const float* p,
+                                     int64_t j0, int64_t j1, int64_t len, float* o, int from_out, int prefetch,
+                                     int bf16) {
+    __m256 o0, o1, o2, o3, o4, o5, o6, o7;
+    if (from_out) {
+        o0 = _mm256_loadu_ps(o), o1 = _mm256_loadu_ps(o + 8), o2 = _mm256_loadu_ps(o + 16);
+        o3 = _mm256_loadu_ps(o + 24), o4 = _mm256_loadu_ps(o + 32), o5 = _mm256_loadu_ps(o + 40);
+        o6 = _mm256_loadu_ps(o + 48), o7 = _mm256_loadu_ps(o + 56);
+    } else {
+        o0 = o1 = o2 = o3 = o4 = o5 = o6 = o7 = _mm256_setzero_ps();
+    }
+    for (int64_t j = j0; j < j1; j++) {
+        const __m256 w = _mm256_set1_ps(p[j]);
+        const void* v = elem(vc, rows[j] * row + d0, bf16);
+        if (prefetch && j + PREFETCH_KEYS(bf16) < len)
+            prefetch_elems(elem(vc, rows[j + PREFETCH_KEYS(bf16)] * row + d0, bf16), 64, bf16);
+        o0 = _mm256_fmadd_ps(w, load8(v, 0, bf16), o0);
+        o1 = _mm256_fmadd_ps(w, load8(v, 8, bf16), o1);
+        o2 = _mm256_fmadd_ps(w, load8(v, 16, bf16), o2);
+        o3 = _mm256_fmadd_ps(w, load8(v, 24, bf16), o3);
+        o4 = _mm256_fmadd_ps(w, load8(v, 32, bf16), o4);
+        o5 = _mm256_fmadd_ps(w, load8(v, 40, bf16), o5);
+        o6 = _mm256_fmadd_ps(w, load8(v, 48, bf16), o6);
+        o7 = _mm256_fmadd_ps(w, load8(v, 56, bf16), o7);
+    }
+    _mm256_storeu_ps(o, o0);
+    _mm256_storeu_ps(o + 8, o1);
+    _mm256_storeu_ps(o + 16, o2);
+    _mm256_storeu_ps(o + 24, o3);
+    _mm256_storeu_ps(o + 32, o4);
+    _mm256_storeu_ps(o + 40, o5);
+    _mm256_storeu_ps(o + 48, o6);
+    _mm256_storeu_ps(o + 56, o7);
+}
+
 /* Heads [h0, h1) of one sequence when head_dim % 64 == 0 (every model we serve has 64): per head, the scores four
  * keys at a time, then sum_j p_j v_j with 64 output floats held in eight registers (no read-modify-write of an
  * accumulator in memory for every key). rows[j]: key j's row in the cache; s: len + 8 floats of scratch. */
@@ -165,59 +240,11 @@ TARGET INLINE void head_major(const attn_t* a, const float* q, float* out, const
                               int64_t h0, int64_t h1, float* s, int bf16) {
     const int64_t H = a->num_heads, D = a->head_dim, row = H * D;
     for (int64_t h = h0; h < h1; h++) {
-        const float* qh = q + h * D;
         const void *kc = elem(a->k_cache, h * D, bf16), *vc = elem(a->v_cache, h * D, bf16);
-        int64_t j = 0;
-        for (; j + 4 <= len; j += 4) {
-            if (j + PREFETCH_KEYS(bf16) + 4 <= len) {
-                const int64_t* r = rows + j + PREFETCH_KEYS(bf16);
-                for (int64_t d0 = 0; d0 < D; d0 += 64) {
-                    prefetch_elems(elem(kc, r[0] * row + d0, bf16), 64, bf16);
-                    prefetch_elems(elem(kc, r[1] * row + d0, bf16), 64, bf16);
-                    prefetch_elems(elem(kc, r[2] * row + d0, bf16), 64, bf16);
-                    prefetch_elems(elem(kc, r[3] * row + d0, bf16), 64, bf16);
-                }
-            }
-            _mm_storeu_ps(s + j, _mm_mul_ps(dot4(qh, elem(kc, rows[j] * row, bf16), elem(kc, rows[j + 1] * row, bf16),
-                                                 elem(kc, rows[j + 2] * row, bf16), elem(kc, rows[j + 3] * row, bf16), D,
-                                                 bf16),
-                                            _mm_set1_ps(a->scale)));
-        }
-        for (; j < len; j++) s[j] = dot(qh, elem(kc, rows[j] * row, bf16), D, bf16) * a->scale;
-        if (a->bias) {
-            const float* bias = a->bias + h * a->bias_len;
-            for (j = 0; j < len; j++) {
-                const int64_t dist = len - 1 - j;
-                s[j] += bias[dist < a->bias_len ? dist : a->bias_len - 1];
-            }
-        }
-        softmax_row(s, len);
-        for (int64_t d0 = 0; d0 < D; d0 += 64) {
-            __m256 o0 = _mm256_setzero_ps(), o1 = o0, o2 = o0, o3 = o0, o4 = o0, o5 = o0, o6 = o0, o7 = o0;
-            for (j = 0; j < len; j++) {
-                const __m256 p = _mm256_set1_ps(s[j]);
-                const void* v = elem(vc, rows[j] * row + d0, bf16);
-                if (j + PREFETCH_KEYS(bf16) < len)
-                    prefetch_elems(elem(vc, rows[j + PREFETCH_KEYS(bf16)] * row + d0, bf16), 64, bf16);
-                o0 = _mm256_fmadd_ps(p, load8(v, 0, bf16), o0);
-                o1 = _mm256_fmadd_ps(p, load8(v, 8, bf16), o1);
-                o2 = _mm256_fmadd_ps(p, load8(v, 16, bf16), o2);
-                o3 = _mm256_fmadd_ps(p, load8(v, 24, bf16), o3);
-                o4 = _mm256_fmadd_ps(p, load8(v, 32, bf16), o4);
-                o5 = _mm256_fmadd_ps(p, load8(v, 40, bf16), o5);
-                o6 = _mm256_fmadd_ps(p, load8(v, 48, bf16), o6);
-                o7 = _mm256_fmadd_ps(p, load8(v, 56, bf16), o7);
-            }
-            float* o = out + h * D + d0;
-            _mm256_storeu_ps(o, o0);
-            _mm256_storeu_ps(o + 8, o1);
-            _mm256_storeu_ps(o + 16, o2);
-            _mm256_storeu_ps(o + 24, o3);
-            _mm256_storeu_ps(o + 32, o4);
-            _mm256_storeu_ps(o + 40, o5);
-            _mm256_storeu_ps(o + 48, o6);
-            _mm256_storeu_ps(o + 56, o7);
-        }
+        key_scores(a, q + h * D, kc, rows, 0, len, len, s, 1, bf16);
+        bias_softmax(a, h, s, len);
+        for (int64_t d0 = 0; d0 < D; d0 += 64)
+            weighted_values64(vc, rows, row, d0, s, 0, len, len, out + h * D + d0, 0, 1, bf16);
     }
 }
 
@@ -368,66 +395,17 @@ TARGET INLINE void tile_head(const attn_t* a, int64_t b0, int64_t n, int64_t h, 
     const void *kc = elem(a->k_cache, h * D, bf16), *vc = elem(a->v_cache, h * D, bf16);
     for (int64_t j0 = 0; j0 < len; j0 += KEY_TILE) {
         const int64_t j1 = j0 + KEY_TILE < len ? j0 + KEY_TILE : len;
-        for (int64_t r = 0; r < n; r++) {
-            const float* qh = a->q + (b0 + r) * a->q_stride + h * D;
-            float* sr = s + r * stride;
-            int64_t j = j0;
-            for (; j + 4 <= j1; j += 4)
-                _mm_storeu_ps(sr + j, _mm_mul_ps(dot4(qh, elem(kc, rows[j] * row, bf16), elem(kc, rows[j + 1] * row, bf16),
-                                                      elem(kc, rows[j + 2] * row, bf16),
-                                                      elem(kc, rows[j + 3] * row, bf16), D, bf16),
-                                                 _mm_set1_ps(a->scale)));
-            for (; j < j1; j++) sr[j] = dot(qh, elem(kc, rows[j] * row, bf16), D, bf16) * a->scale;
-        }
+        for (int64_t r = 0; r < n; r++)
+            key_scores(a, a->q + (b0 + r) * a->q_stride + h * D, kc, rows, j0, j1, len, s + r * stride, r == 0, bf16);
     }
-    for (int64_t r = 0; r < n; r++) {
-        float* sr = s + r * stride;
-        if (a->bias) {
-            const float* bias = a->bias + h * a->bias_len;
-            for (int64_t j = 0; j < len; j++) {
-                const int64_t dist = len - 1 - j;
-                sr[j] += bias[dist < a->bias_len ? dist : a->bias_len - 1];
-            }
-        }
-        softmax_row(sr, len);
-    }
-    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    for (int64_t r = 0; r < n; r++) bias_softmax(a, h, s + r * stride, len);
+    for (int64_t d0 = 0; d0 < D; d0 += 64)
         for (int64_t j0 = 0; j0 < len; j0 += KEY_TILE) {
             const int64_t j1 = j0 + KEY_TILE < len ? j0 + KEY_TILE : len;
-            for (int64_t r = 0; r < n; r++) {
-                const float* sr = s + r * stride;
-                float* o = a->out + (b0 + r) * H * D + h * D + d0;
-                __m256 o0, o1, o2, o3, o4, o5, o6, o7;
-                if (j0 == 0) {
-                    o0 = o1 = o2 = o3 = o4 = o5 = o6 = o7 = _mm256_setzero_ps();
-                } else {
-                    o0 = _mm256_loadu_ps(o), o1 = _mm256_loadu_ps(o + 8), o2 = _mm256_loadu_ps(o + 16);
-                    o3 = _mm256_loadu_ps(o + 24), o4 = _mm256_loadu_ps(o + 32), o5 = _mm256_loadu_ps(o + 40);
-                    o6 = _mm256_loadu_ps(o + 48), o7 = _mm256_loadu_ps(o + 56);
-                }
-                for (int64_t j = j0; j < j1; j++) {
-                    const __m256 p = _mm256_set1_ps(sr[j]);
-                    const void* v = elem(vc, rows[j] * row + d0, bf16);
-                    o0 = _mm256_fmadd_ps(p, load8(v, 0, bf16), o0);
-                    o1 = _mm256_fmadd_ps(p, load8(v, 8, bf16), o1);
-                    o2 = _mm256_fmadd_ps(p, load8(v, 16, bf16), o2);
-                    o3 = _mm256_fmadd_ps(p, load8(v, 24, bf16), o3);
-                    o4 = _mm256_fmadd_ps(p, load8(v, 32, bf16), o4);
-                    o5 = _mm256_fmadd_ps(p, load8(v, 40, bf16), o5);
-                    o6 = _mm256_fmadd_ps(p, load8(v, 48, bf16), o6);
-                    o7 = _mm256_fmadd_ps(p, load8(v, 56, bf16), o7);
-                }
-                _mm256_storeu_ps(o, o0);
-                _mm256_storeu_ps(o + 8, o1);
-                _mm256_storeu_ps(o + 16, o2);
-                _mm256_storeu_ps(o + 24, o3);
-                _mm256_storeu_ps(o + 32, o4);
-                _mm256_storeu_ps(o + 40, o5);
-                _mm256_storeu_ps(o + 48, o6);
-                _mm256_storeu_ps(o + 56, o7);
-            }
+            for (int64_t r = 0; r < n; r++)
+                weighted_values64(vc, rows, row, d0, s + r * stride, j0, j1, len, a->out + (b0 + r) * H * D + h * D + d0,
+                                  j0 > 0, r == 0, bf16);
         }
-    }
 }
 
 /* Items [begin, end) of tiles_t: item = h * num_tiles + t (head-major), tile t's rows for head h. */

@@ -147,6 +147,9 @@ class DecoderServiceConfig(ServiceConfig):
             ``decoder_svc.realtime``): shorter gives earlier partials and finals for more compute per stream.
         max_realtime_streams: live ``TranscribeStream`` calls at most; a new one beyond gets RESOURCE_EXHAUSTED
             (so does one while the streams' steps take longer than ``realtime_step_ms``: the machine is full).
+        realtime_capacity: seconds of decoding per second of audio the live streams may need in all, by the
+            measured cost of a step (``decoder_svc.realtime.stream_admission``); a stream that would take them
+            past it gets RESOURCE_EXHAUSTED at open. 1.0: the replica's whole time; 0: no such limit.
     """
 
     port: int = 50051
@@ -183,6 +186,7 @@ class DecoderServiceConfig(ServiceConfig):
     max_beams: int = 16
     realtime_step_ms: int = 1000
     max_realtime_streams: int = 16
+    realtime_capacity: float = 1.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -228,6 +232,8 @@ class DecoderServiceConfig(ServiceConfig):
             raise ValueError(f"realtime_step_ms must be in [100, 10000], got {self.realtime_step_ms}")
         if not 0 <= self.max_realtime_streams <= 1024:
             raise ValueError(f"max_realtime_streams must be in [0, 1024] (0 = none), got {self.max_realtime_streams}")
+        if not 0 <= self.realtime_capacity <= 64:  # also refuses NaN
+            raise ValueError(f"realtime_capacity must be in [0, 64] (0 = no limit), got {self.realtime_capacity}")
         if self.max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
         if not 0 < self.max_queue_time_s < float("inf"):  # also refuses NaN

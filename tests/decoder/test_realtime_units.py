@@ -3,11 +3,14 @@ detection (the real silero-vad model)."""
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 import soundfile as sf
 
 from decoder_svc.realtime.agreement import LocalAgreement, TimedWord
+from decoder_svc.realtime.stream_admission import StreamAdmission
 from decoder_svc.realtime.stream_audio import ChunkDecoder, StreamAudio, check_format
 from decoder_svc.realtime.stream_vad import StreamVad, TurnOptions, run_batch
 from decoder_svc.session.audio_limits import AudioError
@@ -118,3 +121,43 @@ def test_batched_stream_vad_equals_silero_window_by_window_and_finds_turns():
     start, stop = (t.sample / 16_000 for t in turns_a if t.kind != "pause")
     assert 0.9 <= start <= 1.2 and 1.0 + speech.size / 16_000 - 0.5 <= stop <= 1.1 + speech.size / 16_000
     assert not b.speaking
+
+
+class _Stream:
+    """What admission reads of a live stream's session."""
+
+    def __init__(self, step_s: float = 1.0) -> None:
+        self.settings = types.SimpleNamespace(step_s=step_s)
+        self.open, self.step_time_s = True, 0.0
+
+
+def _stream(step_s: float = 1.0) -> _Stream:
+    return _Stream(step_s)
+
+
+def test_admission_refuses_a_stream_past_the_measured_capacity_even_before_its_peers_timed_a_step():
+    """The bench's burst: 8 streams opened within 2 s, before any had decoded a step, were all admitted and all fell
+    behind. With a step's cost measured (here 0.3 s each of two streams decoding together: 0.15 s a stream), a new
+    stream is admitted while the streams' decoding per second of audio, its own included, fits the capacity."""
+    from shared.errors import ResourceExhaustedError
+
+    admission = StreamAdmission(max_streams=16, step_s=1.0, capacity=1.0)
+    admission.check()  # a fresh replica: nothing measured, the count rule only
+    a, b = _stream(), _stream()
+    admission.open(a), admission.open(b)
+    admission.observe(0.3)
+    assert admission.step_cost_s == pytest.approx(0.15) and admission.load() == pytest.approx(0.3)
+    for _ in range(4):  # 4 more streams not timed yet: 6 x 0.15 = 0.9
+        admission.check()
+        admission.open(_stream())
+    with pytest.raises(ResourceExhaustedError, match="--realtime-capacity"):
+        admission.check()  # a 7th: 1.05
+    admission.check(step_s=2.0)  # one that re-decodes every 2 s needs half as much: 0.975
+    admission.close(a)
+    admission.check()  # one left: room again
+    assert StreamAdmission(16, 1.0, capacity=0).load() == 0.0  # nothing measured yet
+    off = StreamAdmission(max_streams=16, step_s=1.0, capacity=0)
+    off.open(_stream()), off.observe(0.9)
+    for _ in range(10):
+        off.check()
+        off.open(_stream())

@@ -20,7 +20,7 @@ from test_e2e_whisper import assert_all_blocks_free
 
 from decoder_svc.realtime.agreement import normalize
 from encdec import DATA_DIR
-from shared.proto import decoder_pb2
+from shared.proto import decoder_pb2, decoder_pb2_grpc
 
 CLIPS = ("sample", "weather", "meeting")
 
@@ -273,3 +273,44 @@ def test_an_utterance_whose_decode_hears_only_its_context_is_decoded_without_it(
 
 def normalize_text(text: str) -> str:
     return " ".join(normalize(w) for w in text.split())
+
+
+@pytest.fixture(scope="module")
+def measured_stub(redis_url, tmp_path_factory):
+    """A tiny.en stack of its own with the measured-capacity rule on (the session's stack has it off) and room for
+    64 streams by count, so capacity is what refuses."""
+    from helpers.stacks import TINY, stack
+
+    with stack(TINY, redis_url, tmp_path_factory.mktemp("rt-capacity-logs"), ("--max-realtime-streams", "64")) as svc:
+        with grpc.insecure_channel(svc.decoder_address) as channel:
+            yield decoder_pb2_grpc.DecoderServiceStub(channel)
+
+
+def test_a_burst_of_streams_past_the_measured_capacity_is_refused_at_open(measured_stub):
+    """Admission (the bench's burst of 8 streams opened before any step ran, all admitted, all behind): once the
+    replica has timed a stream's steps, streams opened one after another, each staying open, are admitted while
+    their projected decoding fits the replica, and the next is refused with RESOURCE_EXHAUSTED naming
+    --realtime-capacity (how many fit depends on the CPU: a tiny.en step costs 0.1-0.5 s on 2 cores); closing
+    them frees everything, and a stream opens again."""
+    pcm = recording(("sample",), pause_s=0.5)
+    assert of(run_stream(measured_stub, pcm), "final")  # a step's cost is measured now
+    hang = threading.Event()
+    hang.set()  # each stream sends its config and first chunk, then nothing: it stays open
+    calls, refusal = [], None
+    for i in range(40):
+        call = measured_stub.TranscribeStream(
+            requests(pcm, decoder_pb2.RealtimeConfig(request_id=f"rt-burst-{i}-{uuid.uuid4().hex[:6]}"), stop=hang),
+            timeout=60,
+        )
+        calls.append(call)
+        try:
+            assert next(call).WhichOneof("event") == "started"
+        except grpc.RpcError as exc:
+            refusal = exc
+            break
+    for call in calls:
+        call.cancel()
+    assert refusal is not None and refusal.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refusal
+    assert "--realtime-capacity" in refusal.details() and len(calls) >= 2, (len(calls), refusal.details())
+    assert_all_blocks_free(measured_stub, timeout_s=5.0)
+    assert of(run_stream(measured_stub, pcm), "final")
