@@ -206,9 +206,14 @@ async def stream_events(
     log = log if log is not None else SendLog()
     bytes_per_s = _audio_seconds(config)
     failure: list[BaseException] = []
+    # Audio goes out once the server answered the config (started, or the call ended): a refusal at open then
+    # reaches us as sent. grpcio's asyncio client replaces the server's status with INTERNAL "Internal error from
+    # Core" when a write fails because the call already ended (grpc/grpc#36066).
+    opened = asyncio.Event()
 
     async def requests() -> AsyncIterator[decoder_pb2.TranscribeStreamRequest]:
         yield decoder_pb2.TranscribeStreamRequest(config=config)
+        await opened.wait()
         sent, t0 = 0, None
         try:
             async for chunk in _iterate(chunks):
@@ -234,6 +239,7 @@ async def stream_events(
     call = stub.TranscribeStream(requests(), timeout=timeout)
     try:
         async for message in call:
+            opened.set()
             yield to_event(message, time.perf_counter())
     except grpc.aio.AioRpcError:
         if failure:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import orjson
@@ -66,6 +66,11 @@ class _Stream:
     translator: Translator
     pump: asyncio.Task | None = None
     half_closed: bool = False  # the client's final commit: no more writes
+    # Set once the decoder answered the config (its started event) or the call ended: audio is written only then,
+    # so a refusal at open (bad config, a full decoder) reaches the client as sent. grpcio's asyncio client
+    # replaces the server's status with INTERNAL "Internal error from Core" when a write fails because the call
+    # already ended (grpc/grpc#36066).
+    opened: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class RealtimeConnection:
@@ -271,8 +276,11 @@ class RealtimeConnection:
         )
 
     async def _write_call(self, stream: _Stream, request: decoder_pb2.TranscribeStreamRequest) -> None:
-        """``request`` onto the call (waits while gRPC's flow control says the decoder is behind)."""
+        """``request`` onto the call (waits while gRPC's flow control says the decoder is behind; anything after
+        the config waits for the decoder's answer to it, ``_Stream.opened``)."""
         try:
+            if not request.HasField("config"):
+                await stream.opened.wait()
             await stream.call.write(request)
         except (grpc.RpcError, asyncio.InvalidStateError):
             await asyncio.wait({stream.pump})  # the call ended: the pump reports how
@@ -280,7 +288,14 @@ class RealtimeConnection:
     async def _pump(self, stream: _Stream) -> None:
         """The decoder's events as server events, until the call ends; a status ends the session."""
         try:
+            await self._pump_events(stream)
+        finally:
+            stream.opened.set()  # a call that ended: writes fail at once, and the pump has said how
+
+    async def _pump_events(self, stream: _Stream) -> None:
+        try:
             while (response := await stream.call.read()) is not grpc.aio.EOF:
+                stream.opened.set()
                 for server_event in stream.translator.events(response):
                     await self.out.put(server_event)  # waits while the client reads slowly
         except grpc.RpcError as exc:

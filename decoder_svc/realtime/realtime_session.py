@@ -46,7 +46,7 @@ from decoder_svc.realtime.agreement import LocalAgreement, TimedWord
 from decoder_svc.realtime.stream_audio import SAMPLE_RATE, ChunkDecoder, StreamAudio
 from decoder_svc.realtime.stream_vad import StreamVad, TurnOptions, VadBatcher
 from decoder_svc.replicas.request_state import RequestState
-from decoder_svc.session.whisper_session import WhisperSession, _Aborted
+from decoder_svc.session.whisper_session import RequestAborted, WhisperSession
 from decoder_svc.whisper.language import detect_language, no_speech_probability
 from decoder_svc.whisper.longform import WindowPlan
 from decoder_svc.whisper.quality import avg_logprob, text_passes
@@ -169,7 +169,7 @@ class RealtimeSession(WhisperSession):
                 if item is _END:
                     break
             reason = "stop"
-        except _Aborted:  # the Abort RPC: the stream ends now, with what is final
+        except RequestAborted:  # the Abort RPC: the stream ends now, with what is final
             reason = "abort"
         finally:
             for task in (reader, watch, get):
@@ -177,6 +177,9 @@ class RealtimeSession(WhisperSession):
                     task.cancel()
         yield self._end_message()
         state = RequestState.ABORTED if reason == "abort" else RequestState.FINISHED
+        if state is RequestState.FINISHED and not self.decoding_recorded:  # no audio, or no speech: nothing decoded
+            await self.record_progress(RequestState.DECODING)
+            self.decoding_recorded = True
         self.end = (state, {"finish_reason": reason, **self._progress_fields()})
 
     def _progress_fields(self) -> dict:
@@ -188,11 +191,7 @@ class RealtimeSession(WhisperSession):
     def _end_message(self) -> decoder_pb2.TranscribeStreamResponse:
         return self._event(
             end=decoder_pb2.RealtimeEnd(
-                usage=decoder_pb2.Usage(
-                    prompt_tokens=self.progress.prompt_tokens,
-                    completion_tokens=self.progress.completion_tokens,
-                    encoder_tokens=self.progress.encoder_tokens,
-                ),
+                usage=decoder_pb2.Usage(encoder_tokens=self.progress.encoder_tokens, **self.progress.usage()),
                 audio_s=self.audio.end / SAMPLE_RATE,
                 finals=self.finals,
                 utterances=self.utterances,
@@ -207,7 +206,7 @@ class RealtimeSession(WhisperSession):
                 raise item
             log.debug("stream %s: a step failed while none of its sequences ran: %s", self.request_id, item)
         elif item.finish_reason == "abort":
-            raise _Aborted()
+            raise RequestAborted()
 
     # -- input -----------------------------------------------------------------------
     async def _read(self) -> None:

@@ -87,7 +87,7 @@ def window_seed(seed: int | None, seek: int, attempt: int) -> int:
     return ((seed or 0) + seek * 1_000_003 + attempt * 1_009) % 2**63
 
 
-class _Aborted(Exception):
+class RequestAborted(Exception):
     """The Abort RPC's output arrived: the request ends with "abort"."""
 
 
@@ -125,7 +125,7 @@ class WhisperSession(LanguageDetection, RequestSession):
             if self.length_cut:
                 final.finish_reason = decoder_pb2.FINISH_REASON_LENGTH
             reason = "stop" if final.finish_reason == decoder_pb2.FINISH_REASON_STOP else "length"
-        except _Aborted:
+        except RequestAborted:
             final.finish_reason, reason = decoder_pb2.FINISH_REASON_ABORT, "abort"
         self._finish_message(final)
         state = RequestState.ABORTED if reason == "abort" else RequestState.FINISHED
@@ -304,7 +304,7 @@ class WhisperSession(LanguageDetection, RequestSession):
         alignment); a sequence over another window first frees it and has the new window encoded.
 
         Raises:
-            _Aborted: the Abort RPC. ResourceExhaustedError: the window can never fit the KV pools.
+            RequestAborted: the Abort RPC. ResourceExhaustedError: the window can never fit the KV pools.
             Exception: from the stream (the encoder failed, a failed step, the shutdown cut).
         """
         sessions, progress = self._sessions, self.progress
@@ -341,7 +341,7 @@ class WhisperSession(LanguageDetection, RequestSession):
             if got.error is not None:
                 raise got.error
             if got.finish_reason == "abort":
-                raise _Aborted()
+                raise RequestAborted()
             if not self.decoding_recorded and self.encoding is None:  # an encoder-cache hit: no Encode of its own
                 self.decoding_recorded = True
                 await self.record_progress(RequestState.DECODING)

@@ -493,6 +493,23 @@ def test_the_servers_refusal_is_the_error_line(tiny_services):
     assert proc.stderr.decode().startswith("error: -: INVALID_ARGUMENT: "), proc.stderr.decode()
 
 
+def test_a_refusal_at_open_is_the_servers_though_audio_pours_in(tiny_services, tmp_path):
+    """German on the English-only tiny.en, with 30 s of audio sent unpaced right behind the config: the error is the
+    decoder's INVALID_ARGUMENT every time. ``stream_events`` sends audio only once the server answered the config;
+    grpcio's asyncio client otherwise reports a write into the ended call as INTERNAL "Internal error from Core"
+    (grpc/grpc#36066: 3 of 3 runs did in a new user's trial)."""
+    import soundfile
+
+    path = tmp_path / "clip.wav"
+    soundfile.write(path, np.tile(soundfile.read(CLIP, dtype="int16")[0], 4), 16000, subtype="PCM_16")
+    for _ in range(3):
+        proc = _transcribe(
+            str(path), "--address", tiny_services.decoder_address, "--realtime-speed", "0", "--language", "de"
+        )
+        assert proc.returncode == 1
+        assert ": INVALID_ARGUMENT: " in proc.stderr.decode() and "English-only" in proc.stderr.decode(), proc.stderr
+
+
 def test_bench_realtime_smoke(tiny_services, tmp_path):
     """``encdec bench realtime`` at N=1 on a 20 s recording against the session's stack: the table, the JSON and
     the plot, numbers that hang together (no timing targets: speed is what the bench reports)."""

@@ -137,14 +137,18 @@ def _stream(step_s: float = 1.0) -> _Stream:
 
 def test_admission_refuses_a_stream_past_the_measured_capacity_even_before_its_peers_timed_a_step():
     """The bench's burst: 8 streams opened within 2 s, before any had decoded a step, were all admitted and all fell
-    behind. With a step's cost measured (here 0.3 s each of two streams decoding together: 0.15 s a stream), a new
-    stream is admitted while the streams' decoding per second of audio, its own included, fits the capacity."""
+    behind. With a step's cost measured (the median of the timed steps, here 0.3 s each of two streams decoding
+    together: 0.15 s a stream), a new stream is admitted while the streams' decoding per second of audio, its own
+    included, fits the capacity."""
     from shared.errors import ResourceExhaustedError
 
     admission = StreamAdmission(max_streams=16, step_s=1.0, capacity=1.0)
     admission.check()  # a fresh replica: nothing measured, the count rule only
     a, b = _stream(), _stream()
     admission.open(a), admission.open(b)
+    admission.observe(3.0)  # a fresh decoder's first step (its warm-up): one of the median's samples only
+    admission.observe(0.3)
+    assert admission.step_cost_s is None and admission.load() == 0.0  # too few steps timed to tell
     admission.observe(0.3)
     assert admission.step_cost_s == pytest.approx(0.15) and admission.load() == pytest.approx(0.3)
     for _ in range(4):  # 4 more streams not timed yet: 6 x 0.15 = 0.9
@@ -157,7 +161,9 @@ def test_admission_refuses_a_stream_past_the_measured_capacity_even_before_its_p
     admission.check()  # one left: room again
     assert StreamAdmission(16, 1.0, capacity=0).load() == 0.0  # nothing measured yet
     off = StreamAdmission(max_streams=16, step_s=1.0, capacity=0)
-    off.open(_stream()), off.observe(0.9)
+    off.open(_stream())
+    for _ in range(3):
+        off.observe(0.9)
     for _ in range(10):
         off.check()
         off.open(_stream())
