@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from decoder_svc.session.audio_limits import AudioError
+from decoder_svc.session.audio_limits import AudioError, check_float_samples
 
 SAMPLE_RATE = 16_000  # what Whisper and silero-vad take
 MIN_SAMPLE_RATE, MAX_SAMPLE_RATE = 8_000, 48_000
 ENCODINGS = {"pcm_s16le": np.dtype("<i2"), "pcm_f32le": np.dtype("<f4")}
 DEFAULT_ENCODING = "pcm_s16le"
-# float32 samples are nominally in [-1, 1]; beyond this the stream is refused (a wrong encoding or gain: Whisper
-# decodes such input to garbage, and it would poison the stream's VAD state).
-MAX_FLOAT_AMPLITUDE = 64.0
+# float32 samples must be finite and within +-64 (``audio_limits.MAX_FLOAT_AMPLITUDE``, the rule of every PCM input): a
+# wrong encoding or gain decodes to garbage, and it would poison the stream's VAD state.
 MAX_CHUNK_BYTES = 4 << 20  # one message's audio (131 s of 16 kHz int16); the gRPC message limit bounds it too
 
 
@@ -61,7 +60,8 @@ class ChunkDecoder:
         """The 16 kHz samples ``chunk`` completes ([n] float32; n may be 0).
 
         Raises:
-            AudioError: a chunk over ``MAX_CHUNK_BYTES``; float samples not finite or beyond ``MAX_FLOAT_AMPLITUDE``.
+            AudioError: a chunk over ``MAX_CHUNK_BYTES``; float samples not finite or beyond +-64
+                (``audio_limits.check_float_samples``).
         """
         if len(chunk) > MAX_CHUNK_BYTES:
             raise AudioError(f"audio chunk of {len(chunk)} bytes is over {MAX_CHUNK_BYTES}; send smaller chunks")
@@ -74,13 +74,7 @@ class ChunkDecoder:
             pcm = samples.astype(np.float32) / 32768.0
         else:
             pcm = samples.astype(np.float32)
-            if pcm.size and not np.isfinite(pcm).all():
-                raise AudioError("audio contains NaN or infinite samples; send finite float samples")
-            if pcm.size and float(np.abs(pcm).max()) > MAX_FLOAT_AMPLITUDE:
-                raise AudioError(
-                    f"audio pcm_f32le samples reach {float(np.abs(pcm).max()):.3g}; float samples are in [-1, 1] "
-                    "(is the stream int16? say encoding pcm_s16le)"
-                )
+            check_float_samples(pcm, "scale them to [-1, 1], or if the stream is int16 say encoding pcm_s16le")
         if self._resampler is not None:
             pcm = self._resampler.resample_chunk(pcm)
         return np.ascontiguousarray(pcm, dtype=np.float32)

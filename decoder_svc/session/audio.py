@@ -25,7 +25,13 @@ import soundfile as sf
 import soxr
 
 from decoder_svc.session.audio_av import decode_av, probe_av
-from decoder_svc.session.audio_limits import FORMATS_HINT, MIN_SAMPLE_RATE, AudioError, AudioLimits
+from decoder_svc.session.audio_limits import (
+    FORMATS_HINT,
+    MIN_SAMPLE_RATE,
+    AudioError,
+    AudioLimits,
+    check_float_samples,
+)
 from decoder_svc.session.pcm_buffer import PcmBuffer
 
 __all__ = [
@@ -68,8 +74,9 @@ def decode_audio(
         ``[num_samples]`` float32.
 
     Raises:
-        AudioError: empty or undecodable bytes, no audio stream, no samples, NaN / inf samples, a cut-off
-            file, a rate, channel count or length over the limits.
+        AudioError: empty or undecodable bytes, no audio stream, no samples, NaN / inf samples or float samples
+            beyond +-``MAX_FLOAT_AMPLITUDE`` (64; ``audio_limits``), a cut-off file, a rate, channel count or
+            length over the limits.
     """
     limits = _limits(limits, max_duration_s)
     info = _sndfile_info(data)
@@ -142,7 +149,8 @@ def pcm_to_array(
 
     Raises:
         AudioError: an unknown encoding, empty, a byte length not a multiple of the sample size, a bad sample
-            rate, NaN / inf samples, or too long.
+            rate, NaN / inf float samples or any beyond +-``MAX_FLOAT_AMPLITUDE`` (64; ``audio_limits``), or
+            too long.
     """
     limits = _limits(limits, max_duration_s)
     encoding = encoding or "pcm_f32le"
@@ -163,7 +171,8 @@ def pcm_to_array(
     audio = np.frombuffer(samples, dtype=dtype).astype(np.float32)  # [num_samples], native order copy
     if scale != 1.0:
         audio *= np.float32(scale)
-    _check_finite(audio)
+    else:
+        check_float_samples(audio, "scale them to [-1, 1], or if they are int16 say encoding pcm_s16le")
     return _resample(audio, sample_rate, target_sample_rate)
 
 
@@ -179,7 +188,7 @@ def _decode_sndfile(data: bytes, info, limits: AudioLimits, target_rate: int) ->
             for block in f.blocks(blocksize=_BLOCK_FRAMES, dtype="float32", always_2d=True):  # [frames, channels]
                 read += len(block)
                 mono = block.mean(axis=1, dtype=np.float32) if block.shape[1] > 1 else block[:, 0]
-                _check_finite(mono)
+                check_float_samples(mono, f"the {info.format} file's float data must be scaled to [-1, 1]")
                 out.append(mono if stream is None else stream.resample_chunk(mono, last=False))
     except (sf.LibsndfileError, RuntimeError) as e:
         raise AudioError(f"cannot decode {info.format} audio: {e}; the file may be truncated or corrupt") from None
@@ -212,11 +221,6 @@ def _check_wav_complete(data: bytes) -> None:
                 )
             return
         pos += 8 + size + (size & 1)
-
-
-def _check_finite(audio: np.ndarray) -> None:
-    if not np.isfinite(audio).all():
-        raise AudioError("audio contains NaN or infinite samples; send finite float samples")
 
 
 def _resample(audio: np.ndarray, rate: int, target_rate: int) -> np.ndarray:

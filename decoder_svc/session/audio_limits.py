@@ -18,6 +18,11 @@ MIN_SAMPLE_RATE = 1_000  # Hz; below it no speech band survives
 # cost decode time: --max-audio-sample-rate takes them.
 DEFAULT_MAX_SAMPLE_RATE = 192_000
 DEFAULT_MAX_CHANNELS = 8  # 7.1 surround; more is a multitrack session, not a recording to transcribe
+# Float samples are nominally in [-1, 1] (full scale). A float recording may overshoot that (a mix that clipped,
+# a resampler's inter-sample peaks, a few dB of headroom), never by 36 dB: 64 (+36 dBFS) leaves room for any real
+# recording and refuses what a wrong encoding or gain gives (int16 values sent as float reach thousands; int16 bytes
+# read as float32 give NaN and magnitudes up to 3e38). Whisper decodes such input to garbage (1e38: 446 "!" tokens).
+MAX_FLOAT_AMPLITUDE = 64.0
 
 
 class AudioError(ValueError):
@@ -28,6 +33,29 @@ class AudioError(ValueError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message if message.startswith("audio") else f"audio: {message}")
+
+
+def check_float_samples(audio: np.ndarray, hint: str = "scale them to [-1, 1]") -> None:
+    """Refuses float samples Whisper cannot hear: NaN, infinite, or beyond +-``MAX_FLOAT_AMPLITUDE``.
+
+    Args:
+        audio: ``[N]`` float samples as sent (before any resampling), nominally in [-1, 1].
+        hint: what the message tells the user to do (in parentheses after what was wrong).
+
+    Raises:
+        AudioError: a NaN / infinite sample, or one whose magnitude is over ``MAX_FLOAT_AMPLITUDE`` (the message
+            names the largest magnitude and the bound).
+    """
+    if not audio.size:
+        return
+    if not np.isfinite(audio).all():
+        raise AudioError(f"audio contains NaN or infinite samples; send finite float samples in [-1, 1] ({hint})")
+    peak = float(np.abs(audio).max())
+    if peak > MAX_FLOAT_AMPLITUDE:
+        raise AudioError(
+            f"audio float samples reach {peak:.3g}; float samples are in [-1, 1] and this server refuses any beyond "
+            f"+-{MAX_FLOAT_AMPLITUDE:g} ({hint})"
+        )
 
 
 @dataclass(frozen=True)

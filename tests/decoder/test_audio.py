@@ -263,12 +263,28 @@ def test_pcm_s16le_equals_the_wav():
         (b"\x00" * 8, 10_000_000, "", "above this server's limit"),
         (b"\x00" * 8, 16_000, "mulaw", "unknown PCM encoding 'mulaw'"),
         (np.array([0.0, np.inf], "<f4").tobytes(), 16_000, "", "infinite"),
+        (np.array([0.0, np.nan], "<f4").tobytes(), 16_000, "", "NaN"),
+        (np.array([0.1, 1e38], "<f4").tobytes(), 16_000, "", r"reach 1e\+38.*\[-1, 1\].*beyond \+-64.*pcm_s16le"),
+        (np.array([-64.5, 0.0], "<f4").tobytes(), 16_000, "pcm_f32le", r"reach 64\.5"),
         (np.zeros(32_000, "<f4").tobytes(), 16_000, "", r"2\.00s.*1\.00s"),
     ],
 )
 def test_pcm_errors(samples, rate, encoding, match):
     with pytest.raises(AudioError, match=match):
         pcm_to_array(samples, rate, max_duration_s=1.0, encoding=encoding)
+
+
+def test_float_pcm_within_the_amplitude_bound_is_taken():
+    """Float samples overshooting full scale (clipped mixes, +30 dB) are audio; only beyond +-64 is refused."""
+    loud = np.array([0.5, -1.5, 30.0, -64.0], "<f4")
+    np.testing.assert_array_equal(pcm_to_array(loud.tobytes(), 16_000), loud)
+
+
+def test_float_wav_samples_beyond_the_amplitude_bound_are_refused():
+    tone = _tone(16_000, 0.1)
+    tone[7] = 1e6
+    with pytest.raises(AudioError, match=r"reach 1e\+06.*beyond \+-64.*scaled to \[-1, 1\]"):
+        decode_audio(_encode(tone, 16_000, "WAV", subtype="FLOAT"))
 
 
 def test_truncated_wav_is_refused():

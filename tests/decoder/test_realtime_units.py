@@ -89,6 +89,9 @@ def test_float_chunks_must_be_finite_and_near_full_scale():
         dec.feed(np.array([0.1, np.nan], "<f4").tobytes())
     with pytest.raises(AudioError, match="pcm_s16le"):
         dec.feed(np.array([1e38], "<f4").tobytes())
+    with pytest.raises(AudioError, match=r"reach 65.*beyond \+-64"):  # the bound of every PCM input
+        dec.feed(np.array([65.0], "<f4").tobytes())
+    assert dec.feed(np.array([-64.0, 2.0], "<f4").tobytes()).tolist() == [-64.0, 2.0]
 
 
 def test_stream_audio_keeps_only_what_is_asked_for():

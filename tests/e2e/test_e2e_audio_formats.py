@@ -107,6 +107,23 @@ def test_pcm_s16le_gives_the_wavs_tokens(tiny_stub, speech):
     assert "unknown PCM encoding 'ulaw'" in details and "pcm_s16le" in details
 
 
+def test_float_pcm_that_is_not_audio_is_invalid_argument(tiny_stub, speech):
+    """Float samples of 1e38 (once decoded to 446 "!" tokens), inf / NaN, or beyond +-64 in a float WAV are refused
+    before any decoding, with a message saying what to send."""
+    cases = {
+        "1e38": (np.array([0.1, 1e38] * 8000, "<f4"), "reach 1e+38"),
+        "inf": (np.array([0.1, np.inf] * 8000, "<f4"), "NaN or infinite"),
+        "nan": (np.array([np.nan, 0.0] * 8000, "<f4"), "NaN or infinite"),
+        "65": (np.full(16_000, 65.0, "<f4"), "reach 65"),
+    }
+    for name, (samples, words) in cases.items():
+        details = refused(tiny_stub, pcm=decoder_pb2.PcmAudio(samples=samples.tobytes(), sample_rate=16_000))
+        assert words in details and "[-1, 1]" in details and "pcm_s16le" in details, (name, details)
+    details = refused(tiny_stub, audio=wav_bytes(np.clip(speech * 1000, -100, 100), subtype="FLOAT"))
+    assert "reach 100" in details and "+-64" in details, details
+    assert_all_blocks_free(tiny_stub)
+
+
 def test_bad_files_get_invalid_argument_and_leak_nothing(tiny_stub, speech):
     wav = encode_file(speech, "wav-44k-stereo")
     webm = encode_file(speech, "webm-opus-48k-mono")
