@@ -139,7 +139,8 @@ def parse_whisper_options(
 
     Raises:
         InvalidRequestError: unknown language, task or decoding rules, a language / translate an English-only
-            model cannot do, a temperature outside [0, 1], a threshold that is not finite,
+            model cannot do, a temperature outside [0, 1], a threshold that is not finite, a probability
+            (``no_speech_threshold``, ``language_detection_threshold``) outside [0, 1],
             a prompt over ``MAX_PROMPT_CHARS`` characters, bad VAD, clip or language-detection options,
             openai-only options under ``"hf"`` rules, a sampling setting long-form decoding does not take.
     """
@@ -293,12 +294,17 @@ def _seconds(pb: decoder_pb2.WhisperOptions, name: str, default: float | None) -
     return float(value)
 
 
-def _probability(pb: decoder_pb2.WhisperOptions, name: str, default: float) -> float:
+def _probability(pb: decoder_pb2.WhisperOptions, name: str, default: float, kind: str = "a probability") -> float:
+    """``pb.<name>``, a value in [0, 1] (a probability, or ``kind``), or ``default`` when unset.
+
+    Raises:
+        InvalidRequestError: NaN, infinite or outside [0, 1]; the message names the option and what it is.
+    """
     if not pb.HasField(name):
         return default
     value = getattr(pb, name)
     if not (math.isfinite(value) and 0.0 <= value <= 1.0):
-        raise InvalidRequestError(f"{name} must be in [0, 1], got {value}")
+        raise InvalidRequestError(f"{name} must be in [0, 1] ({kind}), got {value:g}")
     return float(value)
 
 
@@ -376,8 +382,10 @@ def _fallback_rules(pb: decoder_pb2.WhisperOptions, sampling_temperature: float,
         temperatures=temps,
         compression_ratio_threshold=threshold("compression_ratio_threshold", 2.4),
         logprob_threshold=threshold("logprob_threshold", -1.0),
-        no_speech_threshold=threshold("no_speech_threshold", 0.6),
+        no_speech_threshold=_probability(pb, "no_speech_threshold", 0.6),
         decoding_rules=decoding_rules,
         best_of=best_of,
-        prompt_reset_on_temperature=_probability(pb, "prompt_reset_on_temperature", PROMPT_RESET_ON_TEMPERATURE),
+        prompt_reset_on_temperature=_probability(
+            pb, "prompt_reset_on_temperature", PROMPT_RESET_ON_TEMPERATURE, "a sampling temperature"
+        ),
     )

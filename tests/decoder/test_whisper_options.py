@@ -4,6 +4,7 @@ the decoding rules and the options only openai-whisper's loop has."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -96,7 +97,11 @@ def test_vad_gate_and_clip_timestamps_give_the_clips(base):
         (pb.WhisperOptions(hallucination_silence_threshold=-1), "hallucination_silence_threshold must be seconds"),
         (pb.WhisperOptions(vad_gate_min_silence_s=float("nan")), "vad_gate_min_silence_s must be seconds"),
         (pb.WhisperOptions(language_detection_segments=0), r"language_detection_segments must be in \[1, 20\]"),
-        (pb.WhisperOptions(language_detection_threshold=1.5), "language_detection_threshold must be in"),
+        (
+            pb.WhisperOptions(language_detection_threshold=1.5),
+            r"language_detection_threshold must be in \[0, 1\] \(a prob",
+        ),
+        (pb.WhisperOptions(no_speech_threshold=5), r"no_speech_threshold must be in \[0, 1\] \(a probability\), got 5"),
         (pb.WhisperOptions(clip_timestamps=[5, 2]), "clip_timestamps must be increasing"),
         (pb.WhisperOptions(clip_timestamps=[0, 5, 3, 8]), "clip_timestamps must be increasing"),
         (pb.WhisperOptions(clip_timestamps=[-1, 5]), "clip_timestamps must be seconds >= 0"),
@@ -129,12 +134,22 @@ def test_language_codes_and_names(base, given, code):
         (pb.WhisperOptions(temperatures=[1.5]), "temperature must be in [0, 1]"),
         (pb.WhisperOptions(temperatures=[float("nan")]), "temperature must be in [0, 1]"),
         (pb.WhisperOptions(logprob_threshold=float("inf")), "logprob_threshold must be a finite number"),
+        (pb.WhisperOptions(no_speech_threshold=5), "no_speech_threshold must be in [0, 1] (a probability), got 5"),
+        (pb.WhisperOptions(no_speech_threshold=-0.25), "no_speech_threshold must be in [0, 1] (a probability)"),
+        (pb.WhisperOptions(no_speech_threshold=float("nan")), "no_speech_threshold must be in [0, 1]"),
+        (pb.WhisperOptions(decoding_rules="hf", no_speech_threshold=1.5), "no_speech_threshold must be in [0, 1]"),
         (pb.WhisperOptions(prompt="x" * 5000), "prompt is 5000 characters"),
     ],
 )
 def test_bad_options_are_refused_with_a_message(base, options, named):
-    with pytest.raises(InvalidRequestError, match=named.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(InvalidRequestError, match=re.escape(named)):
         parse(base, options)
+
+
+@pytest.mark.parametrize("value", [0.0, 0.6, 1.0])
+def test_no_speech_threshold_takes_every_probability(base, value):
+    options = pb.WhisperOptions(no_speech_threshold=value, timestamps=pb.TIMESTAMP_GRANULARITY_SEGMENT)
+    assert parse(base, options).rules.no_speech_threshold == pytest.approx(value)
 
 
 def test_english_only_model_refuses_other_languages_and_translate(tiny):

@@ -274,6 +274,17 @@ def test_unknown_language_is_refused(base_stub):
     assert_all_blocks_free(base_stub)
 
 
+def test_probability_options_out_of_range_are_invalid_argument(tiny_stub):
+    """no_speech_threshold 5 was taken (a probability never above 5: nothing ever skipped); now refused by name."""
+    pcm = read_clip("short")
+    needle = "no_speech_threshold must be in [0, 1] (a probability), got 5"
+    for rules in ("hf", "openai"):
+        assert_refused(tiny_stub, pcm, needle, no_speech_threshold=5, decoding_rules=rules)
+    needle = "language_detection_threshold must be in [0, 1] (a probability), got -1"
+    assert_refused(tiny_stub, pcm, needle, language_detection_threshold=-1, decoding_rules="openai")
+    assert_all_blocks_free(tiny_stub)
+
+
 def assert_refused(stub, pcm: np.ndarray, needle: str, **options) -> None:
     """INVALID_ARGUMENT whose message holds ``needle``, and no Redis record left behind."""
     request_id = f"refused-{uuid.uuid4().hex[:8]}"
