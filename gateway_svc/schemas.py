@@ -77,7 +77,7 @@ class CompletionRequest(Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=0, lt=2**64)
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)  # the decoder's bound (proto SamplingParams.seed)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None

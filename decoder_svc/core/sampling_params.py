@@ -19,6 +19,10 @@ MAX_STOP_TOKEN_IDS = 64
 # sequences well inside a decoder's max_num_seqs).
 MAX_N = 16
 MAX_BEAMS = 16
+# Largest seed (2**63 - 1): sample i of a request draws from a generator seeded ``(seed + i) mod 2**63``
+# (``decoder_svc.core.sampler.sample_seed``), so every seed is a non-negative int64, as vLLM's (an int64 field).
+# The proto's ``uint64 seed`` documents the bound; a larger seed is refused, never silently wrapped.
+MAX_SEED = 2**63 - 1
 # Bounds of the floats whose effect is multiplied into the scores or exponentiated by a length (issue 20: a
 # length_penalty of 400 overflowed ``generated_len ** length_penalty`` inside the shared engine step). HF and vLLM
 # accept any positive temperature / repetition_penalty and any finite length_penalty; OpenAI caps temperature at 2;
@@ -85,8 +89,9 @@ class SamplingParams:
         top_k: keep the k most likely tokens; 0 keeps all.
         top_p: nucleus sampling, keep the smallest set whose probability
             reaches top_p (Holtzman et al. 2019); 1.0 keeps all.
-        seed: seed of this request's own ``torch.Generator``; None draws from
-            a fresh nondeterministic seed. Never the global RNG.
+        seed: seed of this request's own ``torch.Generator``, in [0, ``MAX_SEED``] (2**63 - 1; the proto's
+            uint64 field is documented with this bound, as vLLM's int64 seed); None draws from a fresh
+            nondeterministic seed. Never the global RNG.
         max_tokens: most new tokens (end token included); None means up to the
             model's max decoder length.
         min_tokens: fewest new tokens: until this many are generated the end
@@ -216,8 +221,11 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be >= 0 (0 disables it), got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-        if self.seed is not None and not (0 <= self.seed < 2**63):
-            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if self.seed is not None and not (0 <= self.seed <= MAX_SEED):
+            raise ValueError(
+                f"seed must be in [0, {MAX_SEED}] (2**63 - 1: a non-negative signed 64-bit integer, as vLLM's "
+                f"seed), got {self.seed}; send a smaller seed, e.g. seed % 2**63"
+            )
         if not (0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p}")
         if not (

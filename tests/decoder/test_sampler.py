@@ -293,3 +293,22 @@ def test_every_proto_sampling_field_is_implemented_or_refused():
     proto_fields = {f.name for f in decoder_pb2.SamplingParams.DESCRIPTOR.fields}
     assert proto_fields == _SCALAR_SAMPLING_FIELDS | _REPEATED_SAMPLING_FIELDS
     assert proto_fields <= {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+def test_seed_bound_is_documented_and_named():
+    """A seed of 2**63 was refused by a bound the proto did not state: the proto documents [0, 2**63 - 1] and the
+    message names the bound in full and what to send."""
+    from pathlib import Path
+
+    from decoder_svc.core.sampling_params import MAX_SEED
+
+    assert MAX_SEED == 2**63 - 1
+    SamplingParams(seed=0)
+    SamplingParams(seed=MAX_SEED)
+    for seed in (2**63, 2**64 - 1, -1):
+        with pytest.raises(ValueError, match=rf"seed must be in \[0, 9223372036854775807\].*got {seed}; send a"):
+            SamplingParams(seed=seed)
+    lines = (Path(__file__).parents[2] / "proto/encdec/v1/decoder.proto").read_text().splitlines()
+    at = next(i for i, line in enumerate(lines) if "uint64 seed = 4;" in line)
+    comment = " ".join(line for line in lines[at - 2 : at + 1] if "//" in line)  # the field's own comment lines
+    assert "[0, 2**63 - 1]" in comment and "INVALID_ARGUMENT" in comment, comment

@@ -215,6 +215,7 @@ def test_logprobs_consistent_with_tokens(served):
         ({"stop": ["y" * 257]}, "stop"),
         ({"stop_token_ids": [10**6]}, "stop_token_ids"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"seed": 2**63}, "seed must be in [0, 9223372036854775807]"),  # the bound the proto documents
     ],
 )
 def test_bad_generation_controls_are_invalid_argument(served, sampling, field):
