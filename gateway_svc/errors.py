@@ -129,6 +129,25 @@ def from_rpc_error(exc: grpc.RpcError) -> GatewayError:
     return GatewayError(status, details)
 
 
+def invalid_json_message(reason: str) -> str:
+    """The 400 message of a body the JSON parser refused, from the parser's ``reason`` ("... at line L column C").
+
+    pydantic's parser (jiter) words a lone UTF-16 surrogate escape (``"\\ud800"`` without its pair, not Unicode) as
+    "unexpected end of hex escape" or "lone leading surrogate in hex escape", and bytes that are not UTF-8 as
+    "invalid unicode code point": those get a message saying what to send.
+    """
+    reason = reason.removeprefix("Invalid JSON: ")
+    where = reason[reason.find(" at line ") :] if " at line " in reason else ""
+    if "hex escape" in reason or "surrogate" in reason:
+        return (
+            f"the request body is not valid JSON: a string holds a lone UTF-16 surrogate escape (\\ud800-\\udfff "
+            f"without its pair){where}; strings must be valid Unicode: send UTF-8 text"
+        )
+    if "invalid unicode code point" in reason:
+        return f"the request body is not valid JSON: it is not UTF-8{where}; send the JSON encoded as UTF-8"
+    return f"the request body is not valid JSON: {reason}; send a JSON object"
+
+
 # pydantic names a union's member in an error's loc (("body", "input", "list[str]", 1)): not a request field.
 _UNION_TAG = re.compile(r"^(str|int|float|bool|bytes|none|[a-z-]+\[.*\]|[A-Z]\w*)$")
 
@@ -169,7 +188,7 @@ def install(app: FastAPI) -> None:
         elif kind == "missing":
             message = f"missing required field {field!r}"
         elif kind == "json_invalid":
-            message = f"the body is not valid JSON: {first.get('msg')}"
+            message = invalid_json_message(str((first.get("ctx") or {}).get("error") or first.get("msg", "")))
             field = None  # its loc is the character position, not a field
         else:
             message = f"{field}: {first.get('msg')}"

@@ -1,5 +1,6 @@
 """The request-body limits: ``--max-upload-mb`` on the upload routes (``/v1/audio/*``), ``--max-request-mb`` on the
-JSON routes; 413 before the body is read whole.
+JSON routes; 413 before the body is read whole. And the upload routes' multipart parsing (``read_form``), which
+refuses a body cut before its closing boundary.
 
 A ``Content-Length`` over the limit is answered at once, without reading the body; a body sent without one
 (chunked) is counted as it arrives and refused once it passes the limit. Either way the gateway never holds more
@@ -8,7 +9,12 @@ than the limit of one request.
 
 from __future__ import annotations
 
-from gateway_svc.errors import TOO_LARGE_KEY, GatewayError
+import contextlib
+
+from starlette.datastructures import FormData
+from starlette.formparsers import MultiPartException, MultiPartParser
+
+from gateway_svc.errors import TOO_LARGE_KEY, GatewayError, bad_request
 
 # Multipart framing and the small form fields beside the file (OpenAI's limit is on the file).
 FORM_OVERHEAD_BYTES = 64 * 1024
@@ -65,3 +71,46 @@ class UploadLimitMiddleware:
             return message
 
         await self.app(scope, counted, send)
+
+
+# A multipart body cut before its closing boundary (RFC 2046 5.1.1: ``--boundary--``): python-multipart's finalize()
+# does not check it, so Starlette's form held the parts that ended and silently dropped the cut one (the file).
+TRUNCATED_MULTIPART = (
+    "the multipart body ended before its closing boundary (--<boundary>--): the upload was cut off; send the whole "
+    "upload"
+)
+
+
+class _EndCheckingParser(MultiPartParser):
+    """Starlette's multipart parser, noting whether python-multipart reached the closing boundary (its ``end``)."""
+
+    ended = False
+
+    def on_end(self) -> None:
+        self.ended = True
+
+
+async def read_form(request, max_files: int, max_fields: int) -> FormData:
+    """``request.form()`` of a ``multipart/form-data`` body, refusing one that is malformed or cut off.
+
+    Args:
+        request: the Starlette request; its Content-Type is multipart/form-data (with a boundary).
+        max_files, max_fields: the most file parts and text fields accepted.
+
+    Returns:
+        The form; the caller closes its files (``UploadFile.close``).
+
+    Raises:
+        GatewayError: 400, a malformed body, too many parts, or a body that ended before its closing boundary
+            (the message says to send the whole upload); the 413 of ``UploadLimitMiddleware`` as it reads.
+    """
+    try:
+        async with contextlib.aclosing(request.stream()) as stream:
+            parser = _EndCheckingParser(request.headers, stream, max_files=max_files, max_fields=max_fields)
+            form = await parser.parse()
+    except MultiPartException as exc:
+        raise bad_request(f"the multipart body is malformed: {exc.message}") from None
+    if not parser.ended:
+        await form.close()
+        raise bad_request(TRUNCATED_MULTIPART)
+    return form

@@ -33,6 +33,7 @@ from gateway_svc.config import GatewayConfig
 from gateway_svc.errors import GatewayError, bad_request, building_request, from_rpc_error
 from gateway_svc.route_support import backends, config, json_response, sse, stream_messages, unless_disconnected
 from gateway_svc.schemas import MAX_MODEL_NAME_LEN
+from gateway_svc.upload import read_form
 from shared.models.whisper_specials import language_code
 from shared.proto import decoder_pb2
 from shared.subtitles import to_srt, to_vtt
@@ -82,12 +83,13 @@ async def parse_form(request: Request, task: str) -> dict:
 
     Raises:
         GatewayError: 400 naming the field: no file, an empty file, not an audio media type, an unknown field,
-            a value out of range, timestamp_granularities[] without verbose_json, stream with a timed format.
+            a value out of range, timestamp_granularities[] without verbose_json, stream with a timed format;
+            400 for a malformed body or one cut before its closing boundary (``upload.read_form``).
     """
     content_type = request.headers.get("content-type", "")
     if not content_type.startswith("multipart/form-data"):
         raise bad_request(f"send multipart/form-data with a 'file' part, not {content_type or 'no content type'!r}")
-    form = await request.form(max_files=1, max_fields=64)
+    form = await read_form(request, max_files=1, max_fields=64)
     for name in form.keys():
         if name not in FIELDS:
             raise bad_request(f"unknown field {name!r}: not a parameter of this endpoint", name)

@@ -10,7 +10,9 @@ import socket
 from urllib.parse import urlsplit
 
 import httpx
+import numpy as np
 import pytest
+from helpers.audio_files import wav_bytes
 
 from encdec import DATA_DIR
 from encdec.launcher import http_gateway
@@ -79,6 +81,16 @@ def test_a_non_audio_file_of_audio_type_is_the_decoders_400(client):
     error = error_of(client.post(TRANSCRIBE, files=[garbage, MODEL]), 400)
     assert error["type"] == "invalid_request_error" and "audio" in error["message"], error
     assert client.post(TRANSCRIBE, files=[AUDIO, MODEL]).status_code == 200  # and the next one is served
+
+
+def test_a_float_wav_of_absurd_amplitude_is_400_saying_so(client):
+    """A float WAV whose samples reach 1e38 (once decoded to 446 "!" tokens) is the decoder's 400, not a transcript."""
+    samples = np.full(16_000, 0.1, np.float32)
+    samples[::100] = 1e38
+    loud = ("file", ("loud.wav", wav_bytes(samples, subtype="FLOAT"), "audio/wav"))
+    error = error_of(client.post(TRANSCRIBE, files=[loud, MODEL]), 400)
+    assert error["type"] == "invalid_request_error", error
+    assert "reach 1e+38" in error["message"] and "[-1, 1]" in error["message"], error
 
 
 def _recv_response(sock: socket.socket) -> tuple[bytes, bytes]:
@@ -217,6 +229,7 @@ def test_an_unknown_path_is_404_in_openai_shape(client):
         ("/v1/embeddings", {"model": EMBED, "input": "x", "dimensions": "3"}, "dimensions"),
         ("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 10**14}, "max_tokens"),
         ("/v1/completions", {"model": "m", "prompt": "hi", "temperature": "0.5"}, "temperature"),
+        ("/v1/completions", {"model": "m", "prompt": "hi", "seed": 2**63}, "seed"),  # proto: [0, 2**63 - 1]
         ("/v1/rerank", {"model": EMBED, "query": "q", "documents": ["d"], "top_n": 10**20}, "top_n"),
         ("/v1/embeddings", {"model": "", "input": "x"}, "model"),
         ("/v1/embeddings", {"model": "m" * 20000, "input": "x"}, "model"),
@@ -237,6 +250,22 @@ def test_a_lone_surrogate_is_400_not_a_500(stack, field):
     )
     error = error_of(response, 400)  # pydantic's JSON parser already refuses it as JSON, or names the field
     assert error["param"] in (field, None) and "internal error" not in error["message"], error
+    # once "the body is not valid JSON: Invalid JSON: unexpected end of hex escape at line 1 column ..."
+    assert error["message"].startswith("the request body is not valid JSON: a string holds a lone UTF-16 surrogate")
+    assert "send UTF-8 text" in error["message"] and "hex escape" not in error["message"], error
+
+
+def test_a_multipart_body_cut_before_its_closing_boundary_says_so(client):
+    """A body cut in transit was read as a form without its last part: "missing required field 'file'"."""
+    whole = httpx.Request("POST", client.base_url.join(TRANSCRIBE), files=[MODEL, AUDIO])
+    body, content_type = whole.read(), whole.headers["content-type"]
+    for cut in (len(body) - 8, len(body) // 2, 40):  # in the closing boundary, in the file, in the first part
+        response = client.post(TRANSCRIBE, content=body[:cut], headers={"content-type": content_type})
+        error = error_of(response, 400)
+        assert "ended before its closing boundary" in error["message"], (cut, error)
+        assert "send the whole upload" in error["message"], (cut, error)
+    response = client.post(TRANSCRIBE, content=body + b"an epilogue", headers={"content-type": content_type})
+    assert response.status_code == 200, response.text  # RFC 2046 5.1.1: text after the closing boundary is ignored
 
 
 def test_a_json_body_over_the_limit_is_413_before_it_is_read(stack):
