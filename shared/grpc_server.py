@@ -200,7 +200,7 @@ async def serve(
         config: the service's settings: ``max_message_bytes`` (largest message received or sent) and, on a
             ``public`` port, the bearer token (``auth_token_file`` / ``auth_token``, ``shared.public_auth``), TLS
             (``tls_cert``, ``tls_key``, ``tls_client_ca`` for mutual TLS: ``shared.tls``) and
-            ``max_requests_per_client`` (``shared.client_limits``). None: ``GRPC_OPTIONS``, none of the rest.
+            ``max_requests_per_client`` (``shared.client_limits``); on every port ``max_concurrent_rpcs``. None: ``GRPC_OPTIONS``, none of the rest.
         public: False for an internal port (the encoder's Encode, which has its own token,
             ``shared.internal_auth``): no bearer token, no TLS, no per-client limit.
         ``config.health_port``, when set, serves the same health service alone on a plaintext port of ``address``'s
@@ -211,7 +211,11 @@ async def serve(
         ValueError: the token file or a TLS file cannot be read or is not usable (the message names the setting).
     """
     interceptors, credentials = public_port_security(config) if public else ([], None)
-    server = grpc.aio.server(options=server_options(config), interceptors=[*interceptors, ErrorStatusInterceptor()])
+    server = grpc.aio.server(
+        options=server_options(config),
+        interceptors=[*interceptors, ErrorStatusInterceptor()],
+        maximum_concurrent_rpcs=(config.max_concurrent_rpcs or None) if config is not None else None,
+    )
     add_servicers(server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

@@ -77,6 +77,10 @@ class ServiceConfig:
         max_requests_per_client: most calls in flight from one client address (the peer IP) on the public port;
             more get RESOURCE_EXHAUSTED; 0 = no limit. Behind the HTTP gateway every call comes from its address.
         max_message_bytes: largest gRPC message received or sent (bytes): audio travels in Generate.
+        max_concurrent_rpcs: most calls the port runs at once, every client, method and outcome together (gRPC's
+            ``maximum_concurrent_rpcs``: a call past it ends at once with RESOURCE_EXHAUSTED, before its body is
+            read); it bounds what calls without the token, which no per-client limit counts, can hold. 0 = no limit.
+            ``health_port``'s health service is outside it.
         health_port: a second, plaintext port serving only ``grpc.health.v1.Health`` (the same status as the
             main port's), for probes that cannot speak TLS: Kubernetes' native ``grpc:`` probes. 0 = none.
     """
@@ -105,6 +109,7 @@ class ServiceConfig:
     tls_client_ca: str = ""
     max_requests_per_client: int = 256
     max_message_bytes: int = 64 * 1024 * 1024
+    max_concurrent_rpcs: int = 4096
     health_port: int = 0
 
     def __post_init__(self) -> None:
@@ -125,6 +130,8 @@ class ServiceConfig:
             raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key: the port must serve TLS")
         if self.max_requests_per_client < 0:
             raise ValueError(f"max_requests_per_client must be >= 0 (0 = no limit), got {self.max_requests_per_client}")
+        if self.max_concurrent_rpcs < 0:
+            raise ValueError(f"max_concurrent_rpcs must be >= 0 (0 = no limit), got {self.max_concurrent_rpcs}")
         if not 1024 <= self.max_message_bytes <= 2**31 - 1:
             raise ValueError(f"max_message_bytes must be in [1024, 2**31 - 1], got {self.max_message_bytes}")
         if self.advertise_address:

@@ -21,13 +21,14 @@ TOKEN = "s3cret-token-for-the-tests-0123456789"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """A plaintext public port needing ``TOKEN``, at most 1 call in flight per client; yields (address, log path)."""
+    """A plaintext public port needing ``TOKEN``, at most 1 call in flight per client; yields (address, log path,
+    server process)."""
     root = tmp_path_factory.mktemp("public-auth")
     (root / "token").write_text(f"  {TOKEN}\n")  # surrounding whitespace is stripped
     log = root / "server.log"
     fields = {"auth_token_file": str(root / "token"), "max_requests_per_client": 1}
-    with plumbing_server(fields, log) as (address, _):
-        yield address, log
+    with plumbing_server(fields, log) as (address, proc):
+        yield address, log, proc
 
 
 def run(coro):
@@ -45,7 +46,7 @@ async def _call(address: str, token: str = "", method: str = "GetStats", max_tok
 
 
 def test_right_token_passes_on_unary_and_stream(server):
-    address, _ = server
+    address = server[0]
     assert run(_call(address, TOKEN)).model == "plumbing"
     assert [m.text for m in run(_call(address, TOKEN, "Generate", 3))] == ["hi"] * 3
 
@@ -79,6 +80,68 @@ def test_other_schemes_and_raw_metadata(server):
         with pytest.raises(grpc.aio.AioRpcError) as err:
             run(with_metadata(value))
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def _memory_mib(pid: int, field: str) -> int:
+    """``VmRSS`` (now) or ``VmHWM`` (peak) of process ``pid``, MiB (Linux ``/proc``)."""
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) // 1024 for line in status if line.startswith(f"{field}:"))
+
+
+def test_an_unauthenticated_body_is_never_received(server):
+    """Issue 34 item 4: 8 Generates of 48 MiB without the token at once are refused UNAUTHENTICATED before gRPC
+    reads their bodies; the server's peak memory stays where it was (the unary refusal read and parsed every
+    body: 39 -> 584 MiB peak for 8 x 50 MiB, 489 MiB still held after)."""
+    address, _, proc = server
+    peak_before = _memory_mib(proc.pid, "VmHWM")
+    body = decoder_pb2.GenerateRequest(text="x" * (48 << 20))
+
+    async def flood():
+        options = [("grpc.max_send_message_length", 1 << 30)]
+        async with grpc.aio.insecure_channel(address, options=options) as channel:
+            stub = decoder_pb2_grpc.DecoderServiceStub(channel)
+
+            async def one():
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    _ = [m async for m in stub.Generate(body, timeout=20)]
+                return err.value.code(), err.value.details()
+
+            return await asyncio.gather(*[one() for _ in range(8)])
+
+    assert set(run(flood())) == {(grpc.StatusCode.UNAUTHENTICATED, MISSING_TOKEN)}
+    assert _memory_mib(proc.pid, "VmHWM") - peak_before < 48
+    assert run(_call(address, TOKEN)).model == "plumbing"  # the port serves on
+
+
+def test_calls_past_max_concurrent_rpcs_are_refused_before_their_body(tmp_path):
+    """``--max-concurrent-rpcs`` bounds the calls a port runs at once, with and without the token: a call past
+    it gets RESOURCE_EXHAUSTED at once; the slot comes back when a call ends."""
+    (tmp_path / "token").write_text(TOKEN)
+    fields = {"auth_token_file": str(tmp_path / "token"), "max_concurrent_rpcs": 2, "max_requests_per_client": 0}
+
+    async def scenario(address):
+        async with ClientSecurity(token=TOKEN).channel(address) as channel:
+            stub = decoder_pb2_grpc.DecoderServiceStub(channel)
+            slow = decoder_pb2.GenerateRequest(text="a", sampling=decoder_pb2.SamplingParams(max_tokens=30))
+            running = [stub.Generate(slow, timeout=10) for _ in range(2)]
+            for call in running:
+                assert (await call.read()).text == "a"  # both run now
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                _ = [m async for m in stub.Generate(decoder_pb2.GenerateRequest(text="b"), timeout=10)]
+            for call in running:
+                call.cancel()
+            for _ in range(50):  # the server sees the cancellations shortly after
+                try:
+                    return err.value, [m.text async for m in stub.Generate(decoder_pb2.GenerateRequest(text="c"))]
+                except grpc.aio.AioRpcError as exc:
+                    assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    await asyncio.sleep(0.05)
+            raise AssertionError("the cancelled calls' slots never came back")
+
+    with plumbing_server(fields, tmp_path / "server.log") as (address, _):
+        refused, after = run(scenario(address))
+    assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert after == ["c"]
 
 
 def test_health_needs_no_token(server):
