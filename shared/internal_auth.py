@@ -3,11 +3,15 @@
 Encode is an internal RPC: whoever may call it can have the encoder write into a decoder's cross-KV pool or
 dial a torch_dist address. With ``--internal-token-file PATH`` on both services (``encdec up`` and compose
 generate the file) the decoder sends the token as gRPC metadata (``authorization: Bearer <token>``) and signs
-what it reserved: HMAC-SHA256 (RFC 2104, ``hmac``) of the request id, transfer id, block ids and KV target under
-a key derived from the token. The encoder compares the token in constant time (``hmac.compare_digest``) before any
-work (UNAUTHENTICATED otherwise) and verifies the signature before it writes or dials anything
-(PERMISSION_DENIED): a segment name seen in ``/dev/shm``, or a ``host:port`` the caller picked, is then no
-capability. The token itself is never logged.
+what it reserved: HMAC-SHA256 (RFC 2104, ``hmac``) of the request id, transfer id, block ids and KV target, a
+SHA-256 digest of the encoder input (``input_digest``) and an expiry time, under a key derived from the token. The
+encoder compares the token in constant time (``hmac.compare_digest``) before any work (UNAUTHENTICATED otherwise)
+and verifies the signature before it writes or dials anything (PERMISSION_DENIED): a segment name seen in
+``/dev/shm``, or a ``host:port`` the caller picked, is then no capability. A captured Encode cannot be replayed
+(issue 34 item 3: a replay timed into another request's batch wrote its own audio's KV into blocks that request
+then read): other audio breaks the digest, a signature is taken once (``ReplayGuard``) and only until its expiry
+(the call's own deadline), so blocks freed and handed to another request are never written by an old Encode.
+The token itself is never logged.
 
 Without a token file both services behave as before and log one warning at start-up.
 """
@@ -15,11 +19,13 @@ Without a token file both services behave as before and log one warning at start
 from __future__ import annotations
 
 import hashlib
+import heapq
 import hmac
 import json
 import logging
 import os
 import secrets
+import time
 from collections.abc import Iterable, Sequence
 
 from shared.errors import PermissionDeniedError, UnauthenticatedError
@@ -31,6 +37,53 @@ SCHEME = "Bearer "
 MIN_TOKEN_CHARS = 16
 _TARGET_KEY_LABEL = b"encdec-serve kv-target v1"  # the signing key is HMAC(token, label): one secret, two uses
 _SAME_FILE_HINT = "start the decoder and the encoder with the same --internal-token-file"
+# Seconds a signed Encode may be dated ahead of or behind the encoder's clock (decoder and encoder on other hosts).
+CLOCK_SKEW_S = 30.0
+# Longest life a signature may claim (seconds past the encoder's clock): bounds what ReplayGuard remembers.
+MAX_SIGNED_LIFETIME_S = 3600.0
+
+
+def input_digest(pcm: bytes = b"", features: bytes = b"", input_ids: Sequence[int] = ()) -> bytes:
+    """SHA-256 (32 bytes) of an Encode's input as it travels: ``pcm`` / ``features`` (float32 little-endian bytes)
+    and ``input_ids``, each part labelled and length-prefixed (no two inputs share a digest by moving bytes from
+    one field to another)."""
+    h = hashlib.sha256()
+    ids = ",".join(str(int(t)) for t in input_ids).encode()
+    for label, data in ((b"pcm", pcm), (b"features", features), (b"ids", ids)):
+        h.update(label + len(data).to_bytes(8, "little") + bytes(data))
+    return h.digest()
+
+
+class ReplayGuard:
+    """The signatures an encoder has taken and when each expires: a second Encode with one of them is a replay.
+
+    A signature is remembered until its expiry (plus ``CLOCK_SKEW_S``); after that its own expiry refuses it, so
+    memory stays bounded by the Encodes of one ``MAX_SIGNED_LIFETIME_S`` at most (32 bytes and a float each).
+    Used on the encoder's event loop only.
+    """
+
+    def __init__(self) -> None:
+        self._seen: set[bytes] = set()
+        self._expiries: list[tuple[float, bytes]] = []  # min-heap of (forget at, mac)
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def take(self, mac: bytes, expires_s: float, now: float) -> None:
+        """Records ``mac`` (valid until ``expires_s``, seconds since the epoch) as used.
+
+        Raises:
+            PermissionDeniedError: ``mac`` was taken before.
+        """
+        while self._expiries and self._expiries[0][0] < now:
+            self._seen.discard(heapq.heappop(self._expiries)[1])
+        if mac in self._seen:
+            raise PermissionDeniedError(
+                "Encode refused: this signed request was already taken once (a replay); a decoder signs every "
+                "Encode anew"
+            )
+        self._seen.add(mac)
+        heapq.heappush(self._expiries, (expires_s + CLOCK_SKEW_S, mac))
 
 
 def generate_token_file(path: str) -> str:
@@ -98,6 +151,7 @@ class InternalAuth:
     def __init__(self, token: bytes | None) -> None:
         self._token = token
         self._key = hmac.new(token, _TARGET_KEY_LABEL, hashlib.sha256).digest() if token else None
+        self.replays = ReplayGuard()  # the encoder's: signatures taken (verify_target)
 
     @classmethod
     def from_file(cls, path: str, role: str, create: bool = False) -> InternalAuth:
@@ -144,10 +198,19 @@ class InternalAuth:
             raise UnauthenticatedError(f"Encode's internal token does not match this encoder's: {_SAME_FILE_HINT}")
 
     def sign_target(
-        self, request_id: str, transfer_id: int, block_ids: Sequence[int], target, model: str = ""
+        self,
+        request_id: str,
+        transfer_id: int,
+        block_ids: Sequence[int],
+        target,
+        model: str = "",
+        *,
+        digest: bytes = b"",
+        expires_s: float = 0.0,
     ) -> bytes:
         """HMAC-SHA256 (32 bytes) of what a decoder reserved: ids, blocks and ``target`` (a proto ``KVTarget`` or
-        ``shared.kv_transport.KVTargetSpec``); ``b""`` without a token."""
+        ``shared.kv_transport.KVTargetSpec``), the input's ``digest`` (``input_digest``) and ``expires_s`` (seconds
+        since the epoch after which the encoder refuses it); ``b""`` without a token."""
         if self._key is None:
             return b""
         message = json.dumps(
@@ -161,23 +224,53 @@ class InternalAuth:
                 target.dtype,
                 target.instance_id,
                 model,
+                bytes(digest).hex(),
+                float(expires_s),
             ],
             separators=(",", ":"),
         ).encode()
         return hmac.new(self._key, message, hashlib.sha256).digest()
 
     def verify_target(
-        self, mac: bytes, request_id: str, transfer_id: int, block_ids: Sequence[int], target, model: str = ""
+        self,
+        mac: bytes,
+        request_id: str,
+        transfer_id: int,
+        block_ids: Sequence[int],
+        target,
+        model: str = "",
+        *,
+        digest: bytes = b"",
+        expires_s: float = 0.0,
+        now: float | None = None,
     ) -> None:
-        """Checks ``mac`` against ``sign_target`` of the same fields, in constant time.
+        """Checks ``mac`` against ``sign_target`` of the same fields, in constant time, then that it is neither
+        expired (``expires_s`` more than ``CLOCK_SKEW_S`` before ``now``, default ``time.time()``), nor dated
+        more than ``MAX_SIGNED_LIFETIME_S`` ahead, nor taken before (``ReplayGuard``); takes it.
 
         Raises:
-            PermissionDeniedError: a token is configured and ``mac`` is missing or does not match.
+            PermissionDeniedError: a token is configured and ``mac`` is missing or does not match, expired, too
+                long-lived, or a replay.
         """
         if self._key is None:
             return
-        if not hmac.compare_digest(bytes(mac), self.sign_target(request_id, transfer_id, block_ids, target, model)):
+        expected = self.sign_target(
+            request_id, transfer_id, block_ids, target, model, digest=digest, expires_s=expires_s
+        )
+        if not hmac.compare_digest(bytes(mac), expected):
             raise PermissionDeniedError(
-                "KV target refused: its signature does not match the request id, transfer id, block ids and target "
-                "a decoder of this deployment reserved (a segment name or address is no capability)"
+                "KV target refused: its signature does not match the request id, transfer id, block ids, target, "
+                "input and expiry a decoder of this deployment signed (a segment name or address is no capability)"
             )
+        now = time.time() if now is None else now
+        if expires_s < now - CLOCK_SKEW_S:
+            raise PermissionDeniedError(
+                f"Encode refused: its signature expired {now - expires_s:.0f} s ago (the decoder signs each Encode "
+                f"for its own deadline; decoder and encoder clocks may differ by at most {CLOCK_SKEW_S:g} s)"
+            )
+        if expires_s > now + MAX_SIGNED_LIFETIME_S + CLOCK_SKEW_S:
+            raise PermissionDeniedError(
+                f"Encode refused: its signature claims to live {expires_s - now:.0f} s, past "
+                f"{MAX_SIGNED_LIFETIME_S:g} s (or the decoder's clock is ahead of this encoder's)"
+            )
+        self.replays.take(bytes(mac), expires_s, now)

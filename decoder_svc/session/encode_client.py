@@ -37,7 +37,7 @@ from decoder_svc.replicas.encoder_pool import EncoderPool, EncoderTarget, health
 from decoder_svc.session.inputs import RequestInput
 from shared.config import DecoderServiceConfig
 from shared.errors import UnavailableError
-from shared.internal_auth import InternalAuth
+from shared.internal_auth import MAX_SIGNED_LIFETIME_S, InternalAuth, input_digest
 from shared.metrics import DecoderMetrics
 from shared.proto import encoder_pb2
 
@@ -114,6 +114,8 @@ class EncodeClient:
             instance_id=spec.instance_id,
         )
         transfer_id = next(self.transfer_ids)
+        source = inp.encoder_source()
+        signed = await self._signature(request_id, transfer_id, block_ids, target, source, deadline)
         arrival = self.pool.expect(transfer_id, block_ids)
         try:
             encode_start = time.monotonic()
@@ -124,10 +126,10 @@ class EncodeClient:
                     block_ids=block_ids,
                     target=target,
                     transfer_id=transfer_id,
-                    target_mac=self.auth.sign_target(request_id, transfer_id, block_ids, target, self.config.model),
                     priority=priority,
                     arrival_s=arrival_s,
-                    **inp.encoder_source(),
+                    **signed,
+                    **source,
                 ),
                 deadline,
                 metadata=self.auth.metadata,
@@ -155,6 +157,25 @@ class EncodeClient:
         finally:
             if arrival is not None:  # blocks until no scatter for this transfer is in flight
                 await asyncio.to_thread(self.pool.cancel, transfer_id)
+
+    async def _signature(
+        self, request_id: str, transfer_id: int, block_ids: list[int], target, source: dict, deadline: float | None
+    ) -> dict:
+        """``{"target_mac", "expires_s"}`` of one Encode (``shared.internal_auth``): the target signed with the
+        input's digest, valid until the call's own end (the earlier of ``encode_timeout_s`` and ``deadline``);
+        ``{}`` without an internal token. A large input is hashed off the event loop."""
+        if not self.auth.enabled:
+            return {}
+        left_s = self.config.encode_timeout_s
+        if deadline is not None:
+            left_s = min(left_s, max(deadline - time.monotonic(), 0.0))
+        expires_s = time.time() + min(left_s, MAX_SIGNED_LIFETIME_S)
+        size = sum(len(v) for v in source.values() if isinstance(v, bytes))
+        digest = input_digest(**source) if size < (1 << 20) else await asyncio.to_thread(input_digest, **source)
+        mac = self.auth.sign_target(
+            request_id, transfer_id, block_ids, target, self.config.model, digest=digest, expires_s=expires_s
+        )
+        return {"target_mac": mac, "expires_s": expires_s}
 
     async def _call_encode(self, request: encoder_pb2.EncodeRequest, deadline: float | None, **call_options):
         """One Encode RPC, waiting for the channel to be ready until the earlier of ``encode_timeout_s`` and

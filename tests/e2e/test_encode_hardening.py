@@ -28,7 +28,7 @@ from test_e2e_whisper import assert_all_blocks_free
 
 from encdec import DATA_DIR
 from encdec.launcher import Services
-from shared.internal_auth import InternalAuth, generate_token_file, read_token_file
+from shared.internal_auth import InternalAuth, generate_token_file, input_digest, read_token_file
 from shared.kv_transport import create_pool
 from shared.proto import decoder_pb2, decoder_pb2_grpc, encoder_pb2, encoder_pb2_grpc
 
@@ -83,6 +83,18 @@ def encode_request(target, block_ids, request_id="attack", transfer_id=0, mac=b"
         transfer_id=transfer_id,
         target_mac=mac,
     )
+
+
+def signed(auth: InternalAuth, request: encoder_pb2.EncodeRequest, life_s: float = 60.0) -> encoder_pb2.EncodeRequest:
+    """``request`` signed as a decoder of the deployment signs it: its target, ids, input digest and an expiry
+    ``life_s`` seconds from now."""
+    expires_s = time.time() + life_s
+    digest = input_digest(request.pcm, request.features, request.input_ids)
+    request.expires_s = expires_s
+    request.target_mac = auth.sign_target(
+        request.request_id, request.transfer_id, request.block_ids, request.target, digest=digest, expires_s=expires_s
+    )
+    return request
 
 
 def direct_encode(services, request, metadata=None, timeout=60):
@@ -222,11 +234,10 @@ def test_silent_torch_dist_peer_does_not_block_other_encodes(services, stub, aut
             instance_id="0123456789abcdef",
         )
         block_ids = list(range(NEEDED))
-        mac = auth.sign_target("silent", 5, block_ids, target)
         channel = grpc.insecure_channel(services.encoder_address)
         try:
             pending = encoder_pb2_grpc.EncoderServiceStub(channel).Encode.future(
-                encode_request(target, block_ids, "silent", 5, mac),
+                signed(auth, encode_request(target, block_ids, "silent", 5), SILENT_HANDSHAKE_S + 30),
                 metadata=auth.metadata,
                 timeout=SILENT_HANDSHAKE_S + 30,
             )
@@ -253,7 +264,7 @@ def test_silent_torch_dist_peer_does_not_block_other_encodes(services, stub, aut
                 arrival = other.expect(7, block_ids)
                 response = direct_encode(
                     services,
-                    encode_request(real, block_ids, "real", 7, auth.sign_target("real", 7, block_ids, real)),
+                    signed(auth, encode_request(real, block_ids, "real", 7)),
                     auth.metadata,
                 )
                 assert response.encoder_len == WHISPER["encoder_len"]
@@ -270,6 +281,30 @@ def test_silent_torch_dist_peer_does_not_block_other_encodes(services, stub, aut
             acceptor.join(5)
             for conn in accepted:
                 conn.close()
+    assert_all_blocks_free(stub)
+
+
+def test_a_captured_encode_is_taken_once_for_its_input_until_it_expires(services, stub, auth):
+    """Issue 34 item 3: an Encode a decoder signed, captured off the plaintext internal port, cannot be sent again
+    (it once wrote its audio's KV into blocks another request then read: 6 of 8 tries), nor with other audio, nor
+    after its expiry; the first one writes, and the port serves on."""
+    target = decoder_target(services)
+    block_ids = all_block_ranges(target)[-1]
+    captured = signed(auth, encode_request(target, block_ids, "captured", 11))
+    assert direct_encode(services, captured, auth.metadata).encoder_len == WHISPER["encoder_len"]
+    replay = refused(lambda: direct_encode(services, captured, auth.metadata))
+    assert replay.code() == grpc.StatusCode.PERMISSION_DENIED and "replay" in replay.details(), replay.details()
+
+    other_audio = encoder_pb2.EncodeRequest()
+    other_audio.CopyFrom(signed(auth, encode_request(target, block_ids, "captured", 12)))
+    other_audio.pcm = np.zeros(16000 * 5, dtype="<f4").tobytes()
+    error = refused(lambda: direct_encode(services, other_audio, auth.metadata))
+    assert error.code() == grpc.StatusCode.PERMISSION_DENIED and "signature" in error.details(), error.details()
+
+    expired = signed(auth, encode_request(target, block_ids, "captured", 13), life_s=-120.0)
+    error = refused(lambda: direct_encode(services, expired, auth.metadata))
+    assert error.code() == grpc.StatusCode.PERMISSION_DENIED and "expired" in error.details(), error.details()
+    assert generate(stub, "short.wav")  # the decoder's own Encodes, signed anew each time, still pass
     assert_all_blocks_free(stub)
 
 

@@ -11,7 +11,15 @@ import pytest
 from encdec.launcher import Services
 from shared.config import DecoderServiceConfig, EncoderServiceConfig
 from shared.errors import PermissionDeniedError, UnauthenticatedError
-from shared.internal_auth import InternalAuth, ensure_token_file, generate_token_file, read_token_file
+from shared.internal_auth import (
+    CLOCK_SKEW_S,
+    MAX_SIGNED_LIFETIME_S,
+    InternalAuth,
+    ensure_token_file,
+    generate_token_file,
+    input_digest,
+    read_token_file,
+)
 from shared.kv_transport import KVTargetSpec
 
 TARGET = KVTargetSpec("shm", "encdec-kv-0123456789abcdef", (4, 2, 100, 16, 6, 64), "float32", "0123456789abcdef")
@@ -72,9 +80,9 @@ def test_metadata_check_is_exact(token_file):
 
 def test_target_signature_binds_ids_blocks_target_and_model(token_file):
     auth = InternalAuth.from_file(token_file, "test")
-    mac = auth.sign_target("req-1", 7, [3, 1, 2], TARGET, "whisper-tiny.en")
+    mac = auth.sign_target("req-1", 7, [3, 1, 2], TARGET, "whisper-tiny.en", expires_s=2e9)
     assert len(mac) == 32
-    auth.verify_target(mac, "req-1", 7, [3, 1, 2], TARGET, "whisper-tiny.en")
+    auth.verify_target(mac, "req-1", 7, [3, 1, 2], TARGET, "whisper-tiny.en", expires_s=2e9, now=2e9 - 10)
     changed = [
         ("req-2", 7, [3, 1, 2], TARGET, "whisper-tiny.en"),
         ("req-1", 8, [3, 1, 2], TARGET, "whisper-tiny.en"),
@@ -92,6 +100,40 @@ def test_target_signature_binds_ids_blocks_target_and_model(token_file):
     with pytest.raises(PermissionDeniedError):
         other.verify_target(mac, "req-1", 7, [3, 1, 2], TARGET, "whisper-tiny.en")
     assert InternalAuth(None).sign_target("req-1", 7, [3], TARGET) == b""
+
+
+def test_signature_binds_the_input_and_its_expiry_and_is_taken_once(token_file):
+    """Issue 34 item 3: the MAC covers the input's digest and the expiry; the encoder takes each one once, refuses
+    it expired (past the clock skew) or claiming a life past MAX_SIGNED_LIFETIME_S, and forgets it once expired."""
+    decoder, encoder = InternalAuth.from_file(token_file, "decoder"), InternalAuth.from_file(token_file, "encoder")
+    digest = input_digest(features=b"\x01" * 64)
+    assert digest != input_digest(pcm=b"\x01" * 64)  # the field is part of it
+    assert input_digest(input_ids=[1, 23]) != input_digest(input_ids=[12, 3])
+    now = 1_000_000.0
+    args = ("req-1", 7, [3, 1, 2], TARGET, "whisper-tiny.en")
+    mac = decoder.sign_target(*args, digest=digest, expires_s=now + 60)
+    for other in ({"digest": input_digest(features=b"\x02" * 64), "expires_s": now + 60}, {"digest": digest}):
+        with pytest.raises(PermissionDeniedError, match="signature"):
+            encoder.verify_target(mac, *args, **other, now=now)
+    encoder.verify_target(mac, *args, digest=digest, expires_s=now + 60, now=now)
+    with pytest.raises(PermissionDeniedError, match="replay"):
+        encoder.verify_target(mac, *args, digest=digest, expires_s=now + 60, now=now + 1)
+    late = now + 60 + CLOCK_SKEW_S + 1
+    with pytest.raises(PermissionDeniedError, match="expired"):
+        encoder.verify_target(mac, *args, digest=digest, expires_s=now + 60, now=late)
+    encoder.verify_target(  # a fresh one taken later: the expired one is forgotten
+        decoder.sign_target(*args, digest=digest, expires_s=late + 5),
+        *args,
+        digest=digest,
+        expires_s=late + 5,
+        now=late,
+    )
+    assert len(encoder.replays) == 1
+    far = now + MAX_SIGNED_LIFETIME_S + CLOCK_SKEW_S + 10
+    with pytest.raises(PermissionDeniedError, match="past"):
+        encoder.verify_target(
+            decoder.sign_target(*args, digest=digest, expires_s=far), *args, digest=digest, expires_s=far, now=now
+        )
 
 
 def test_decoder_config_takes_the_same_flag(token_file):
