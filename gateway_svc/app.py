@@ -45,4 +45,5 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
     app.include_router(realtime.router)  # a WebSocket: it checks the API key at its handshake itself
     app.add_middleware(UploadLimitMiddleware, upload_bytes=cfg.max_upload_bytes, request_bytes=cfg.max_request_bytes)
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
+    app.add_middleware(errors.RequestIdMiddleware)  # outermost: every answer carries X-Request-Id
     return app

@@ -24,7 +24,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway_svc.config import GatewayConfig
-from gateway_svc.errors import GatewayError
+from gateway_svc.errors import GatewayError, request_id
 from shared.grpc_server import GRPC_OPTIONS
 from shared.proto import decoder_pb2, decoder_pb2_grpc, embed_pb2, embed_pb2_grpc
 from shared.public_auth import read_token_file
@@ -128,6 +128,7 @@ class Backends:
         self.unanswered: set[str] = set()  # targets that did not answer the last discovery
         # targets that refused the gateway's credentials at the last discovery -> why (their health answers anyway)
         self.refused: dict[str, str] = {}
+        self._failing: dict[str, str] = {}  # the failing targets of the last health check, as logged
         self.aliases = config.aliases
         self.security = backend_security(config)
         self._lock = asyncio.Lock()
@@ -234,13 +235,25 @@ class Backends:
                 return fitting[0]
             if not fitting:
                 configured = self.config.decoder_targets if "embed" not in kinds else self.config.embed_targets
+                # The targets and their errors go to the log only (issue 34 item 8); the client learns the kind.
                 refusing = [self.refused[t] for t in configured if t in self.refused]
                 if refusing:  # misconfigured credentials: say so, not "retry later"
-                    raise GatewayError(503, f"model {model!r} is not known: {'; '.join(refusing)}")
+                    rid = request_id()
+                    log.error("request %s: model %r is not known: %s", rid, model, "; ".join(refusing))
+                    raise GatewayError(
+                        503,
+                        f"model {model!r} is not known: this gateway's backends refuse its credentials "
+                        "(UNAUTHENTICATED / PERMISSION_DENIED); its operator must check --backend-token-file / "
+                        f"ENCDEC_BACKEND_TOKEN and the backend TLS settings (request id {rid})",
+                    )
                 silent = [t for t in configured if t in self.unanswered]
                 if silent:  # the model may be behind a target that is down
+                    rid = request_id()
+                    log.warning("request %s: model %r is not known: %s did not answer", rid, model, ", ".join(silent))
                     raise GatewayError(
-                        503, f"model {model!r} is not known: {', '.join(silent)} did not answer; retry later"
+                        503,
+                        f"model {model!r} is not known: a backend that may serve it does not answer; retry later "
+                        f"(request id {rid})",
                     )
                 served = ", ".join(sorted(b.model for b in self.models.values())) or "nothing"
                 raise GatewayError(
@@ -265,11 +278,23 @@ class Backends:
         return next((b for b in self.models.values() if model in b.served_names), None)
 
     async def health(self) -> dict[str, str | None]:
-        """``{target: None if SERVING else why not}`` for every configured target (standard gRPC health)."""
+        """``{target: None if SERVING else why not}`` for every configured target (standard gRPC health).
+
+        For the gateway and its log only: ``GET /health`` is open to every caller and answers counts (issue 34
+        item 8). A change in the failing targets (or their reasons) is logged at WARNING, once.
+        """
         targets = self.config.decoder_targets + self.config.embed_targets
         answers = await asyncio.gather(*(self._check(t) for t in targets))
-        # Health is open to every caller: a target that refused the gateway's token is not usable all the same.
-        return {t: answer or self.refused.get(t) for t, answer in zip(targets, answers)}
+        # A target that refused the gateway's token is not usable all the same.
+        health = {t: answer or self.refused.get(t) for t, answer in zip(targets, answers)}
+        failing = {t: why for t, why in health.items() if why is not None}
+        if failing != self._failing:
+            self._failing = failing
+            if failing:
+                log.warning("health: not serving: %s", "; ".join(f"{t}: {why}" for t, why in failing.items()))
+            else:
+                log.info("health: every backend is serving")
+        return health
 
     async def _check(self, target: str) -> str | None:
         try:

@@ -3,13 +3,21 @@ status becomes an HTTP status.
 
 The map follows the gRPC <-> HTTP table of Google's API design guide (``google.rpc.Code``), with OpenAI's error
 ``type`` names (``invalid_request_error``, ``authentication_error``, ``rate_limit_error``, ``server_error``).
+
+What a backend says about a failure of its own (INTERNAL, UNKNOWN, UNAVAILABLE, DATA_LOSS: Redis URLs, encoder
+addresses, exception text) and the gateway's own unexpected exceptions stay in the gateway's log (issue 34 item 8):
+the client gets a stable message with the request's id (``RequestIdMiddleware``: the ``X-Request-Id`` header), the
+id the log line carries. What is meant for the user (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, NOT_FOUND...) passes as
+the backend wrote it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import re
+import uuid
 
 import grpc
 from fastapi import FastAPI, Request
@@ -48,6 +56,52 @@ ERROR_TYPES = {
     422: "invalid_request_error",
     429: "rate_limit_error",
 }
+
+
+# Backend statuses whose details describe the backend, not the request: logged, never sent to the client.
+MASKED_CODES = frozenset(
+    {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS}
+)
+UNAVAILABLE_MESSAGE = "the service is temporarily unavailable; retry later"
+INTERNAL_MESSAGE = "the server failed while processing the request; retry later"
+
+_REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("encdec_request_id", default="")
+REQUEST_ID_KEY = "encdec.request_id"  # the scope key of the id too: the 500 handler runs outside the middleware
+
+
+def request_id() -> str:
+    """The id of the HTTP request (or WebSocket) being served (``RequestIdMiddleware``); one made up outside one."""
+    return _REQUEST_ID.get() or new_request_id()
+
+
+def new_request_id() -> str:
+    return f"req_{uuid.uuid4().hex[:24]}"
+
+
+class RequestIdMiddleware:
+    """ASGI middleware: a fresh id for every HTTP request and WebSocket, in a context variable the error paths read
+    (``request_id``) and, for HTTP, in the response's ``X-Request-Id`` header (OpenAI's name for it). A client's own
+    ``X-Request-Id`` is not taken: the id must be the gateway's, unique in its log."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        rid = scope[REQUEST_ID_KEY] = new_request_id()
+        token = _REQUEST_ID.set(rid)
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid.encode())]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id if scope["type"] == "http" else send)
+        finally:
+            _REQUEST_ID.reset(token)
 
 
 class GatewayError(Exception):
@@ -118,12 +172,19 @@ def error_response(status: int, message: str, param: str | None = None, code: st
 
 
 def from_rpc_error(exc: grpc.RpcError) -> GatewayError:
-    """A backend's gRPC error as the HTTP error the client gets (its details are the message)."""
+    """A backend's gRPC error as the HTTP error the client gets.
+
+    The details are the message, except for ``MASKED_CODES``: those are logged (WARNING, with the request id) and
+    the client gets ``UNAVAILABLE_MESSAGE`` (503) or ``INTERNAL_MESSAGE`` (500) with the request id.
+    """
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     status = HTTP_STATUS.get(code, 500)
     details = (exc.details() if hasattr(exc, "details") else None) or code.name
-    if code == grpc.StatusCode.UNAVAILABLE and "failed to connect" in details.lower():
-        details = f"the backend service is unreachable ({details}); retry later"
+    if code in MASKED_CODES:
+        rid = request_id()
+        log.warning("request %s: backend answered %s: %s", rid, code.name, details)
+        stable = UNAVAILABLE_MESSAGE if code == grpc.StatusCode.UNAVAILABLE else INTERNAL_MESSAGE
+        return GatewayError(status, f"{stable} (request id {rid})")
     if status == 404 and "model" in details:
         return GatewayError(status, details, "model", "model_not_found")
     return GatewayError(status, details)
@@ -211,6 +272,9 @@ def install(app: FastAPI) -> None:
         return error_response(499, "the client closed the connection before its request was read")
 
     @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        rid = request.scope.get(REQUEST_ID_KEY) or new_request_id()
+        log.exception("request %s: unhandled error", rid)
+        response = error_response(500, f"{INTERNAL_MESSAGE} (request id {rid})")
+        response.headers["x-request-id"] = rid
+        return response

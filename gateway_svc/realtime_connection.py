@@ -28,7 +28,13 @@ from starlette.websockets import WebSocketDisconnect
 
 from gateway_svc.backends import Backend, Backends
 from gateway_svc.config import GatewayConfig
-from gateway_svc.errors import GatewayError, building_request, from_rpc_error
+from gateway_svc.errors import (
+    INTERNAL_MESSAGE,
+    GatewayError,
+    building_request,
+    from_rpc_error,
+    request_id,
+)
 from gateway_svc.realtime_events import (
     EventError,
     Translator,
@@ -140,9 +146,8 @@ class RealtimeConnection:
                 await self._handle(client_event)
             except GatewayError as exc:  # the client's event is refused; the session goes on
                 await self.out.put(error_event(exc, client_event_id))
-            except Exception as exc:
-                log.exception("realtime session %s", self.session_id)
-                await self._fail(GatewayError(500, f"internal error: {type(exc).__name__}: {exc}"))
+            except Exception:
+                await self._fail(self._internal_error())
 
     async def _handle(self, client_event: dict) -> None:
         kind = client_event["type"]
@@ -303,9 +308,8 @@ class RealtimeConnection:
             err.code = err.code or (exc.code().name.lower() if hasattr(exc, "code") else None)
             await self._fail(err)
             return
-        except Exception as exc:
-            log.exception("realtime session %s", self.session_id)
-            await self._fail(GatewayError(500, f"internal error: {type(exc).__name__}: {exc}"))
+        except Exception:
+            await self._fail(self._internal_error())
             return
         self.last_item_id = stream.translator.last_item_id
         if self.stream is stream:
@@ -314,6 +318,13 @@ class RealtimeConnection:
             await self._fail(
                 GatewayError(502, "the decoder ended the realtime stream before the client's final commit")
             )
+
+    def _internal_error(self) -> GatewayError:
+        """The 500 of an unexpected exception (called in its ``except``): logged with the traceback and the request
+        id; the client gets the stable message and the id (issue 34 item 8)."""
+        rid = request_id()
+        log.exception("realtime session %s (request id %s)", self.session_id, rid)
+        return GatewayError(500, f"{INTERNAL_MESSAGE} (request id {rid})")
 
     async def _fail(self, err: GatewayError) -> None:
         """Ends the session: ``err`` as an ``error`` event, then the close."""

@@ -15,14 +15,18 @@ router = APIRouter()
 
 @public.api_route("/health", methods=["GET", "HEAD"])
 async def health(b: Backends = Depends(backends)) -> JSONResponse:
-    """200 when every configured backend answers its gRPC health check SERVING, else 503 naming those that do not."""
+    """200 when every configured backend answers its gRPC health check SERVING, else 503.
+
+    The body is ``{"status": "ok" | "unavailable", "backends": {"serving": n, "total": m}}``: counts only, since
+    the route is open to every caller (issue 34 item 8); the gateway's log names the failing backends and why.
+    """
     answers = await b.health()
-    failing = {target: why for target, why in answers.items() if why is not None}
+    serving = sum(why is None for why in answers.values())
     body = {
-        "status": "ok" if not failing else "unavailable",
-        "backends": {t: why or "SERVING" for t, why in answers.items()},
+        "status": "ok" if serving == len(answers) else "unavailable",
+        "backends": {"serving": serving, "total": len(answers)},
     }
-    return JSONResponse(body, status_code=200 if not failing else 503)
+    return JSONResponse(body, status_code=200 if serving == len(answers) else 503)
 
 
 def _model_card(backend: Backend) -> dict:

@@ -441,7 +441,8 @@ def test_http_gateway_through_the_published_http_port(deployment):
     assert expected
     with httpx.Client(base_url=url, timeout=120) as client:
         health = client.get("/health")
-        assert health.status_code == 200 and set(health.json()["backends"].values()) == {"SERVING"}
+        counts = health.json()["backends"]  # counts only: /health is open to all (issue 34 item 8)
+        assert health.status_code == 200 and counts["serving"] == counts["total"] > 0, health.text
         models = client.get("/v1/models").json()
         assert models["object"] == "list"
         assert {m["id"] for m in models["data"]} == {"whisper-tiny.en", "all-MiniLM-L6-v2"}

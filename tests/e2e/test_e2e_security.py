@@ -242,12 +242,14 @@ def test_gateway_with_a_wrong_backend_token_says_so(secured, tmp_path):
         url = f"http://127.0.0.1:{port}"
         with httpx.Client(timeout=60) as client:
             health = gateway_health(client, url, proc, tmp_path)
-            assert health.status_code == 503, health.text
-            assert "refuses the gateway's credentials" in health.json()["backends"][secured.address]
+            assert health.status_code == 503 and health.json()["backends"] == {"serving": 0, "total": 1}, health.text
             got = transcribe_over_http(client, url)
         assert got.status_code == 503, got.text
         message = got.json()["error"]["message"]
         assert "UNAUTHENTICATED" in message and "--backend-token-file" in message, message
-        assert "not-the-deployment-token" not in (tmp_path / "gateway.log").read_text()  # never logged
+        assert secured.address not in message and secured.address not in health.text  # the log names it (issue 34)
+        logged = (tmp_path / "gateway.log").read_text()
+        assert "refuses the gateway's credentials" in logged and secured.address in logged, logged
+        assert "not-the-deployment-token" not in logged  # never logged
     finally:
         stop_processes([proc])

@@ -1,5 +1,6 @@
 """The gateway's API key, ``/health`` and ``/metrics`` over raw HTTP (httpx, real servers): a gateway started with
-``ENCDEC_API_KEY``, one with a dead extra target, and the main one's request counts.
+``ENCDEC_API_KEY``, one with dead extra targets, one in front of a backend that fails on demand
+(``helpers.plumbing_server``: what backend failures tell a client), and the main one's request counts.
 """
 
 from __future__ import annotations
@@ -9,13 +10,15 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
+from helpers.plumbing_server import plumbing_server
 from prometheus_client.parser import text_string_to_metric_families
 
 from encdec.launcher import http_gateway, stop_processes
-from encdec.redis_server import free_port
+from encdec.redis_server import free_port, free_ports
 
 EMBED = "all-MiniLM-L6-v2"
 API_KEY = "sk-test-gateway-3c1f0e"
@@ -29,12 +32,17 @@ def keyed_gateway(stack):
 
 
 @contextlib.contextmanager
-def unhealthy_gateway(decoder_addresses: list[str], embed_addresses: list[str], timeout_s: float = 60.0):
-    """A gateway (``encdec serve-http``) whose ``/health`` is expected to fail: ready once it answers at all."""
+def unhealthy_gateway(
+    decoder_addresses: list[str], embed_addresses: list[str], timeout_s: float = 60.0, log: Path | None = None
+):
+    """A gateway (``encdec serve-http``) whose ``/health`` is expected to fail: ready once it answers at all.
+    ``log``: a file for its output (default: ours)."""
     port = free_port()
     cmd = [sys.executable, "-m", "encdec.cli", "--log-level", "WARNING", "serve-http", "--port", str(port)]
-    cmd += ["--decoder-address", ",".join(decoder_addresses), "--embed-address", ",".join(embed_addresses)]
-    proc = subprocess.Popen(cmd, start_new_session=True)
+    cmd += ["--decoder-address", ",".join(decoder_addresses)]
+    cmd += ["--embed-address", ",".join(embed_addresses)] if embed_addresses else []
+    with open(log, "ab") if log else contextlib.nullcontext() as out:
+        proc = subprocess.Popen(cmd, start_new_session=True, stdout=out, stderr=subprocess.STDOUT if out else None)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout_s
@@ -97,22 +105,77 @@ def test_health_needs_no_key_but_metrics_does(keyed_gateway):
 def test_health_is_200_with_every_backend_serving(stack):
     response = httpx.get(stack.url + "/health", timeout=30)
     assert response.status_code == 200, response.text
-    body = response.json()
-    assert body["status"] == "ok"
-    assert body["backends"] == {t: "SERVING" for t in stack.decoder_addresses + stack.embed_addresses}, body
+    assert response.json() == {"status": "ok", "backends": {"serving": 4, "total": 4}}
+    assert not any(t in response.text for t in stack.decoder_addresses + stack.embed_addresses), response.text
+    assert response.headers["x-request-id"].startswith("req_"), response.headers
 
 
-def test_health_is_503_naming_a_dead_target(stack):
-    dead = f"127.0.0.1:{free_port()}"  # nobody listens there
-    with unhealthy_gateway([*stack.decoder_addresses, dead], stack.embed_addresses) as url:
+def test_dead_targets_are_counted_and_logged_never_named_to_clients(stack, tmp_path):
+    """Issue 34 item 8: /health (open to all) once answered every backend's address and raw gRPC error; a request
+    for a model behind a dead target named it. Now they say counts and a stable message; the log has the rest."""
+    dead, dead_embed = (f"127.0.0.1:{port}" for port in free_ports(2))  # nobody listens there
+    log = tmp_path / "gateway.log"
+    with unhealthy_gateway([*stack.decoder_addresses, dead], [dead_embed], log=log) as url:
         response = httpx.get(url + "/health", timeout=30)
         models = httpx.get(url + "/v1/models", timeout=30)
+        embed = httpx.post(url + "/v1/embeddings", json={"model": EMBED, "input": "x"}, timeout=30)
     assert response.status_code == 503, response.text
-    body = response.json()
-    assert body["status"] == "unavailable", body
-    assert body["backends"][dead].startswith("UNAVAILABLE"), body
-    assert {t for t, why in body["backends"].items() if why != "SERVING"} == {dead}, body
-    assert models.status_code == 200 and len(models.json()["data"]) == 4, models.text  # the others still serve
+    assert response.json() == {"status": "unavailable", "backends": {"serving": 2, "total": 4}}, response.text
+    assert models.status_code == 200 and len(models.json()["data"]) == 2, models.text  # the others still serve
+    assert embed.status_code == 503, embed.text
+    rid = embed.headers["x-request-id"]
+    message = embed.json()["error"]["message"]
+    assert message == f"model '{EMBED}' is not known: a backend that may serve it does not answer; retry later " + (
+        f"(request id {rid})"
+    )
+    for answer in (response, embed):
+        assert dead not in answer.text and dead_embed not in answer.text and "UNAVAILABLE" not in answer.text
+    logged = log.read_text()
+    assert dead in logged and dead_embed in logged and rid in logged, logged
+
+
+@pytest.fixture(scope="module")
+def failing_backend(tmp_path_factory):
+    """A DecoderService that fails on demand (``fail:<CODE>:<details>`` prompts) and a gateway before it."""
+    root = tmp_path_factory.mktemp("failing-backend")
+    with plumbing_server({}, root / "server.log") as (address, _):
+        with unhealthy_gateway([address], [], log=root / "gateway.log") as url:
+            yield url, root / "gateway.log"
+
+
+LEAKY = "redis://10.9.8.7:6379 refused; encoder 10.1.1.1:50061: Traceback ConnectionError"
+
+
+@pytest.mark.parametrize(
+    ("code", "status", "message"),
+    [
+        ("INTERNAL", 500, "the server failed while processing the request; retry later"),
+        ("UNKNOWN", 500, "the server failed while processing the request; retry later"),
+        ("DATA_LOSS", 500, "the server failed while processing the request; retry later"),
+        ("UNAVAILABLE", 503, "the service is temporarily unavailable; retry later"),
+    ],
+)
+def test_backend_failures_reach_clients_as_a_stable_message_and_request_id(failing_backend, code, status, message):
+    url, log = failing_backend
+    body = {"model": "plumbing", "prompt": f"fail:{code}:{LEAKY}", "max_tokens": 1}
+    response = httpx.post(url + "/v1/completions", json=body, timeout=30)
+    assert response.status_code == status, response.text
+    rid = response.headers["x-request-id"]
+    assert response.json()["error"]["message"] == f"{message} (request id {rid})", response.text
+    assert "10.9.8.7" not in response.text and "Traceback" not in response.text, response.text
+    logged = [line for line in log.read_text().splitlines() if rid in line]
+    assert logged and LEAKY in logged[0] and code in logged[0], logged
+
+
+@pytest.mark.parametrize(
+    ("code", "status"), [("INVALID_ARGUMENT", 400), ("RESOURCE_EXHAUSTED", 429), ("FAILED_PRECONDITION", 400)]
+)
+def test_backend_messages_meant_for_the_user_pass_unchanged(failing_backend, code, status):
+    url, _ = failing_backend
+    details = "max_tokens must be at most 40 (--max-new-tokens), got 41"
+    body = {"model": "plumbing", "prompt": f"fail:{code}:{details}", "max_tokens": 1}
+    response = httpx.post(url + "/v1/completions", json=body, timeout=30)
+    assert response.status_code == status and response.json()["error"]["message"] == details, response.text
 
 
 def request_counts(url: str) -> dict[tuple[str, str, str], float]:

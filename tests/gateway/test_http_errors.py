@@ -306,3 +306,28 @@ def test_json_without_its_content_type_says_so(stack):
     )
     error = error_of(response, 400)
     assert "Content-Type: application/json" in error["message"], error
+
+
+def test_an_unexpected_gateway_error_is_a_stable_500_with_the_request_id(caplog):
+    """Issue 34 item 8: an exception in the gateway once answered "internal error: RuntimeError: <its text>"; now
+    the text is logged with the request id, which the client gets in the message and ``X-Request-Id``."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from gateway_svc import errors
+
+    app = FastAPI()
+    errors.install(app)
+    app.add_middleware(errors.RequestIdMiddleware)
+
+    @app.get("/boom")
+    async def boom():
+        raise RuntimeError("redis://10.9.8.7:6379 refused")
+
+    with TestClient(app, raise_server_exceptions=False) as client:
+        response = client.get("/boom")
+    rid = response.headers["x-request-id"]
+    assert error_of(response, 500)["message"] == f"{errors.INTERNAL_MESSAGE} (request id {rid})"
+    assert "10.9.8.7" not in response.text and "RuntimeError" not in response.text, response.text
+    logged = [r for r in caplog.records if rid in r.getMessage() and r.exc_info]
+    assert logged and "10.9.8.7" in str(logged[0].exc_info[1]), caplog.text

@@ -2,8 +2,10 @@
 the public port's plumbing (bearer token, TLS, per-client limit) without a model.
 
 ``python -m helpers.plumbing_server PORT '{"auth_token_file": ..., ...}'`` serves until SIGTERM; the JSON holds
-``DecoderServiceConfig`` fields. Its servicer: ``GetStats`` answers ``model="plumbing"``; ``Generate`` streams
-``sampling.max_tokens`` messages (default 1) 50 ms apart, each with the request's ``text``.
+``DecoderServiceConfig`` fields. Its servicer: ``GetStats`` answers ``model="plumbing"`` (a text model);
+``Generate`` streams ``sampling.max_tokens`` messages (default 1) 50 ms apart, each with the request's ``text``,
+except that a ``text`` of ``fail:<CODE>:<details>`` ends the call at once with that gRPC status and details (what a
+failing backend tells the HTTP gateway).
 ``plumbing_server(config)`` starts one on a free port and yields its address once health answers.
 """
 
@@ -27,11 +29,16 @@ class PlumbingServicer:
     async def GetStats(self, request, context):
         from shared.proto import decoder_pb2
 
-        return decoder_pb2.DecoderStats(model="plumbing")
+        return decoder_pb2.DecoderStats(model="plumbing", input_kind="text")
 
     async def Generate(self, request, context):
+        import grpc
+
         from shared.proto import decoder_pb2
 
+        if request.text.startswith("fail:"):
+            _, code, details = request.text.split(":", 2)
+            await context.abort(grpc.StatusCode[code], details)
         for _ in range(request.sampling.max_tokens or 1):
             await asyncio.sleep(0.05)
             yield decoder_pb2.GenerateResponse(request_id="plumbing", text=request.text)
