@@ -32,6 +32,7 @@ from shared.compute_thread import single_threaded_main
 from shared.config import DecoderServiceConfig
 from shared.device import resolve_device, torch_dtype
 from shared.grpc_server import serve
+from shared.internal_auth import InternalAuth, read_token_file
 from shared.kv_transport import create_pool
 from shared.metrics import start_metrics_server
 from shared.models.linear import products_dtype
@@ -119,6 +120,10 @@ def _pool_options(config: DecoderServiceConfig) -> dict:
             backend=config.kv_dist_backend,
             device=config.kv_device,
             timeout_s=config.kv_transfer_timeout_s,
+            # Pairing signed with the internal token (no warning here: the Encode client logs a missing file).
+            pair_key=InternalAuth(read_token_file(config.internal_token_file)).pair_key
+            if config.internal_token_file
+            else None,
         )
     if config.kv_transport == "cuda_ipc":
         return dict(device=config.kv_device)  # must be a CUDA device; CudaIpcCrossKVPool says so otherwise

@@ -98,6 +98,7 @@ def run(config: EncoderServiceConfig) -> None:
                 device=config.kv_device,
                 timeout_s=config.kv_transfer_timeout_s,
                 handshake_timeout_s=config.kv_dist_handshake_timeout_s,
+                pair_key=auth.pair_key,
             )
         },
     )

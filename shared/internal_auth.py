@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 METADATA_KEY = "authorization"
 SCHEME = "Bearer "
 MIN_TOKEN_CHARS = 16
-_TARGET_KEY_LABEL = b"encdec-serve kv-target v1"  # the signing key is HMAC(token, label): one secret, two uses
+_TARGET_KEY_LABEL = b"encdec-serve kv-target v1"  # the signing key is HMAC(token, label): one secret, three uses
+_PAIR_KEY_LABEL = b"encdec-serve kv-pair v1"  # torch_dist pairing (shared.kv_transport.torch_dist)
 _SAME_FILE_HINT = "start the decoder and the encoder with the same --internal-token-file"
 # Seconds a signed Encode may be dated ahead of or behind the encoder's clock (decoder and encoder on other hosts).
 CLOCK_SKEW_S = 30.0
@@ -169,6 +170,12 @@ class InternalAuth:
             )
             return cls(None)
         return cls(ensure_token_file(path) if create else read_token_file(path))
+
+    @property
+    def pair_key(self) -> bytes | None:
+        """The key torch_dist pairing signs with (``shared.kv_transport.torch_dist``): HMAC(token, a label of
+        its own), never the token itself; None without a token."""
+        return hmac.new(self._token, _PAIR_KEY_LABEL, hashlib.sha256).digest() if self._token else None
 
     @property
     def enabled(self) -> bool:

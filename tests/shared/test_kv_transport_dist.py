@@ -8,23 +8,29 @@ through the pool's TCPStore exactly as the services do.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import multiprocessing as mp
+import threading
+import time
 
 import pytest
 import torch
+import torch.distributed as dist
 from test_kv_transport import SHAPE, read_back, reference
 
 from shared.errors import InvalidRequestError, UnavailableError
+from shared.internal_auth import InternalAuth
 from shared.kv_transport import create_pool, create_writer
+from shared.kv_transport.torch_dist import MAX_PAIRS
 
 CTX = mp.get_context("spawn")  # a clean process: no forked Gloo/store threads
 WAIT_S = 60
 
 
-def writer_main(commands, results) -> None:
+def writer_main(commands, results, pair_key=None) -> None:
     """An encoder process: one writer, one write per command ``(spec, block_ids, encoder_len, seed, transfer_id)``."""
     torch.set_num_threads(1)
-    writer = create_writer("torch_dist", backend="gloo", device="cpu", timeout_s=20)
+    writer = create_writer("torch_dist", backend="gloo", device="cpu", timeout_s=20, pair_key=pair_key)
     while (cmd := commands.get()) is not None:
         spec, block_ids, encoder_len, seed, transfer_id = cmd
         try:
@@ -64,9 +70,9 @@ def stalling_writer_main(spec, block_ids, encoder_len, seed, transfer_id, acked,
 class Encoder:
     """A spawned writer process driven through queues."""
 
-    def __init__(self) -> None:
+    def __init__(self, pair_key: bytes | None = None) -> None:
         self.commands, self.results = CTX.Queue(), CTX.Queue()
-        self.proc = CTX.Process(target=writer_main, args=(self.commands, self.results), daemon=True)
+        self.proc = CTX.Process(target=writer_main, args=(self.commands, self.results, pair_key), daemon=True)
         self.proc.start()
 
     def write(self, spec, block_ids, encoder_len, seed, transfer_id):
@@ -231,6 +237,53 @@ def test_restarted_decoder_is_re_attached_and_stale_targets_refused(encoder):
     finally:
         first.close()
         second.close()
+
+
+def _pair_threads() -> int:
+    return sum(t.name.startswith("kv-dist-pair-") for t in threading.enumerate())
+
+
+def test_pairing_is_signed_and_a_forged_store_starts_nothing():
+    """Issue 34 item 2: with the deployment's pair key, another client of the decoder's store that bumps the pair
+    counter by 10**6 and rewrites the instance id starts no pair thread and breaks nothing: the decoder puts its
+    record back, an encoder with the key pairs and writes, one with another key is refused and never served."""
+    key = InternalAuth(b"the-deployment-token-0123456789").pair_key
+    threads_before = _pair_threads()  # earlier tests' pairs (their encoders still connected)
+    pool = create_pool("torch_dist", SHAPE, address="127.0.0.1:0", timeout_s=20, pair_key=key)
+    host, port = pool.spec.segment.rsplit(":", 1)
+    intruder = dist.TCPStore(host, int(port), None, False, datetime.timedelta(seconds=10))
+    intruder.add("encdec/num_pairs", 10**6)
+    intruder.set("encdec/instance_id", "ffffffffffffffff")
+    intruder.set("encdec/pair/1000000/hello", "0" * 32 + ":" + "0" * 64)
+    time.sleep(0.5)  # ten polls of the decoder's accept loop
+    assert _pair_threads() == threads_before
+    assert intruder.get("encdec/instance_id").decode() == pool.spec.instance_id  # put back
+    good, bad = Encoder(key), Encoder(InternalAuth(b"another-deployment-token-012345").pair_key)
+    try:
+        waiter = pool.expect(5, [2, 3])
+        assert good.write(pool.spec, [2, 3], 9, 4, 5) == ("ok", SHAPE[0] * 2 * 9 * SHAPE[4] * SHAPE[5] * 4)
+        waiter.result(timeout=WAIT_S)
+        assert torch.equal(read_back(pool.tensor, [2, 3], 9), reference(9, 4))
+        kind, text = bad.write(pool.spec, [4], 4, 1, 6)
+        assert kind == "UnavailableError" and "--internal-token-file" in text, text
+        assert _pair_threads() == threads_before + 1  # the good encoder's only
+    finally:
+        good.stop()
+        bad.stop()
+        pool.close()
+
+
+def test_without_a_key_a_forged_pair_counter_starts_at_most_max_pairs_threads():
+    """No internal token: a jump of the counter by 10**6 starts at most MAX_PAIRS threads (it started 10**6)."""
+    threads_before = _pair_threads()
+    pool = create_pool("torch_dist", SHAPE, address="127.0.0.1:0", timeout_s=20)
+    try:
+        host, port = pool.spec.segment.rsplit(":", 1)
+        dist.TCPStore(host, int(port), None, False, datetime.timedelta(seconds=10)).add("encdec/num_pairs", 10**6)
+        time.sleep(0.5)
+        assert 0 < _pair_threads() - threads_before <= MAX_PAIRS
+    finally:
+        pool.close()
 
 
 def test_nccl_needs_cuda():

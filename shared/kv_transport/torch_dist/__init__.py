@@ -8,7 +8,10 @@ Rendezvous: the decoder hosts a ``TCPStore`` (``address``, port 0 picks a free
 one) and names it in ``KVTarget.segment`` as ``host:port``, beside its
 ``instance_id`` (also stored under ``encdec/instance_id``). On its first write
 to a decoder instance an encoder takes a pair number ``n`` from the store
-counter ``encdec/num_pairs``; both sides then build a two-rank process group
+counter ``encdec/num_pairs`` (with the deployment's internal token it first checks the decoder's record is signed,
+``encdec/instance_mac``, and then signs a hello for pair ``n``, without which the decoder never serves it; at most
+``MAX_PAIRS`` pairs run, and a record another client of the store rewrote is put back: issue 34 item 2); both sides
+then build a two-rank process group
 (decoder rank 0, encoder rank 1) directly over ``PrefixStore("encdec/pair/n/")``
 instead of ``init_process_group``, so one encoder can serve several decoders,
 one decoder several encoders, and a restarted decoder (new store, new
@@ -54,6 +57,7 @@ from shared.kv_transport.torch_dist.protocol import (
     IDLE_TIMEOUT,
     MAGIC,
     MALFORMED,
+    MAX_PAIRS,
     OK,
     OVERSIZED,
     PAIR_POLL_S,
@@ -77,6 +81,7 @@ __all__ = [
     "IDLE_TIMEOUT",
     "MAGIC",
     "MALFORMED",
+    "MAX_PAIRS",
     "OK",
     "OVERSIZED",
     "PAIR_POLL_S",

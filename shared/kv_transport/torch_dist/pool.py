@@ -23,8 +23,10 @@ from shared.kv_transport.torch_dist.protocol import (
     IDLE_TIMEOUT,
     MAGIC,
     MALFORMED,
+    MAX_PAIRS,
     OK,
     OVERSIZED,
+    PAIR_HELLO_WAIT_S,
     PAIR_POLL_S,
     REASONS,
     TAG_ACK,
@@ -34,6 +36,8 @@ from shared.kv_transport.torch_dist.protocol import (
     UNKNOWN_TRANSFER,
     _sync,
     check_backend,
+    check_pair_hello,
+    instance_mac,
     new_pair_group,
     parse_address,
 )
@@ -63,6 +67,11 @@ class TorchDistCrossKVPool(CrossKVPool):
         backend: ``gloo`` or ``nccl``.
         device: the pool's device (``cpu``, ``cuda``, ``cuda:1``).
         timeout_s: how long building a pair's group may take (seconds).
+        pair_key: the deployment's pair key (``InternalAuth.pair_key``, from ``--internal-token-file``), or None.
+            With it the store also holds ``encdec/instance_mac`` and a pair is served only once its encoder wrote a
+            valid ``encdec/pair/<n>/hello`` (``protocol.pair_hello``): a client of the store without the token
+            starts nothing. Either way at most ``MAX_PAIRS`` pairs run, and a rewritten ``encdec/instance_id`` is
+            put back at the next poll.
 
     Raises:
         ValueError: unknown dtype or backend, nccl without CUDA, bad address.
@@ -78,6 +87,7 @@ class TorchDistCrossKVPool(CrossKVPool):
         backend: str = "gloo",
         device: str = "cpu",
         timeout_s: float = 30.0,
+        pair_key: bytes | None = None,
     ) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"unknown pool dtype {dtype!r}; known: {sorted(DTYPES)}")
@@ -88,8 +98,12 @@ class TorchDistCrossKVPool(CrossKVPool):
         self._store = dist.TCPStore(host, port, None, True, self._timeout, wait_for_workers=False)
         self._hostname = socket.gethostname() if host in ("0.0.0.0", "::") else host
         instance_id = secrets.token_hex(8)
-        self._store.set("encdec/instance_id", instance_id)
-        self._store.set("encdec/backend", backend)
+        self._pair_key = pair_key
+        self._record = {"encdec/instance_id": instance_id.encode(), "encdec/backend": backend.encode()}
+        if pair_key is not None:
+            self._record["encdec/instance_mac"] = instance_mac(pair_key, instance_id, backend)
+        for key, value in self._record.items():
+            self._store.set(key, value)
         shape = tuple(int(s) for s in shape)
         self.spec = KVTargetSpec("torch_dist", f"{self._hostname}:{self._store.port}", shape, dtype, instance_id)
         self.spec.validate()
@@ -97,6 +111,7 @@ class TorchDistCrossKVPool(CrossKVPool):
         self._lock = threading.Lock()
         self._pending: dict[int, _Transfer] = {}
         self._pairs: dict[int, object] = {}
+        self._serving: set[int] = set()  # pair numbers with a thread (paired or pairing)
         self._closed = threading.Event()
         self._accept = threading.Thread(target=self._accept_pairs, name="kv-dist-accept", daemon=True)
         self._accept.start()
@@ -133,15 +148,65 @@ class TorchDistCrossKVPool(CrossKVPool):
 
     # -- pairing (accept thread) -------------------------------------------------
     def _accept_pairs(self) -> None:
-        served = 0
+        """Polls the pair counter; serves each new pair number on a thread of its own once it may run (its signed
+        hello arrived, with a pair key), at most ``MAX_PAIRS`` at once; keeps the instance record as written."""
+        served = 0  # highest pair number looked at
+        waiting: dict[int, float] = {}  # pair number -> monotonic time its hello must have come by (pair key)
         while not self._closed.wait(PAIR_POLL_S):
             try:
                 count = self._store.add("encdec/num_pairs", 0)
+                self._keep_record()
+                if count > served:
+                    if count - served > MAX_PAIRS:  # a forged jump: only the newest numbers can be real encoders
+                        log.warning(
+                            "cross-KV pair counter jumped from %d to %d (another client of the store?): only the "
+                            "newest %d are considered",
+                            served,
+                            count,
+                            MAX_PAIRS,
+                        )
+                    now = time.monotonic()
+                    for n in range(max(served + 1, count - MAX_PAIRS + 1), count + 1):
+                        waiting[n] = now + PAIR_HELLO_WAIT_S
+                    served = count
+                for n in self._ready_pairs(waiting):
+                    if len(self._serving) >= MAX_PAIRS:
+                        log.warning("cross-KV pair %d refused: %d pairs already run (MAX_PAIRS)", n, MAX_PAIRS)
+                        continue
+                    self._serving.add(n)
+                    threading.Thread(target=self._serve_pair, args=(n,), name=f"kv-dist-pair-{n}", daemon=True).start()
             except Exception:  # noqa: BLE001 - the store went away with close()
                 return
-            for n in range(served + 1, count + 1):
-                threading.Thread(target=self._serve_pair, args=(n,), name=f"kv-dist-pair-{n}", daemon=True).start()
-            served = max(served, count)
+
+    def _ready_pairs(self, waiting: dict[int, float]) -> list[int]:
+        """Pair numbers of ``waiting`` that may be served now (removed from it): every one without a pair key;
+        with one, those whose hello is valid. A wrong hello, or none within ``PAIR_HELLO_WAIT_S``, drops the
+        number (logged)."""
+        if self._pair_key is None:
+            ready = sorted(waiting)
+            waiting.clear()
+            return ready
+        ready, now = [], time.monotonic()
+        for n in sorted(waiting):
+            key = f"encdec/pair/{n}/hello"
+            if not self._store.check([key]):
+                if now > waiting[n]:
+                    del waiting[n]
+                    log.warning("cross-KV pair %d dropped: no hello within %g s", n, PAIR_HELLO_WAIT_S)
+                continue
+            del waiting[n]
+            if check_pair_hello(self._pair_key, self.spec.instance_id, n, self._store.get(key)):
+                ready.append(n)
+            else:
+                log.warning("cross-KV pair %d refused: its hello is not signed with this deployment's token", n)
+        return ready
+
+    def _keep_record(self) -> None:
+        """Writes the instance record back where another client of the store changed or deleted a key of it."""
+        for key, value in self._record.items():
+            if not self._store.check([key]) or self._store.get(key) != value:
+                log.warning("cross-KV rendezvous key %s was changed by another client of the store; restored", key)
+                self._store.set(key, value)
 
     def _serve_pair(self, n: int) -> None:
         try:
@@ -150,6 +215,7 @@ class TorchDistCrossKVPool(CrossKVPool):
             )
         except Exception as exc:  # noqa: BLE001 - an encoder that never showed up
             log.warning("cross-KV pair %d not established: %s", n, exc)
+            self._serving.discard(n)
             return
         self._pairs[n] = pg
         log.info("cross-KV pair %d established (%s)", n, self.backend)
@@ -185,6 +251,7 @@ class TorchDistCrossKVPool(CrossKVPool):
                 log.info("cross-KV pair %d closed: %s", n, str(exc).splitlines()[0][:200])
         finally:
             self._pairs.pop(n, None)
+            self._serving.discard(n)
             with self._lock:
                 stuck = [t for t in self._pending.values() if t.pair == n and t.state == "receiving"]
             for transfer in stuck:

@@ -7,6 +7,9 @@ described in the package docstring (``shared/kv_transport/torch_dist/__init__.py
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
+import secrets
 
 import torch
 import torch.distributed as dist
@@ -27,6 +30,33 @@ PAIR_POLL_S = 0.05
 # The decoder's pair threads wait for headers with no deadline of their own; the
 # request-level timeout (kv_transfer_timeout_s) bounds what a request waits.
 IDLE_TIMEOUT = datetime.timedelta(days=7)
+# Pair threads a decoder runs at once (encoders paired or pairing): the store is writable by whoever reaches it,
+# so a forged ``encdec/num_pairs`` of 10**6 must not start 10**6 threads (issue 34 item 2).
+MAX_PAIRS = 64
+# Seconds a pair number waits for its encoder's signed hello (with a pair key) before the decoder drops it.
+PAIR_HELLO_WAIT_S = 30.0
+
+
+def instance_mac(pair_key: bytes, instance_id: str, backend: str) -> bytes:
+    """Hex HMAC-SHA256 of a decoder's ``(instance_id, backend)`` under the deployment's pair key
+    (``shared.internal_auth.InternalAuth.pair_key``): stored beside them, so an encoder tells the decoder's own
+    record from one rewritten by another client of the store."""
+    return hmac.new(pair_key, f"instance|{instance_id}|{backend}".encode(), hashlib.sha256).hexdigest().encode()
+
+
+def pair_hello(pair_key: bytes, instance_id: str, n: int) -> bytes:
+    """An encoder's hello for pair ``n`` of decoder ``instance_id``: ``<nonce hex>:<HMAC hex>`` (the nonce makes
+    each one new; the MAC binds it to the instance and the pair number)."""
+    nonce = secrets.token_hex(16)
+    mac = hmac.new(pair_key, f"pair|{instance_id}|{n}|{nonce}".encode(), hashlib.sha256).hexdigest()
+    return f"{nonce}:{mac}".encode()
+
+
+def check_pair_hello(pair_key: bytes, instance_id: str, n: int, hello: bytes) -> bool:
+    """True when ``hello`` is ``pair_hello`` of this key, instance and pair number (compared in constant time)."""
+    nonce, _, mac = hello.decode("ascii", "replace").partition(":")
+    expected = hmac.new(pair_key, f"pair|{instance_id}|{n}|{nonce}".encode(), hashlib.sha256).hexdigest()
+    return len(nonce) == 32 and hmac.compare_digest(mac.encode(), expected.encode())
 
 
 def parse_address(address: str) -> tuple[str, int]:

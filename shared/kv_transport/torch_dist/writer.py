@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import hmac
 import logging
 import os
 import socket
@@ -22,13 +23,16 @@ from shared.kv_transport.torch_dist.protocol import (
     DTYPE_CODES,
     MAGIC,
     OK,
+    PAIR_POLL_S,
     REASONS,
     TAG_ACK,
     TAG_DONE,
     TAG_HEADER,
     TAG_PAYLOAD,
     check_backend,
+    instance_mac,
     new_pair_group,
+    pair_hello,
     parse_address,
 )
 
@@ -57,6 +61,9 @@ class TorchDistCrossKVWriter(CrossKVWriter):
         handshake_timeout_s: bound on reaching the rendezvous store and reading
             the decoder's identity (seconds): a peer that accepts the TCP
             connection and says nothing fails the connect after this long.
+        pair_key: the deployment's pair key (``InternalAuth.pair_key``), or None. With it the encoder pairs only
+            with a decoder whose instance record the key signs (``encdec/instance_mac``) and signs its own hello
+            for the pair (``protocol.pair_hello``), without which the decoder does not serve the pair.
 
     Connecting (``connect``) takes only the lock of its own target address: one
     address that does not answer never holds up writes to, or connects with,
@@ -67,8 +74,15 @@ class TorchDistCrossKVWriter(CrossKVWriter):
     """
 
     def __init__(
-        self, *, backend: str = "gloo", device: str = "cpu", timeout_s: float = 30.0, handshake_timeout_s: float = 5.0
+        self,
+        *,
+        backend: str = "gloo",
+        device: str = "cpu",
+        timeout_s: float = 30.0,
+        handshake_timeout_s: float = 5.0,
+        pair_key: bytes | None = None,
     ) -> None:
+        self.pair_key = pair_key
         self.device = check_backend(backend, device)
         self.backend = backend
         self.timeout_s = timeout_s
@@ -126,6 +140,14 @@ class TorchDistCrossKVWriter(CrossKVWriter):
                 local_host = probe.getsockname()[0]  # the interface that reaches the decoder: Gloo binds here
                 peer = probe.getpeername()[:2]
             store, instance_id, backend = _open_store(host, port, peer, handshake)
+            if self.pair_key is not None and not self._signed(store, instance_id, backend):
+                time.sleep(4 * PAIR_POLL_S)  # a rewritten record: the decoder puts its own back at its next poll
+                instance_id, backend = (store.get(k).decode() for k in ("encdec/instance_id", "encdec/backend"))
+                if not self._signed(store, instance_id, backend):
+                    raise UnavailableError(
+                        f"the cross-KV rendezvous at {spec.segment} holds no instance record signed with this "
+                        "deployment's internal token: start decoder and encoder with the same --internal-token-file"
+                    )
         except (OSError, RuntimeError, TimeoutError) as exc:
             raise UnavailableError(
                 f"cannot reach the decoder's cross-KV rendezvous at {spec.segment} within "
@@ -141,12 +163,20 @@ class TorchDistCrossKVWriter(CrossKVWriter):
             )
         store.set_timeout(timeout)  # a real decoder answered: pairing gets the full bound
         n = store.add("encdec/num_pairs", 1)
+        if self.pair_key is not None:  # the decoder serves pair n only once this hello checks out
+            store.set(f"encdec/pair/{n}/hello", pair_hello(self.pair_key, instance_id, n))
         try:
             group = new_pair_group(self.backend, dist.PrefixStore(f"encdec/pair/{n}/", store), 1, local_host, timeout)
         except RuntimeError as exc:
             raise UnavailableError(f"pairing with the decoder at {spec.segment} failed: {exc}") from exc
         log.info("paired with decoder %s at %s (pair %d, %s)", instance_id, spec.segment, n, self.backend)
         return _Link(instance_id, store, group)
+
+    def _signed(self, store: dist.TCPStore, instance_id: str, backend: str) -> bool:
+        """True when the store's ``encdec/instance_mac`` signs ``(instance_id, backend)`` under the pair key."""
+        if not store.check(["encdec/instance_mac"]):
+            return False
+        return hmac.compare_digest(store.get("encdec/instance_mac"), instance_mac(self.pair_key, instance_id, backend))
 
     def write(
         self, spec: KVTargetSpec, block_ids: list[int], cross_kv: torch.Tensor, transfer_id: int = 0
