@@ -3,6 +3,7 @@ the public port's plumbing (bearer token, TLS, per-client limit) without a model
 
 ``python -m helpers.plumbing_server PORT '{"auth_token_file": ..., ...}'`` serves until SIGTERM; the JSON holds
 ``DecoderServiceConfig`` fields. Its servicer: ``GetStats`` answers ``model="plumbing"`` (a text model);
+``GetRequest`` of id ``sleep:S`` answers NOT_FOUND after ``S`` seconds (a slow control call);
 ``Generate`` streams ``sampling.max_tokens`` messages (default 1) 50 ms apart, each with the request's ``text``,
 except that a ``text`` of ``fail:<CODE>:<details>`` ends the call at once with that gRPC status and details (what a
 failing backend tells the HTTP gateway).
@@ -30,6 +31,14 @@ class PlumbingServicer:
         from shared.proto import decoder_pb2
 
         return decoder_pb2.DecoderStats(model="plumbing", input_kind="text")
+
+    async def GetRequest(self, request, context):
+        """A control call that takes ``S`` seconds for a request id ``sleep:S``, then knows no such request."""
+        import grpc
+
+        if request.request_id.startswith("sleep:"):
+            await asyncio.sleep(float(request.request_id.removeprefix("sleep:")))
+        await context.abort(grpc.StatusCode.NOT_FOUND, f"no request {request.request_id!r}")
 
     async def Generate(self, request, context):
         import grpc

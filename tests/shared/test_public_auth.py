@@ -200,6 +200,31 @@ def test_second_call_of_a_client_is_refused_while_one_runs(server):
     assert [m.text for m in run(scenario())] == ["e"]
 
 
+def test_control_calls_have_a_bucket_of_their_own(server):
+    """Issue 34 item 7: control calls are counted too, apart from model calls: with a limit of 1, a second poll
+    while one runs is refused naming the control calls, while a Generate still runs beside it; Abort-like calls
+    of a client at its model limit go through (the stream runs while the poll is refused)."""
+
+    async def scenario():
+        async with ClientSecurity(token=TOKEN).channel(server[0]) as channel:
+            stub = decoder_pb2_grpc.DecoderServiceStub(channel)
+            slow_poll = asyncio.ensure_future(
+                stub.GetRequest(decoder_pb2.GetRequestRequest(request_id="sleep:1.5"), timeout=10)
+            )
+            await asyncio.sleep(0.3)  # the slow poll holds the control slot
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.GetRequest(decoder_pb2.GetRequestRequest(request_id="other"), timeout=10)
+            streamed = [m.text async for m in stub.Generate(decoder_pb2.GenerateRequest(text="g"), timeout=10)]
+            with pytest.raises(grpc.aio.AioRpcError) as polled:
+                await slow_poll
+            return err.value, streamed, polled.value
+
+    refused, streamed, polled = run(scenario())
+    assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "control calls" in refused.details() and "--max-requests-per-client" in refused.details()
+    assert streamed == ["g"] and polled.code() == grpc.StatusCode.NOT_FOUND
+
+
 def test_concurrent_calls_one_refused(server):
     async def scenario():
         calls = [_call(server[0], TOKEN, "Generate", 10) for _ in range(2)]
