@@ -264,7 +264,9 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         return decoder_pb2.AbortResponse(aborted=await self.control.abort_elsewhere(request.request_id))
 
     async def GetStats(self, request, context):
-        stats = await self.sessions.loop.call(self.engine.stats)
+        # Read here, not on the engine thread (issue 34 item 7: a poll waited for the running step): the counts are
+        # plain ints and list lengths, as the metrics scrape reads them; a step may move them between two reads.
+        stats = self.engine.stats()
         stats["max_concurrent_requests"] = self.max_concurrent_requests
         stats.update(self.sessions.admission.stats())
         stats["model"], stats["served_model_names"] = self.config.model, sorted(self.served_names)
