@@ -25,8 +25,10 @@ round trip; ``decoder_svc.replicas.request_state_lua``); ``set_state_many`` and 
 into one round trip, so the decode loop writes once per step, never once per token.
 
 Redis lost a record (restarted without persistence) while its request ran: a
-terminal write given the record as created (``created=``) writes it whole, so
-every record a replica knew still ends terminal; a non-terminal write to a
+write given the record as created (``created=``) writes it whole, so every
+record a replica knew goes on (a queued request's ENCODING / DECODING as much as
+its final state: issue 34's break test saw 5 of 12 queued requests fail as
+"record vanished" once an emptied Redis was back); a write without it to a
 missing record raises ``UnknownRequestError``.
 
 Redis faults: every call has a socket timeout (``shared.redis_url.bounded_client``) and
@@ -254,8 +256,8 @@ class RequestStateStore:
         Args:
             request_id: the request.
             state: the new state; a terminal state sets the record's expiry and removes the id from its owner's set.
-            created: the record as ``create`` returned it: a terminal write that finds no record (Redis lost it)
-                writes the whole record from it (model, owner, created_at) and ``fields``. None: no such upsert.
+            created: the record as ``create`` returned it: a write that finds no record (Redis lost it) writes the
+                whole record from it (model, owner, created_at) and ``fields``. None: no such upsert.
             **fields: any of prompt_tokens, completion_tokens, audio_bytes, finals (ints >= 0),
                 finish_reason ("stop", "length", "abort", ""), error (str).
 
@@ -282,7 +284,7 @@ class RequestStateStore:
 
         Args:
             updates: ``(request_id, state, fields)`` each.
-            created: records as created, by request id (``set_state``'s ``created``), for the terminal upserts.
+            created: records as created, by request id (``set_state``'s ``created``), for the upserts.
 
         Raises:
             RedisUnavailableError: Redis did not answer (then none, some or all were applied).
@@ -296,7 +298,7 @@ class RequestStateStore:
             state = RequestState(state)
             ttl_ms = int(self.finished_ttl_s * 1000) if state.is_terminal else 0
             allowed = ",".join(s.name for s in _ALLOWED_FROM[state])
-            base = created.get(request_id) if state.is_terminal else None
+            base = created.get(request_id)
             upsert = ["1", base.model, base.owner, repr(base.created_at)] if base else ["0", "", "", ""]
             owner_prefix = self.owner_key("")
             args = [state.name, now, ttl_ms, allowed, owner_prefix, request_id, *upsert, *_encode_fields(fields)]

@@ -29,7 +29,8 @@ return 1
 # joined by ',', 5 owner-set key prefix ('{p}:owner:'), 6 request_id, 7 upsert ('1': a missing record is
 # written whole, from 8-10), 8 model, 9 owner, 10 created_at, then field/value pairs.
 # Returns {code, current state}: 1 written, 2 written anew (no record: the upsert), 0 no record,
-# -1 transition refused. A terminal write (ttl_ms > 0) also removes the id from its owner's set.
+# -1 transition refused. A terminal write (ttl_ms > 0) also removes the id from its owner's set; a non-terminal
+# upsert puts it back there (the lost-replica reaper finds it again).
 SET_STATE_LUA = """
 local cur = redis.call('HGET', KEYS[1], 'state')
 local ttl = tonumber(ARGV[3])
@@ -39,7 +40,9 @@ if not cur then
     'created_at', ARGV[10], 'updated_at', ARGV[2], 'prompt_tokens', '0', 'completion_tokens', '0',
     'finish_reason', '', 'error', '', unpack(ARGV, 11))
   if ttl > 0 then redis.call('PEXPIRE', KEYS[1], ttl) end
-  if ARGV[9] ~= '' then redis.call('SREM', ARGV[5] .. ARGV[9], ARGV[6]) end
+  if ARGV[9] ~= '' then
+    if ttl > 0 then redis.call('SREM', ARGV[5] .. ARGV[9], ARGV[6]) else redis.call('SADD', ARGV[5] .. ARGV[9], ARGV[6]) end
+  end
   return {2, ''}
 end
 if not string.find(',' .. ARGV[4] .. ',', ',' .. cur .. ',', 1, true) then return {-1, cur} end

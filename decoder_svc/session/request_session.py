@@ -120,7 +120,8 @@ class RequestSession:
             RequestStateError: the record is gone or another replica ended it (the request must end).
         """
         try:
-            await asyncio.to_thread(self._sessions.store.set_state, self.request_id, state, **fields)
+            created = self._sessions.created.get(self.request_id)  # Redis lost the record: written anew from it
+            await asyncio.to_thread(self._sessions.store.set_state, self.request_id, state, created, **fields)
         except RedisUnavailableError as exc:
             if state is RequestState.DECODING:
                 self._sessions.decoding_unrecorded.add(self.request_id)

@@ -116,14 +116,14 @@ class Sessions:
 
     def _catch_up(self, request_ids) -> None:
         """Writes DECODING for those of ``request_ids`` whose DECODING Redis missed (a FINISHED record must come
-        from DECODING); a record Redis lost meanwhile is left to the final write, which writes it whole.
+        from DECODING); a record Redis lost meanwhile is written whole (``created``).
 
         Raises:
             RedisUnavailableError: Redis is still unreachable (nothing lost: the ids stay for the next try).
         """
         for request_id in [r for r in request_ids if r in self.decoding_unrecorded]:
             try:
-                self.store.set_state(request_id, RequestState.DECODING)
+                self.store.set_state(request_id, RequestState.DECODING, self.created.get(request_id))
             except (UnknownRequestError, InvalidTransitionError):  # lost by Redis, or ended by another replica
                 pass
             self.decoding_unrecorded.discard(request_id)

@@ -127,6 +127,30 @@ def test_unknown_id(store):
     assert store.delete("nope") is False
 
 
+def test_a_lost_record_is_written_anew_by_any_write_given_it_as_created(store):
+    """Issue 34: Redis came back empty while requests were queued: their next write (ENCODING, DECODING) writes
+    the record whole from the record as created, owner set included, instead of failing the request as
+    "record vanished"; the final write then finds it."""
+    record = store.create("lost", "m1", "replica-a")
+    store.delete("lost")  # what a restart without persistence does to it
+    with pytest.raises(UnknownRequestError):  # no record as created given: as before
+        store.set_state("lost", RequestState.ENCODING)
+    assert store.set_state("lost", RequestState.ENCODING, record) is None  # written anew
+    again = store.get("lost")
+    assert (again.state, again.model, again.owner, again.created_at) == (
+        RequestState.ENCODING,
+        "m1",
+        "replica-a",
+        record.created_at,
+    )
+    assert "lost" in store.owned("replica-a")  # the lost-replica reaper still finds it
+    store.delete("lost")
+    store.set_state_many([("lost", RequestState.DECODING, {"completion_tokens": 3})], {"lost": record})
+    assert store.get("lost").state is RequestState.DECODING and store.get("lost").completion_tokens == 3
+    assert store.set_state("lost", RequestState.FINISHED, record) is RequestState.DECODING
+    assert "lost" not in store.owned("replica-a")
+
+
 def test_delete(store):
     store.create("d", "m")
     assert store.delete("d") is True
