@@ -34,7 +34,7 @@ from decoder_svc.session.audio import AudioLimits, decode_cost
 from decoder_svc.session.decode_pool import DecodePool
 from decoder_svc.session.encode_client import EncodeClient
 from decoder_svc.session.inputs import decode_request_audio, parse_input
-from decoder_svc.session.limits import apply_request_limits
+from decoder_svc.session.limits import PriorityGate, apply_request_limits
 from decoder_svc.session.request_session import RequestSession
 from decoder_svc.session.sessions import Sessions
 from decoder_svc.session.whisper_session import WhisperSession
@@ -84,6 +84,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         # Audio files decode on a pool of their own, at most audio_decode_workers at once, cheapest first
         # (decoder_svc.session.decode_pool): a burst of large uploads queues there instead of multiplying memory,
         # never holds up Redis writes, and a short clip never waits behind it.
+        self.priorities = PriorityGate(config)  # --min-client-priority, --priority-token-file
         self.audio_limits = AudioLimits(config.max_audio_s, config.max_audio_sample_rate, config.max_audio_channels)
         self.audio_pool = DecodePool(config.audio_decode_workers)
         self.metrics = DecoderMetrics()
@@ -152,12 +153,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             self._check_model(request.model)
             params = convert.sampling_params_from_pb(request.sampling, self.model.config.vocab_size)
             convert.check_request_id(request_id)
-            if request.priority < self.config.min_client_priority:
-                raise InvalidRequestError(
-                    f"priority {request.priority} is more urgent than this server lets a request ask for: the "
-                    f"lowest accepted is {self.config.min_client_priority} (--min-client-priority); send "
-                    f"{self.config.min_client_priority} or more"
-                )
+            self.priorities.check(request.priority, context.invocation_metadata())
             # At once, before any parsing: RESOURCE_EXHAUSTED (queue full) or DEADLINE_EXCEEDED (it cannot start in time).
             ticket = self.sessions.admission.admit(request.priority, context.time_remaining())
             # Decoding and resampling audio takes a while: keep it off the event loop that serves every stream.
@@ -220,11 +216,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             self._check_model(config.model)
             request_id = config.request_id or uuid.uuid4().hex
             convert.check_request_id(request_id)
-            if config.priority < self.config.min_client_priority:
-                raise InvalidRequestError(
-                    f"priority {config.priority} is more urgent than this server lets a stream ask for: the lowest "
-                    f"accepted is {self.config.min_client_priority} (--min-client-priority)"
-                )
+            self.priorities.check(config.priority, context.invocation_metadata(), "stream")
             inp, settings = await asyncio.to_thread(
                 parse_stream_config, config, self.model, self.engine.tokenizer, self.realtime_step_s
             )

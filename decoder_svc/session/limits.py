@@ -5,17 +5,76 @@
 a limit gets INVALID_ARGUMENT naming the field, its value, the limit and the flag that sets it. The other bounds
 live where their values are parsed: audio seconds (``--max-audio-s``, ``decoder_svc.session.inputs``), the hard caps on
 list lengths and ranges (``decoder_svc.core.sampling_params``), message bytes (``--max-message-bytes``, the gRPC
-server), calls per client (``--max-requests-per-client``, ``shared.client_limits``).
+server), calls per client (``--max-requests-per-client``, ``shared.client_limits``). ``PriorityGate`` bounds the
+priority a call may ask for (``--min-client-priority``, ``--priority-token-file``; issue 34 item 5).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hmac
 
 from decoder_svc.core.sampling_params import SamplingParams
 from decoder_svc.session.inputs import RequestInput
 from shared.config import DecoderServiceConfig
-from shared.errors import InvalidRequestError
+from shared.errors import InvalidRequestError, PermissionDeniedError
+from shared.public_auth import read_token_file
+
+PRIORITY_TOKEN_METADATA = "x-encdec-priority-token"
+# The most urgent priority even a token holder may ask for: int32's floor is left to nobody, so an operator's
+# own requests (at MIN_PRIORITY) still come before any client's.
+MIN_PRIORITY = -1000
+
+
+class PriorityGate:
+    """Which ``priority`` a call may ask for (lower = earlier; ``decoder_svc.core.scheduler``).
+
+    Priorities from ``config.min_client_priority`` up are open to every call; a more urgent one, down to
+    ``MIN_PRIORITY``, needs the token of ``config.priority_token_file`` in the call's metadata
+    ``x-encdec-priority-token`` (compared in constant time).
+
+    Raises:
+        ValueError: (construction) the token file cannot be read or is not ASCII.
+    """
+
+    def __init__(self, config: DecoderServiceConfig) -> None:
+        self.floor = config.min_client_priority
+        path = config.priority_token_file
+        token = read_token_file(path, "priority_token_file") if path else None
+        if token is not None and len(token) < 16:
+            raise ValueError(f"priority_token_file {path!r} holds {len(token)} characters; a token needs 16 or more")
+        self._token = token.encode() if token else None
+
+    def check(self, priority: int, metadata, what: str = "request") -> None:
+        """Checks a call's ``priority`` against the floor and, below it, its priority token.
+
+        Raises:
+            InvalidRequestError: more urgent than ``min_client_priority`` without a token (or no token configured),
+                or than ``MIN_PRIORITY``.
+            PermissionDeniedError: below the floor with a token that is not the configured one.
+        """
+        if priority >= self.floor:
+            return
+        sent = [v for k, v in (metadata or ()) if k == PRIORITY_TOKEN_METADATA]
+        lowest = f"the lowest accepted is {self.floor} (--min-client-priority)"
+        if not sent or self._token is None:
+            hint = (
+                f"; a more urgent one needs metadata {PRIORITY_TOKEN_METADATA!r} with the --priority-token-file token"
+                if self._token is not None
+                else ""
+            )
+            raise InvalidRequestError(
+                f"priority {priority} is more urgent than this server lets a {what} ask for: {lowest}{hint}; send "
+                f"{self.floor} or more"
+            )
+        value = sent[0] if isinstance(sent[0], bytes) else str(sent[0]).encode("utf-8", "replace")
+        if not hmac.compare_digest(value.strip(), self._token):
+            raise PermissionDeniedError(f"{PRIORITY_TOKEN_METADATA} does not match this server's --priority-token-file")
+        if priority < MIN_PRIORITY:
+            raise InvalidRequestError(
+                f"priority {priority} is more urgent than any call may ask for: the lowest is {MIN_PRIORITY} even "
+                "with the priority token"
+            )
 
 
 def apply_request_limits(params: SamplingParams, inp: RequestInput, config: DecoderServiceConfig) -> SamplingParams:

@@ -141,6 +141,9 @@ class DecoderServiceConfig(ServiceConfig):
         min_client_priority: the most urgent ``priority`` a request may ask for (lower = earlier); a lower value
             gets INVALID_ARGUMENT. 0: clients can only lower their own urgency, never jump others' queue or win
             preemption over them; set it lower (-10) where the clients are trusted to rank their own requests.
+        priority_token_file: a file holding the token that lets a call ask for a priority more urgent than
+            ``min_client_priority`` (down to ``MIN_PRIORITY``): the call sends it as metadata
+            ``x-encdec-priority-token`` (a wrong one: PERMISSION_DENIED). Empty: no call may.
         max_n: most samples per request (``n``), at most ``decoder_svc.core.sampling_params.MAX_N``.
         max_beams: most beams per request, at most ``decoder_svc.core.sampling_params.MAX_BEAMS``.
         realtime_step_ms: a realtime stream's running utterance is re-decoded this often (ms; ``TranscribeStream``,
@@ -182,6 +185,7 @@ class DecoderServiceConfig(ServiceConfig):
     max_input_tokens: int = 0
     max_new_tokens: int = 0
     min_client_priority: int = 0
+    priority_token_file: str = ""
     max_n: int = 16
     max_beams: int = 16
     realtime_step_ms: int = 1000

@@ -19,6 +19,7 @@ import signal
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import grpc
 import pytest
@@ -37,6 +38,15 @@ MAX_WAITING = 4
 SOURCE_LEN = 12  # 2 cross blocks of 8: the 4-block cross pool encodes two requests at once
 
 
+PRIORITY_TOKEN = "operators-priority-token-0123456789"
+
+
+def priority_token_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("priority-token") / "token"
+    path.write_text(PRIORITY_TOKEN + "\n")
+    return path
+
+
 @pytest.fixture(scope="module")
 def served(text_checkpoints, redis_url, tmp_path_factory):
     path = text_checkpoints["t5"]
@@ -50,6 +60,7 @@ def served(text_checkpoints, redis_url, tmp_path_factory):
             *("--block-size", "8", "--max-num-seqs", "4", "--num-cross-blocks", "4", "--encoder-cache", "0"),
             *("--max-waiting-requests", str(MAX_WAITING), "--metrics-port", str(decoder_metrics)),
             *("--min-client-priority", "-1"),  # the flood test's urgent request
+            *("--priority-token-file", str(priority_token_file(tmp_path_factory))),
         ],
         extra_encoder_args=["--metrics-port", str(encoder_metrics)],
     ) as svc:
@@ -203,6 +214,30 @@ def test_flood_is_refused_at_once_priority_enters_and_the_admitted_equal_hf(serv
     assert got[("encdec_decoder_admission_refusals_total", (("reason", "queue_full"),))] >= 8
     assert got[("encdec_decoder_admission_refusals_total", (("reason", "displaced"),))] >= 1
     assert got[("encdec_decoder_queue_requests", ())] == 0
+
+
+def test_a_priority_past_the_client_floor_needs_the_priority_token(served, sources):
+    """Issue 34 item 5: priorities from --min-client-priority (-1 here) up are open; a more urgent one needs the
+    --priority-token-file token in metadata x-encdec-priority-token (a wrong one: PERMISSION_DENIED), and even
+    then not past MIN_PRIORITY."""
+    _, _, stub, _, _ = served
+
+    def outcome(priority: int, token: str | None = None):
+        metadata = [("x-encdec-priority-token", token)] if token is not None else None
+        try:
+            return [t for m in stub.Generate(request(sources[0], priority=priority), metadata=metadata, timeout=60)
+                    for t in m.token_ids]  # fmt: skip
+        except grpc.RpcError as exc:
+            return exc.code(), exc.details()
+
+    assert isinstance(outcome(-1), list)
+    code, details = outcome(-5)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "x-encdec-priority-token" in details, details
+    code, details = outcome(-5, "not-the-token-at-all-0123456789")
+    assert code == grpc.StatusCode.PERMISSION_DENIED and "--priority-token-file" in details, details
+    assert outcome(-5, PRIORITY_TOKEN) == outcome(0)  # admitted, and the same tokens
+    code, details = outcome(-(2**31), PRIORITY_TOKEN)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "even with the priority token" in details, details
 
 
 def test_short_deadline_behind_a_stalled_queue_is_refused_and_never_encoded(served, sources):
