@@ -7,7 +7,11 @@ reach a loopback port, and a forged request record would be served as real),
 keeps nothing on disk (``--save '' --appendonly no``, its working directory is a
 private temporary folder) and is stopped with SIGTERM (then SIGKILL). The
 password goes to redis-server in a config file read on its standard input, never
-on its command line (which every local user can read in ``ps``).
+on its command line (which every local user can read in ``ps``). Memory is capped
+(``--maxmemory``, ``MAXMEMORY``) with ``--maxmemory-policy noeviction``: a full
+server refuses writes instead of dropping keys, since every key is live (running
+requests' records carry no TTL; the replicas' leases, which do, are what a
+volatile-* policy would evict, making a live decoder look lost).
 
 Example::
 
@@ -30,6 +34,8 @@ from pathlib import Path
 from urllib.parse import quote
 
 import redis
+
+MAXMEMORY = "256mb"  # a local server's cap; extra_args=("--maxmemory", ...) raises it (the last one wins)
 
 
 class RedisServerError(RuntimeError):
@@ -170,6 +176,10 @@ class LocalRedisServer:
             "no",
             "--logfile",
             str(log_path),
+            "--maxmemory",
+            MAXMEMORY,
+            "--maxmemory-policy",
+            "noeviction",
             *self.extra_args,
         ]
         # "-" first: redis-server reads config lines from stdin, then applies the arguments.

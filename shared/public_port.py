@@ -11,7 +11,7 @@ import grpc
 from shared.client_limits import ClientLimitInterceptor
 from shared.config.base import ServiceConfig
 from shared.public_auth import BearerTokenInterceptor, load_bearer_token
-from shared.tls import server_credentials
+from shared.tls_reload import ReloadingServerCredentials
 
 
 def public_port_security(
@@ -31,7 +31,9 @@ def public_port_security(
         interceptors.append(BearerTokenInterceptor(token))
     if config.max_requests_per_client > 0:
         interceptors.append(ClientLimitInterceptor(config.max_requests_per_client))
-    credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca) if config.tls_cert else None
+    credentials = None
+    if config.tls_cert:  # re-read when the files change (a cert-manager rotation): shared.tls_reload
+        credentials = ReloadingServerCredentials(config.tls_cert, config.tls_key, config.tls_client_ca).credentials()
     return interceptors, credentials
 
 

@@ -4,6 +4,7 @@ A service with ``--tls-cert`` / ``--tls-key`` (PEM) serves TLS on its public por
 mutual TLS: a client must present a certificate that CA signed, else the handshake fails. Both files are checked
 with the standard library's ``ssl`` at start-up, so a wrong path, a key that does not match the certificate or a
 file that is not PEM fails the start with a message naming the setting (gRPC itself would only fail to bind).
+The gRPC ports re-read the files when they change (``shared.tls_reload``): a rotated certificate needs no restart.
 
 Clients (``encdec transcribe``, the HTTP gateway's backend channels) describe how they reach a service with
 ``ClientSecurity``: a CA to trust (``--tls-ca``), an optional client certificate for mutual TLS
@@ -37,9 +38,9 @@ def read_pem(path: str, setting: str) -> bytes:
     return data
 
 
-def server_credentials(tls_cert: str, tls_key: str, tls_client_ca: str = "") -> grpc.ServerCredentials:
-    """Credentials of a TLS port: certificate chain ``tls_cert`` and key ``tls_key`` (PEM paths); with
-    ``tls_client_ca``, clients must present a certificate signed by a CA of that bundle (mutual TLS).
+def check_server_files(tls_cert: str, tls_key: str, tls_client_ca: str = "") -> tuple[bytes, bytes, bytes | None]:
+    """The PEM bytes of a TLS port's certificate chain, private key and client CA bundle (None without
+    ``tls_client_ca``), checked with the standard library's ``ssl``.
 
     Raises:
         ValueError: a file cannot be read, is not PEM, or the key does not match the certificate.
@@ -63,6 +64,18 @@ def server_credentials(tls_cert: str, tls_key: str, tls_client_ca: str = "") -> 
             raise ValueError(
                 f"tls_client_ca {tls_client_ca!r} holds no usable CA certificate ({exc.reason or exc})"
             ) from exc
+    return cert, key, ca
+
+
+def server_credentials(tls_cert: str, tls_key: str, tls_client_ca: str = "") -> grpc.ServerCredentials:
+    """Credentials of a TLS port: certificate chain ``tls_cert`` and key ``tls_key`` (PEM paths); with
+    ``tls_client_ca``, clients must present a certificate signed by a CA of that bundle (mutual TLS). The files are
+    read once; ``shared.tls_reload`` gives credentials that follow a rotation (the gRPC ports use those).
+
+    Raises:
+        ValueError: a file cannot be read, is not PEM, or the key does not match the certificate.
+    """
+    cert, key, ca = check_server_files(tls_cert, tls_key, tls_client_ca)
     return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
 
 

@@ -256,6 +256,27 @@ def test_models_volume_and_gpu_profile(project):
     assert gpu["decoder-gpu"]["ipc"] == gpu["decoder-gpu"]["pid"] == "service:encoder-gpu"
 
 
+def test_every_service_runs_on_a_read_only_root_filesystem_with_tmpfs_where_it_writes(project):
+    """``read_only: true`` everywhere (issue 34 item 9): a service writes only to its volumes, /dev/shm and its
+    tmpfs: /tmp for every encdec service (spooled uploads, torch, Triton's build), and $HOME for the model services
+    (caches: models assembled from parts, ~/.triton), owned by the image's user. tests/deploy's read-only check
+    says how that was measured."""
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    uid, user = re.search(r"useradd --create-home --uid (\d+) (\w+)", dockerfile).groups()
+    for name, svc in project.services.items():
+        assert svc.get("read_only") is True, name
+        tmpfs = dict(m.partition(":")[::2] for m in svc.get("tmpfs", []))
+        for path, options in tmpfs.items():
+            assert "size=" in options, (name, path)  # memory: capped
+        if svc["command"][0] == "encdec":
+            assert "/tmp" in tmpfs, name
+        if name in model_services(project):
+            options = dict(o.partition("=")[::2] for o in tmpfs[f"/home/{user}"].split(","))
+            assert options["uid"] == options["gid"] == uid and options["mode"] == "0700", name
+    redis = project.services["redis"]["command"]
+    assert redis[redis.index("--maxmemory-policy") + 1] == "noeviction"  # why: tests/deploy, compose.yaml
+
+
 def test_image_installs_like_setup_sh_and_puts_its_venv_first(project):
     dockerfile = (ROOT / "Dockerfile").read_text()
     declared = dict(re.findall(r"^ARG (\w+)(?:=(.*))?$", dockerfile, flags=re.MULTILINE))

@@ -7,7 +7,9 @@ here instead of being skipped; where ``kubectl`` is on PATH its ``kubectl kustom
 The rules read the services' own settings through ``shared.config.config_from`` (the values the processes
 would run with, defaults included): probes on each container's gRPC port, termination grace above the
 decoder's drain, no public Service for Encode / torch_dist / Redis, NetworkPolicies that admit those ports only
-from our pods, PDB / HPA targets, resources, Secrets only by reference.
+from our pods, PDB / HPA targets, resources, Secrets only by reference. Issue 34 item 9: read-only root filesystems
+with emptyDirs where the processes write, an egress policy per component naming only what it calls, Redis capped
+with ``maxmemory`` and never evicting.
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ DRAIN_MARGIN_S = 4  # after shutdown_grace_s the decoder ends the rest within ~4
 SECRET = "encdec-secrets"
 POD_IP = "10.0.0.7"  # stands in for $(POD_IP) when a container's settings are read
 OURS = {"app.kubernetes.io/name": "encdec-serve"}
+OUR_NAMESPACE = {"kubernetes.io/metadata.name": "encdec"}  # where the placement is applied (any namespace)
+KUBE_DNS = ({"kubernetes.io/metadata.name": "kube-system"}, {"k8s-app": "kube-dns"})  # CoreDNS, as clusters label it
+OUTSIDE = None  # an address outside the cluster (the internet, a node, a cloud metadata service)
+ANY = "any port"
 
 
 class UnsupportedKustomization(ValueError):
@@ -249,6 +255,40 @@ def test_every_container_requests_resources_and_runs_as_the_images_non_root_user
                 assert security["runAsUser"] == uid, where
 
 
+def volumes_at(pod: dict, container: dict) -> dict[str, dict]:
+    """mountPath -> the pod volume mounted there, for one container."""
+    volumes = {v["name"]: v for v in pod["spec"].get("volumes", [])}
+    return {m["mountPath"]: volumes[m["name"]] for m in container.get("volumeMounts", [])}
+
+
+def test_every_container_has_a_read_only_root_filesystem_and_emptydirs_where_it_writes(placement):
+    """Measured with a read-only root (``unshare``, only /tmp writable): ``encdec up`` with an embed model served a
+    transcription, an embedding and a 3 MB upload. $HOME takes the caches that other models and the GPU write
+    (a whisper-base assembled from parts in ~/.cache/encdec, Triton's ~/.triton, CUDA's ~/.nv)."""
+    _, docs = placement
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    home = "/home/" + re.search(r"useradd --create-home [^\n]*--uid \d+ (\w+)", dockerfile)[1]
+    for deployment, pod in pod_templates(docs).items():
+        assert pod["spec"]["securityContext"]["runAsNonRoot"] is True, deployment
+        for c in containers(pod):
+            where = f"{deployment}/{c['name']}"
+            security = c["securityContext"]
+            assert security["readOnlyRootFilesystem"] is True, where
+            assert security["allowPrivilegeEscalation"] is False and security["capabilities"]["drop"] == ["ALL"], where
+            assert "privileged" not in security and "add" not in security["capabilities"], where
+            mounts = volumes_at(pod, c)
+            read_only = {m["mountPath"] for m in c.get("volumeMounts", []) if m.get("readOnly")}
+            writable = {path for path, v in mounts.items() if "emptyDir" in v and path not in read_only}
+            if command(c):
+                assert "/tmp" in writable, where  # python-multipart's spooled uploads, torch, Triton's gcc
+            if command(c) in ("serve-encoder", "serve-decoder"):
+                assert home in writable, where
+            if c["name"] == "redis":
+                assert "/data" in writable, where  # its working directory (nothing saved: --save '')
+            for path in writable:  # a full node disk evicts every pod on it; a sizeLimit evicts only this one
+                assert mounts[path]["emptyDir"].get("sizeLimit"), f"{where}: {path} without a sizeLimit"
+
+
 # ---- exposure ---------------------------------------------------------------------------------------------
 def test_no_public_service_exposes_encode_torch_dist_or_redis(placement):
     _, docs = placement
@@ -327,6 +367,88 @@ def test_network_policies_keep_encode_torch_dist_and_redis_to_our_pods(placement
         assert admitted(docs, labels["encdec-redis"], 6379, encoder, pods["encdec-redis"])  # registers itself
 
 
+def policy_types(policy: dict) -> list[str]:
+    """A NetworkPolicy's policyTypes, with Kubernetes' default (Ingress, plus Egress when it has egress rules)."""
+    spec = policy["spec"]
+    return spec.get("policyTypes") or ["Ingress", *(["Egress"] if "egress" in spec else [])]
+
+
+def egress_allowed(
+    docs: list[dict], pod_labels: dict, peer: tuple[dict, dict] | None, port: int, protocol="TCP"
+) -> bool:
+    """Whether the NetworkPolicies let a pod labelled ``pod_labels`` connect to ``port`` of ``peer``: (namespace
+    labels, pod labels) of a pod, or ``OUTSIDE`` (None) for an address outside the cluster. An ipBlock counts as
+    reaching outside; a pod selector without a namespace selector means our namespace."""
+    policies = [
+        p
+        for p in of_kind(docs, "NetworkPolicy")
+        if matches(p["spec"]["podSelector"], pod_labels) and "Egress" in policy_types(p)
+    ]
+    if not policies:
+        return True  # not isolated for egress
+    for policy in policies:
+        for rule in policy["spec"].get("egress", []):
+            ports = rule.get("ports")
+            if ports and not any(p.get("protocol", "TCP") == protocol and p.get("port", port) == port for p in ports):
+                continue
+            for dest in rule.get("to") or [{"ipBlock": {"cidr": "0.0.0.0/0"}}]:  # no `to`: every destination
+                if "ipBlock" in dest:
+                    if peer is OUTSIDE or dest["ipBlock"]["cidr"] in ("0.0.0.0/0", "::/0"):
+                        return True
+                    continue
+                if peer is OUTSIDE:
+                    continue
+                namespace, labels = peer
+                in_namespace = (
+                    matches(dest["namespaceSelector"], namespace)
+                    if "namespaceSelector" in dest
+                    else namespace == OUR_NAMESPACE
+                )
+                if in_namespace and matches(dest.get("podSelector", {}), labels):
+                    return True
+    return False
+
+
+def test_each_component_reaches_only_what_it_calls(placement):
+    """Egress: the gateway the decoder and embed APIs; decoders Redis (and, split, the encoders: Encode and the
+    torch_dist pairs); encoders Redis and the decoders; embed nothing; Redis nothing at all; DNS for all but
+    Redis. Never an address outside the cluster, another namespace's pods, or a port of ours they do not use."""
+    name, docs = placement
+    pods = pod_templates(docs)
+    labels = {n: p["metadata"]["labels"] for n, p in pods.items()}
+    ours = {n: (OUR_NAMESPACE, lab) for n, lab in labels.items()}
+    stranger = (OUR_NAMESPACE, {"app": "someone-else"})
+    elsewhere = ({"kubernetes.io/metadata.name": "other"}, labels["encdec-redis"])  # our labels, another namespace
+    may = {  # deployment -> {(peer deployment, port or ANY)}; every other pair of ours is refused
+        "encdec-gateway": {("encdec-decoder", 50051), ("encdec-embed", 50071)},
+        "encdec-decoder": {("encdec-redis", 6379)},
+        "encdec-embed": set(),
+        "encdec-redis": set(),
+    }
+    if name in SPLIT:
+        # Encode, the TCPStore (29500) and the Gloo / NCCL pair connections, on ports the backend picks: every port
+        may["encdec-decoder"] |= {("encdec-encoder", ANY)}
+        may["encdec-encoder"] = {("encdec-redis", 6379), ("encdec-decoder", ANY)}
+    assert set(may) == set(pods)
+    ports = {50051, 50061, 50071, 6379, 29500, 9400, 9401, 8000, 40123}  # 40123: a pair port
+    for deployment, allowed in may.items():
+        own = labels[deployment]
+        assert any(
+            "Egress" in policy_types(p) and matches(p["spec"]["podSelector"], own)
+            for p in of_kind(docs, "NetworkPolicy")
+        ), f"{deployment}: no egress policy"
+        for port in ports | {443, 53}:
+            assert not egress_allowed(docs, own, OUTSIDE, port), f"{deployment} reaches outside on {port}"
+            assert not egress_allowed(docs, own, stranger, port), f"{deployment} reaches any pod on {port}"
+            assert not egress_allowed(docs, own, elsewhere, port), f"{deployment} reaches another namespace on {port}"
+            for peer in pods:
+                got = egress_allowed(docs, own, ours[peer], port)
+                assert got == bool({(peer, port), (peer, ANY)} & allowed), (deployment, peer, port, got)
+        dns = all(egress_allowed(docs, own, KUBE_DNS, 53, protocol) for protocol in ("UDP", "TCP"))
+        assert dns == (deployment != "encdec-redis"), deployment
+        assert not egress_allowed(docs, own, KUBE_DNS, 443), deployment  # DNS, not the whole DNS pod
+
+
 def test_pdbs_and_hpas_target_existing_deployments(placement):
     _, docs = placement
     pods = pod_templates(docs)
@@ -343,6 +465,28 @@ def test_pdbs_and_hpas_target_existing_deployments(placement):
     covered = {n for n, p in pods.items() for b in of_kind(docs, "PodDisruptionBudget")
                if matches(b["spec"]["selector"], p["metadata"]["labels"])}  # fmt: skip
     assert {"encdec-decoder", "encdec-embed", "encdec-gateway"} <= covered
+
+
+def memory_bytes(text: str) -> int:
+    """A Kubernetes quantity (``512Mi``) or a redis-server size (``384mb``) in bytes."""
+    number, unit = re.fullmatch(r"(\d+)([A-Za-z]*)", text).groups()
+    scale = {"": 1, "ki": 1024, "mi": 1024**2, "gi": 1024**3, "kb": 1024, "mb": 1024**2, "gb": 1024**3}
+    return int(number) * scale[unit.lower()]
+
+
+def redis_options(args: list[str]) -> dict[str, str]:
+    """``--name value`` pairs of a redis-server command line (the last of a repeated option wins, as in redis)."""
+    return {a[2:]: v for a, v in zip(args, args[1:]) if a.startswith("--")}
+
+
+def test_redis_caps_its_memory_below_its_limit_and_never_evicts():
+    """noeviction: running requests' records carry no TTL (allkeys-* would drop them) and the keys with one are the
+    replicas' leases (volatile-* would evict a live decoder's, and another replica would fail its requests)."""
+    (redis,) = containers(pod_templates(render(K8S / "colocated"))["encdec-redis"])
+    options = redis_options(redis["args"])
+    assert options["maxmemory-policy"] == "noeviction"
+    limit = memory_bytes(redis["resources"]["limits"]["memory"])
+    assert 0 < memory_bytes(options["maxmemory"]) <= 0.8 * limit  # room for Redis's own buffers under the limit
 
 
 # ---- secrets ----------------------------------------------------------------------------------------------
@@ -440,6 +584,9 @@ def test_compose_redis_requires_a_password_and_publishes_no_internal_port():
         published = {int(str(p).rpartition(":")[2]) for p in svc.get("ports", [])}
         assert not published & set(INTERNAL_PORTS), (name, published)
         env = svc.get("environment", {})
+        if name == "redis":
+            options = redis_options(svc["command"])
+            assert options["maxmemory-policy"] == "noeviction" and options["maxmemory"], options
         if "ENCDEC_REDIS_URL" in env:
             assert "@" not in env["ENCDEC_REDIS_URL"], name  # no password in the URL itself
             assert env.get("ENCDEC_REDIS_PASSWORD_FILE"), name

@@ -38,6 +38,8 @@ SERVICE_KEYS = {
     "shm_size",
     "deploy",
     "stop_grace_period",
+    "read_only",
+    "tmpfs",
 }
 DEFAULT_STOP_GRACE_PERIOD_S = 10.0  # compose's: SIGKILL this long after SIGTERM
 HEALTHCHECK_KEYS = {"test", "interval", "timeout", "retries", "start_period"}
@@ -215,6 +217,9 @@ def check_understood(project: Project) -> None:
             )
             for k in ("interval", "timeout", "start_period"):
                 parse_duration(hc.get(k, "0s"))
+        require(svc.get("read_only", True) is True, f"{where}: read_only must be true or absent")  # no local effect
+        for mount in svc.get("tmpfs", []):  # PATH[:mount options]; no local effect (the processes write where they run)
+            require(isinstance(mount, str) and mount.startswith("/"), f"{where}: tmpfs entry {mount!r}")
         for key, own_mode in (("ipc", "shareable"), ("pid", None)):  # namespace sharing: no local effect
             mode = svc.get(key)
             joined = mode.removeprefix("service:") if isinstance(mode, str) and mode.startswith("service:") else None
