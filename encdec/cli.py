@@ -99,6 +99,14 @@ def _up(args: argparse.Namespace) -> int:
             "Ctrl-C stops all.",
             flush=True,
         )
+        if services.public_token_file:  # bound beyond loopback: the public ports need the generated secrets
+            print(
+                f"bound beyond loopback: gRPC calls need the bearer token in {services.public_token_file} "
+                f"(encdec transcribe --token-file {services.public_token_file})",
+                flush=True,
+            )
+        if services.api_key_file:
+            print(f"the HTTP API needs 'Authorization: Bearer <the key in {services.api_key_file}>'", flush=True)
         while not stop and all(p.poll() is None for p in services.procs):
             time.sleep(0.5)
         dead = [f"{name} (exit code {code})" for name, code in services.exited().items()]

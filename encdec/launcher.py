@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import ipaddress
 import logging
 import os
 import shutil
@@ -176,7 +177,11 @@ class Services:
             and the embed service (0 picks a free port; None starts none). ``extra_http_args``: more flags.
         internal_token: generate an internal token (``shared.internal_auth``) in a private temporary
             directory and start both services with ``--internal-token-file`` (``internal_token_file``, removed
-            at ``stop``); ``encdec up`` and ``demo`` do.
+            at ``stop``); ``encdec up`` and ``demo`` do. With it, a public port bound beyond loopback (``--host`` in
+            a service's extra args, or ``ENCDEC_HOST``) never serves without a secret (issue 34 item 1): the
+            decoder and embed service get a generated bearer token (``--auth-token-file``, ``public_token_file``)
+            that the gateway sends (``--backend-token-file``), and the gateway a generated API key
+            (``ENCDEC_API_KEY`` in its environment, the key in ``api_key_file``), unless one of their own is given.
     """
 
     model: str | None = None
@@ -194,6 +199,8 @@ class Services:
     extra_http_args: list[str] = field(default_factory=list)
     internal_token: bool = False
     internal_token_file: str | None = None
+    public_token_file: str | None = None
+    api_key_file: str | None = None
     procs: list[subprocess.Popen] = field(default_factory=list)
     _redis: object = None
     _named: dict[str, tuple[subprocess.Popen, list[str], str]] = field(default_factory=dict)
@@ -224,9 +231,13 @@ class Services:
         """The environment of service ``name``: ours, plus ``ENCDEC_REDIS_URL`` for the services in
         ``REDIS_CLIENTS``. The URL carries the password, so it travels in the environment (readable by this user
         only, ``/proc/<pid>/environ``), never as ``--redis-url`` on a command line, which every local user reads."""
-        if name not in REDIS_CLIENTS or not self.redis_url:
-            return None
-        return {**os.environ, "ENCDEC_REDIS_URL": self.redis_url}
+        env = None
+        if name in REDIS_CLIENTS and self.redis_url:
+            env = {**os.environ, "ENCDEC_REDIS_URL": self.redis_url}
+        if name == "http" and self.api_key_file is not None:
+            with open(self.api_key_file) as f:
+                env = {**(env or os.environ), "ENCDEC_API_KEY": f.read().strip()}
+        return env
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "encdec.cli", "--log-level", self.log_level, *args]
@@ -336,9 +347,41 @@ class Services:
             )
         return ["--internal-token-file", self.internal_token_file]
 
+    def _secret_dir(self) -> str:
+        """The private (0700) temporary folder of the secrets generated here (removed at ``stop``)."""
+        if self.internal_token_file is not None:
+            return os.path.dirname(self.internal_token_file)
+        for path in (self.public_token_file, self.api_key_file):
+            if path is not None:
+                return os.path.dirname(path)
+        return tempfile.mkdtemp(prefix="encdec-token-")
+
+    def _public_secrets(self) -> tuple[list[str], list[str]]:
+        """``(token args of the decoder and embed service, the gateway's backend-token args)``: a generated
+        public token when a gRPC port is bound beyond loopback without one of the caller's own (``internal_token``
+        deployments: ``encdec up``); also generates the gateway's API key when its port is bound beyond loopback
+        without one (``api_key_file``)."""
+        if not self.internal_token:
+            return [], []
+        if self.http_port is not None and not _is_loopback(_host_of(self.extra_http_args)):
+            has_key = os.environ.get("ENCDEC_API_KEY") or _flag_given(self.extra_http_args, "--api-key")
+            if not has_key and self.api_key_file is None:
+                self.api_key_file = generate_token_file(os.path.join(self._secret_dir(), "api-key"))
+        own = os.environ.get("ENCDEC_AUTH_TOKEN") or os.environ.get("ENCDEC_AUTH_TOKEN_FILE")
+        own = own or _flag_given(self.extra_decoder_args, "--auth-token-file", "--auth-token")
+        public = not _is_loopback(_host_of(self.extra_decoder_args)) or (
+            self.embed_model is not None and not _is_loopback(_host_of([]))
+        )
+        if own or not public:
+            return [], []
+        if self.public_token_file is None:
+            self.public_token_file = generate_token_file(os.path.join(self._secret_dir(), "public-token"))
+        return ["--auth-token-file", self.public_token_file], ["--backend-token-file", self.public_token_file]
+
     def _start_services(self) -> None:
         model = ["--model", self.model] if self.model else []
         token = self._token_args()
+        public_token, backend_token = self._public_secrets()
         encoder = self._spawn(
             "encoder", ["serve-encoder", "--port", str(self.encoder_port), *model, *token, *self.extra_encoder_args]
         )
@@ -352,6 +395,7 @@ class Services:
                 self.encoder_address,
                 *model,
                 *token,
+                *public_token,
                 *self.extra_decoder_args,
             ],
         )
@@ -368,6 +412,7 @@ class Services:
                     self.embed_model,
                     "--metrics-port",
                     "9402",
+                    *public_token,
                 ],
             )
         wait_healthy(self.encoder_address, self.startup_timeout_s, encoder)
@@ -378,7 +423,9 @@ class Services:
             backends = ["--decoder-address", self.decoder_address]
             if self.embed_model:
                 backends += ["--embed-address", self.embed_address]
-            http = self._spawn("http", ["serve-http", "--port", str(self.http_port), *backends, *self.extra_http_args])
+            http = self._spawn(
+                "http", ["serve-http", "--port", str(self.http_port), *backends, *backend_token, *self.extra_http_args]
+            )
             wait_http_healthy(self.http_url, self.startup_timeout_s, http)
 
     def stop(self, timeout_s: float = 15.0) -> None:
@@ -396,15 +443,44 @@ class Services:
             with contextlib.suppress(Exception):
                 self._redis.stop()
             self._redis = None
-        if self.internal_token and self.internal_token_file is not None:  # generated here: gone with the services
-            shutil.rmtree(os.path.dirname(self.internal_token_file), ignore_errors=True)
-            self.internal_token_file = None
+        for path in (self.internal_token_file, self.public_token_file, self.api_key_file):
+            if self.internal_token and path is not None:  # generated here: gone with the services
+                shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+        if self.internal_token:
+            self.internal_token_file = self.public_token_file = self.api_key_file = None
 
     def __enter__(self) -> Services:
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _flag_given(args: list[str], *flags: str) -> bool:
+    """True when ``args`` hold one of ``flags`` (``--flag value`` or ``--flag=value``)."""
+    return any(a in flags or a.split("=", 1)[0] in flags for a in args)
+
+
+def _host_of(args: list[str]) -> str:
+    """The ``--host`` a service started with ``args`` binds: the last one in ``args``, else ``ENCDEC_HOST``, else
+    ``127.0.0.1`` (the services' default)."""
+    host = os.environ.get("ENCDEC_HOST", "127.0.0.1")
+    for i, a in enumerate(args):
+        if a == "--host" and i + 1 < len(args):
+            host = args[i + 1]
+        elif a.startswith("--host="):
+            host = a.split("=", 1)[1]
+    return host
+
+
+def _is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback addresses (``127.0.0.0/8``, ``::1``); False for ``0.0.0.0``, names..."""
+    if host.strip("[]") == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 @contextlib.contextmanager

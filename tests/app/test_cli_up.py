@@ -162,3 +162,35 @@ def test_up_dtype_reaches_both_services_and_a_service_flag_wins(redis_url):
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         proc.wait(timeout=60)
+
+
+def test_up_bound_beyond_loopback_serves_nothing_without_its_generated_secrets(redis_url):
+    """Issue 34 item 1: ``ENCDEC_HOST=0.0.0.0 encdec up`` generates a bearer token for the gRPC port (the gateway
+    sends it) and an API key for the HTTP port, says where they are, and refuses calls without them."""
+    import httpx
+
+    proc = _up("--redis-url", redis_url, env={**os.environ, "ENCDEC_HOST": "0.0.0.0"}, stderr=subprocess.DEVNULL)
+    try:
+        ready = next((line for line in proc.stdout if line.startswith("ready:")), "")
+        assert ready, "encdec up did not become ready"
+        address = ready.split(" at ")[1].split(",")[0]
+        url = ready.split("HTTP API at ")[1].split("/v1")[0]
+        with grpc.insecure_channel(address) as channel:  # before reading on: nothing more is printed on old code
+            stub = decoder_pb2_grpc.DecoderServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as err:
+                stub.GetStats(decoder_pb2.GetStatsRequest(), timeout=30)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            token_line, key_line = next(proc.stdout), next(proc.stdout)
+            token_file = token_line.split("--token-file ")[1].rstrip(")\n")
+            key_file = key_line.split("the key in ")[1].split(">")[0]
+            token, key = Path(token_file).read_text().strip(), Path(key_file).read_text().strip()
+            assert oct(Path(token_file).stat().st_mode & 0o777) == "0o600"
+            stats = stub.GetStats(decoder_pb2.GetStatsRequest(), metadata=[("authorization", f"Bearer {token}")])
+            assert stats.model
+        assert httpx.get(f"{url}/v1/models", timeout=30).status_code == 401
+        models = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=30)
+        assert models.status_code == 200, models.text  # the gateway reached the decoder with the token
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=60)
+    assert not Path(token_file).exists() and not Path(key_file).exists()  # gone with the services
