@@ -128,6 +128,6 @@ def run(config: EncoderServiceConfig) -> None:
             on_stop,
             **serve_hooks(lease),
             config=config,
-            public=False,  # Encode is internal: its own token (shared.internal_auth), no TLS / bearer token
+            public=False,  # Encode is internal: its own token (shared.internal_auth); TLS with --tls-cert
         )
     )

@@ -19,7 +19,7 @@ from grpc_health.v1._async import HealthServicer
 
 from shared.config.base import ServiceConfig
 from shared.errors import BindError, InvalidRequestError, status_for
-from shared.public_port import public_port_security, security_summary
+from shared.public_port import internal_port_credentials, public_port_security, security_summary
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +202,7 @@ async def serve(
             (``tls_cert``, ``tls_key``, ``tls_client_ca`` for mutual TLS: ``shared.tls``) and
             ``max_requests_per_client`` (``shared.client_limits``); on every port ``max_concurrent_rpcs``. None: ``GRPC_OPTIONS``, none of the rest.
         public: False for an internal port (the encoder's Encode, which has its own token,
-            ``shared.internal_auth``): no bearer token, no TLS, no per-client limit.
+            ``shared.internal_auth``): no bearer token, no per-client limit; TLS when ``config.tls_cert`` is set.
         ``config.health_port``, when set, serves the same health service alone on a plaintext port of ``address``'s
         host (probes that cannot speak TLS).
 
@@ -210,7 +210,7 @@ async def serve(
         BindError: the address cannot be bound.
         ValueError: the token file or a TLS file cannot be read or is not usable (the message names the setting).
     """
-    interceptors, credentials = public_port_security(config) if public else ([], None)
+    interceptors, credentials = public_port_security(config) if public else ([], internal_port_credentials(config))
     server = grpc.aio.server(
         options=server_options(config),
         interceptors=[*interceptors, ErrorStatusInterceptor()],

@@ -37,12 +37,25 @@ def public_port_security(
     return interceptors, credentials
 
 
+def internal_port_credentials(config: ServiceConfig | None) -> grpc.ServerCredentials | None:
+    """TLS of an internal port (the encoder's Encode) when ``config`` names a certificate (``tls_cert`` /
+    ``tls_key``, mutual TLS with ``tls_client_ca``), re-read on rotation; None: plaintext. Encode has its own token
+    (``shared.internal_auth``): no bearer token or per-client limit here.
+
+    Raises:
+        ValueError: a TLS file cannot be read or used.
+    """
+    if config is None or not config.tls_cert:
+        return None
+    return ReloadingServerCredentials(config.tls_cert, config.tls_key, config.tls_client_ca).credentials()
+
+
 def security_summary(config: ServiceConfig | None, public: bool, tls: bool, interceptors: list) -> str:
     """`` (TLS, bearer token, ...)`` for the start-up log line; never the token."""
     if config is None:
         return ""
     if not public:
-        return " (internal port)"
+        return " (internal port" + (", mutual TLS" if config.tls_client_ca else ", TLS" if tls else "") + ")"
     parts = ["mutual TLS" if config.tls_client_ca else "TLS" if tls else "plaintext"]
     has_token = any(isinstance(i, BearerTokenInterceptor) for i in interceptors)
     parts.append("bearer token required" if has_token else "no bearer token")

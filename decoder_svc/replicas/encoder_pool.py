@@ -30,6 +30,7 @@ from shared.grpc_server import GRPC_OPTIONS
 from shared.proto import encoder_pb2_grpc
 from shared.redis_url import redact_url, resolve_redis_url
 from shared.registry import RegistryUnavailableError, ReplicaInfo, ReplicaRegistry, host_id, shm_namespace_id
+from shared.tls import ClientSecurity
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,13 @@ class EncoderPool:
     def __init__(self, config: DecoderServiceConfig, shm_dir: str = "/dev/shm") -> None:
         self.config = config
         self.static = config.encoder_address != REGISTRY
+        # TLS to the encoders (--encoder-tls-ca ...); Encode's token travels as metadata of its own (internal_auth).
+        self.security = ClientSecurity(
+            tls_ca=config.encoder_tls_ca,
+            tls_cert=config.encoder_tls_cert,
+            tls_key=config.encoder_tls_key,
+            tls_server_name=config.encoder_tls_server_name,
+        )
         self.static_target = self._target("", config.encoder_address) if self.static else None
         self.registry: ReplicaRegistry | None = None
         if not self.static:
@@ -109,7 +117,7 @@ class EncoderPool:
         self._task: asyncio.Task | None = None
 
     def _target(self, replica_id: str, address: str) -> EncoderTarget:
-        channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS + RECONNECT_OPTIONS)
+        channel = self.security.channel(address, options=GRPC_OPTIONS + RECONNECT_OPTIONS)
         return EncoderTarget(
             replica_id,
             address,

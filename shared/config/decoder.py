@@ -25,6 +25,12 @@ class DecoderServiceConfig(ServiceConfig):
         encoder_address: ``host:port`` of the encoder service, or ``registry``: per Encode, a live encoder
             replica from the Redis registry that serves this model and can reach this decoder's KV pool, least
             loaded first (``decoder_svc.replicas.encoder_pool``).
+        encoder_tls_ca: PEM bundle of the CA that signed the encoders' certificates (their ``--tls-cert``): Encode
+            travels over TLS (issue 34 item 3: where decoder and encoder sit on other hosts, a plaintext Encode can
+            be read and captured on the way). Empty: plaintext (same host, or a network of its own).
+        encoder_tls_cert / encoder_tls_key: this decoder's client certificate and key, for encoders that require
+            mutual TLS (their ``--tls-client-ca``); both or neither.
+        encoder_tls_server_name: the name the encoders' certificates carry when it is not the address's host.
         redis_url: Redis holding request state and the replica registry.
         block_size: tokens per KV block (both cache groups).
         max_num_seqs: most sequences in the running batch.
@@ -157,6 +163,10 @@ class DecoderServiceConfig(ServiceConfig):
 
     port: int = 50051
     encoder_address: str = DEFAULT_ENCODER_ADDRESS
+    encoder_tls_ca: str = ""
+    encoder_tls_cert: str = ""
+    encoder_tls_key: str = ""
+    encoder_tls_server_name: str = ""
     redis_url: str = "redis://127.0.0.1:6379/0"
     block_size: int = 16
     max_num_seqs: int = 16

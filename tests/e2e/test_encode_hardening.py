@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 import socket
 import struct
+import subprocess
 import threading
 import time
 import uuid
@@ -250,7 +251,8 @@ def test_silent_torch_dist_peer_does_not_block_other_encodes(services, stub, aut
             assert tokens[:-1] == hf_whisper_tokens["short.wav"]
 
             shape = (WHISPER["layers"], 2, NEEDED + 1, 16, WHISPER["heads"], WHISPER["head_dim"])
-            other = create_pool("torch_dist", shape, address="127.0.0.1:0")  # a second, real torch_dist decoder
+            # a second, real torch_dist decoder of this deployment (its pairing signed with the internal token)
+            other = create_pool("torch_dist", shape, address="127.0.0.1:0", pair_key=auth.pair_key)
             try:
                 other.tensor.fill_(-3.0)
                 spec = other.spec
@@ -329,3 +331,77 @@ def test_mismatched_token_files_fail_generate_with_a_message_to_act_on(redis_url
             record = stub.GetRequest(decoder_pb2.GetRequestRequest(request_id=request_id))
             assert record.state == decoder_pb2.REQUEST_STATE_FAILED, record
             assert_all_blocks_free(stub)
+
+
+def test_encode_travels_over_tls_when_the_encoder_has_a_certificate(redis_url, tmp_path):
+    """Issue 34 item 3 (placements across hosts): an encoder started with --tls-cert / --tls-key serves Encode over
+    TLS only (a plaintext caller gets nothing), and a decoder given --encoder-tls-ca transcribes through it."""
+    from helpers.cli import encdec
+    from helpers.tls_certs import have_openssl, make_pki
+
+    from encdec.launcher import stop_processes, wait_healthy
+    from encdec.redis_server import free_ports
+    from shared.tls import ClientSecurity
+
+    if not have_openssl():
+        pytest.skip("needs the openssl command")
+    pki = make_pki(tmp_path / "pki")
+    token = generate_token_file(str(tmp_path / "internal-token"))
+    encoder_port, decoder_port, m1, m2 = free_ports(4)
+    common = ["--internal-token-file", token]
+    procs = []
+    try:
+        with open(tmp_path / "encoder.log", "ab") as log:
+            procs.append(
+                subprocess.Popen(
+                    encdec(
+                        "serve-encoder",
+                        "--port",
+                        str(encoder_port),
+                        "--metrics-port",
+                        str(m1),
+                        *common,
+                        "--tls-cert",
+                        pki.server_cert,
+                        "--tls-key",
+                        pki.server_key,
+                    ),  # fmt: skip
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+        encoder = f"127.0.0.1:{encoder_port}"
+        wait_healthy(encoder, 120, procs[0], ClientSecurity(tls_ca=pki.ca).credentials())
+        with grpc.insecure_channel(encoder) as channel:  # a plaintext caller (a sniffed Encode replayed) gets nothing
+            with pytest.raises(grpc.RpcError) as err:
+                encoder_pb2_grpc.EncoderServiceStub(channel).Encode(encoder_pb2.EncodeRequest(), timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+        with open(tmp_path / "decoder.log", "ab") as log:
+            procs.append(
+                subprocess.Popen(
+                    encdec(
+                        "serve-decoder",
+                        "--port",
+                        str(decoder_port),
+                        "--metrics-port",
+                        str(m2),
+                        *common,
+                        "--encoder-address",
+                        encoder,
+                        "--redis-url",
+                        redis_url,
+                        "--encoder-tls-ca",
+                        pki.ca,
+                    ),  # fmt: skip
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+        wait_healthy(f"127.0.0.1:{decoder_port}", 120, procs[1])
+        with grpc.insecure_channel(f"127.0.0.1:{decoder_port}") as channel:
+            stub = decoder_pb2_grpc.DecoderServiceStub(channel)
+            request = decoder_pb2.GenerateRequest(audio=(DATA_DIR / "sample.wav").read_bytes())
+            text = "".join(m.text for m in stub.Generate(request, timeout=120))
+        assert "quarterly budget" in text, text
+    finally:
+        stop_processes(procs)
