@@ -207,13 +207,21 @@ class RequestStateStore:
 
     @contextlib.contextmanager
     def _reachable(self):
-        """Turns Redis's connection errors and timeouts into a ``RedisUnavailableError`` a client can act on."""
+        """Turns Redis's connection errors, timeouts and a full Redis (OOM under ``noeviction``) into a
+        ``RedisUnavailableError`` a client can act on (UNAVAILABLE; a final state is then written once Redis takes
+        it, ``Sessions.flush_unrecorded``)."""
         try:
             yield
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             raise RedisUnavailableError(
                 f"Redis at {redact_url(self.redis_url)} is unreachable ({exc}): the request state cannot be "
                 "recorded or read; retry the request once Redis is back, or send it to another replica"
+            ) from exc
+        except redis.exceptions.OutOfMemoryError as exc:  # maxmemory with noeviction: as good as unreachable
+            raise RedisUnavailableError(
+                f"Redis at {redact_url(self.redis_url)} is full (its maxmemory, policy noeviction): the request "
+                "state cannot be recorded; retry later (finished records expire and free room), or raise Redis's "
+                "maxmemory"
             ) from exc
 
     def close(self) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import redis
 
-from decoder_svc.replicas.request_state import RequestStateStore
+from decoder_svc.replicas.request_state import RedisUnavailableError, RequestStateStore
 from encdec.redis_server import MAXMEMORY, LocalRedisServer
 
 
@@ -21,9 +21,10 @@ def test_a_full_local_redis_refuses_new_records_and_keeps_every_old_one():
     with LocalRedisServer(extra_args=("--maxmemory", "2mb")) as server:  # the last --maxmemory wins
         store = RequestStateStore(server.url)
         created = 0
-        with pytest.raises(redis.exceptions.OutOfMemoryError):
+        with pytest.raises(RedisUnavailableError, match="is full") as err:
             for created in range(100_000):  # noqa: B007 - the count is read after the loop
                 store.create(f"r{created}", "m")
+        assert isinstance(err.value.__cause__, redis.exceptions.OutOfMemoryError)  # UNAVAILABLE, not INTERNAL
         assert created > 100
         assert all(store.get(f"r{i}") is not None for i in range(created))  # nothing evicted
         store.close()
