@@ -11,6 +11,7 @@ from fastapi import Depends, FastAPI
 from gateway_svc import errors
 from gateway_svc.backends import Backends
 from gateway_svc.config import GatewayConfig
+from gateway_svc.limits import CallLimitMiddleware
 from gateway_svc.metrics import GatewayMetrics, MetricsMiddleware
 from gateway_svc.route_support import require_api_key
 from gateway_svc.routes import audio, completions, embeddings, meta, realtime
@@ -44,6 +45,12 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
     app.include_router(embeddings.router, dependencies=guarded)
     app.include_router(realtime.router)  # a WebSocket: it checks the API key at its handshake itself
     app.add_middleware(UploadLimitMiddleware, upload_bytes=cfg.max_upload_bytes, request_bytes=cfg.max_request_bytes)
+    app.add_middleware(  # outside the body limit: a refused call is answered before its body is read
+        CallLimitMiddleware,
+        per_client=cfg.max_requests_per_client,
+        in_all=cfg.max_concurrent_requests,
+        api_key=cfg.api_key,
+    )
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     app.add_middleware(errors.RequestIdMiddleware)  # outermost: every answer carries X-Request-Id
     return app

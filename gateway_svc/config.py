@@ -11,6 +11,10 @@ DEFAULT_MAX_UPLOAD_MB = 25.0
 DEFAULT_MAX_REQUEST_MB = 8.0
 # OpenAI's documented limit of inputs in one /v1/embeddings request.
 DEFAULT_MAX_EMBEDDING_INPUTS = 2048
+# Calls in flight per client (a quarter of the backends' per-address 256: several clients share a backend through
+# the gateway's one address) and in all (TEI's --max-concurrent-requests default).
+DEFAULT_MAX_REQUESTS_PER_CLIENT = 64
+DEFAULT_MAX_CONCURRENT_REQUESTS = 512
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,6 +35,10 @@ class GatewayConfig:
         max_request_mb: largest JSON request body in MB (10^6 bytes); larger is 413, refused before it is read
             whole (TEI's ``--payload-limit``).
         max_embedding_inputs: most ``input`` items of one ``/v1/embeddings`` request (400 beyond).
+        max_requests_per_client: most calls in flight per client: its API key when ``api_key`` is set (and sent),
+            else its address; more get 429 (``gateway_svc.limits``). 0 = no limit.
+        max_concurrent_requests: most calls in flight in the gateway, every client together; more get 503.
+            ``/health`` and ``/metrics`` are outside both limits. 0 = no limit.
         request_timeout_s: the gRPC deadline of each backend call (seconds).
         model_aliases: more names for served models, ``alias=model`` comma-separated
             (``whisper-1=whisper-tiny.en,text-embedding-3-small=all-MiniLM-L6-v2``), so that code written for
@@ -57,6 +65,8 @@ class GatewayConfig:
     max_upload_mb: float = DEFAULT_MAX_UPLOAD_MB
     max_request_mb: float = DEFAULT_MAX_REQUEST_MB
     max_embedding_inputs: int = DEFAULT_MAX_EMBEDDING_INPUTS
+    max_requests_per_client: int = DEFAULT_MAX_REQUESTS_PER_CLIENT
+    max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS
     request_timeout_s: float = 600.0
     model_aliases: str = ""
     tls_cert: str = ""
@@ -82,6 +92,10 @@ class GatewayConfig:
             raise ValueError(f"max_request_mb must be > 0, got {self.max_request_mb:g}")
         if self.max_embedding_inputs < 1:
             raise ValueError(f"max_embedding_inputs must be >= 1, got {self.max_embedding_inputs}")
+        if self.max_requests_per_client < 0:
+            raise ValueError(f"max_requests_per_client must be >= 0 (0 = no limit), got {self.max_requests_per_client}")
+        if self.max_concurrent_requests < 0:
+            raise ValueError(f"max_concurrent_requests must be >= 0 (0 = no limit), got {self.max_concurrent_requests}")
         if self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s:g}")
         self.aliases  # noqa: B018 - parses model_aliases: a malformed entry fails the start

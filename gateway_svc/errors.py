@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import math
 import re
 import uuid
 
@@ -159,7 +160,22 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 
 # The scope key under which gateway_svc.upload leaves the 413 of a body that went over its limit.
 TOO_LARGE_KEY = "encdec.too_large"
-RETRY_AFTER_S = "1"  # 429 (a decoder's full queue) and 503 (a backend down): clients back off before retrying
+# Retry-After of a 429 (a decoder's full queue, a client at its limit) or 503 (a backend down, the gateway full):
+# seconds a client backs off before retrying; the wait a refusal states, within these bounds.
+RETRY_AFTER_MIN_S = 1
+RETRY_AFTER_MAX_S = 120
+# The wait a decoder's refusal states: "... an estimated 31.4 s (max_queue_time_s=30) ..."
+# (decoder_svc.session.admission).
+_ESTIMATED_WAIT = re.compile(r"\bestimated (?:wait of )?(\d+(?:\.\d+)?) s\b")
+
+
+def retry_after_s(message: str) -> int:
+    """Retry-After (seconds) of a refusal: the estimated wait ``message`` states, rounded up and bounded to
+    [``RETRY_AFTER_MIN_S``, ``RETRY_AFTER_MAX_S``]; ``RETRY_AFTER_MIN_S`` when it states none."""
+    found = _ESTIMATED_WAIT.search(message)
+    if found is None:
+        return RETRY_AFTER_MIN_S
+    return min(max(math.ceil(float(found.group(1))), RETRY_AFTER_MIN_S), RETRY_AFTER_MAX_S)
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
@@ -167,7 +183,7 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     if status == 401:
         headers = {"WWW-Authenticate": "Bearer"}
     elif status in (429, 503):
-        headers = {"Retry-After": RETRY_AFTER_S}
+        headers = {"Retry-After": str(retry_after_s(message))}
     return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 

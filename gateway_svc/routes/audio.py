@@ -12,8 +12,9 @@ an English-only model) is the decoder's INVALID_ARGUMENT, answered as a 400 nami
 The decoder reads every audio and video format FFmpeg does (``decoder_svc.session.audio``); the gateway never
 decodes. The upload (spooled by Starlette, to disk past 1 MB; the body limit: ``gateway_svc.upload``) is read once,
 straight into the serialized Generate request (``generate_wire``), so the gateway holds one copy of the audio per
-request (two for the instant gRPC's ``bytes`` is made), not the read bytes, protobuf's copy and its serialization.
-The duration reported is the decoder's.
+request (two for the instant gRPC's ``bytes`` is made), not the read bytes, protobuf's copy and its serialization;
+and only until gRPC has sent it (``OneShot``), not for the whole call: a queued or long transcription holds its
+spooled file on disk, closed, and no audio in memory. The duration reported is the decoder's.
 """
 
 from __future__ import annotations
@@ -249,6 +250,24 @@ def generate_wire(head: decoder_pb2.GenerateRequest, upload: UploadFile, size: i
     return bytes(wire)  # gRPC sends bytes only; the bytearray is freed on return
 
 
+class OneShot:
+    """A serialized request that gRPC takes once (its ``request_serializer`` is ``OneShot.take``).
+
+    A grpc.aio call keeps its request object for its whole life (``UnaryStreamCall._request``), and a unary
+    request's bytes until the server's first answer; so Generate is called as a stream of this one request
+    (the same HTTP/2 frames), whose serialization lives only until it is sent.
+    """
+
+    __slots__ = ("wire",)
+
+    def __init__(self, wire: bytes) -> None:
+        self.wire = wire
+
+    def take(self) -> bytes:
+        wire, self.wire = self.wire, b""
+        return wire
+
+
 def _varint(n: int) -> bytes:
     out = bytearray()
     while True:
@@ -271,11 +290,11 @@ async def _transcribe(request: Request, b: Backends, cfg: GatewayConfig, task: s
         wire = await asyncio.to_thread(generate_wire, head, upload, fields.pop("size"))
     finally:
         await upload.close()
-    generate = backend.channel.unary_stream(
-        GENERATE_METHOD, request_serializer=None, response_deserializer=decoder_pb2.GenerateResponse.FromString
+    generate = backend.channel.stream_stream(
+        GENERATE_METHOD, request_serializer=OneShot.take, response_deserializer=decoder_pb2.GenerateResponse.FromString
     )
-    call = generate(wire, timeout=cfg.request_timeout_s)
-    del wire  # the call holds what gRPC copied
+    call = generate(iter([OneShot(wire)]), timeout=cfg.request_timeout_s)
+    del wire  # gRPC's write takes it out of the OneShot; freed once sent
     try:
         first = await unless_disconnected(request, call.read())
     except grpc.RpcError as exc:  # refused before any output: the 400 names the field

@@ -7,18 +7,18 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
+from helpers.gateway_process import gateway_process
 from helpers.plumbing_server import plumbing_server
 from prometheus_client.parser import text_string_to_metric_families
 
-from encdec.launcher import http_gateway, stop_processes
-from encdec.redis_server import free_port, free_ports
+from decoder_svc.session.admission import AdmissionQueue
+from encdec.launcher import http_gateway
+from encdec.redis_server import free_ports
+from shared.errors import ResourceExhaustedError
 
 EMBED = "all-MiniLM-L6-v2"
 API_KEY = "sk-test-gateway-3c1f0e"
@@ -37,26 +37,8 @@ def unhealthy_gateway(
 ):
     """A gateway (``encdec serve-http``) whose ``/health`` is expected to fail: ready once it answers at all.
     ``log``: a file for its output (default: ours)."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "encdec.cli", "--log-level", "WARNING", "serve-http", "--port", str(port)]
-    cmd += ["--decoder-address", ",".join(decoder_addresses)]
-    cmd += ["--embed-address", ",".join(embed_addresses)] if embed_addresses else []
-    with open(log, "ab") if log else contextlib.nullcontext() as out:
-        proc = subprocess.Popen(cmd, start_new_session=True, stdout=out, stderr=subprocess.STDOUT if out else None)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            assert proc.poll() is None, f"the gateway exited with {proc.returncode}"
-            try:
-                httpx.get(f"{url}/health", timeout=10)
-                break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline, "the gateway did not answer"
-                time.sleep(0.2)
+    with gateway_process(decoder_addresses, embed_addresses, log=log, timeout_s=timeout_s) as (url, _):
         yield url
-    finally:
-        stop_processes([proc])
 
 
 def test_no_api_key_is_401_with_www_authenticate(keyed_gateway):
@@ -176,6 +158,36 @@ def test_backend_messages_meant_for_the_user_pass_unchanged(failing_backend, cod
     body = {"model": "plumbing", "prompt": f"fail:{code}:{details}", "max_tokens": 1}
     response = httpx.post(url + "/v1/completions", json=body, timeout=30)
     assert response.status_code == status and response.json()["error"]["message"] == details, response.text
+
+
+def queue_time_refusal(wait_s: float) -> str:
+    """The message of a real ``AdmissionQueue``'s refusal whose estimated wait is ``wait_s`` (max_queue_time_s=30)."""
+    now = [0.0]
+    queue = AdmissionQueue(100, 30.0, clock=lambda: now[0])
+    queue.admit(0, None)  # the queue starts a busy period at 0 s
+    now[0] = wait_s  # nothing left it since: the open gap is the estimated wait
+    with pytest.raises(ResourceExhaustedError) as refused:
+        queue.admit(0, None)
+    return str(refused.value)
+
+
+@pytest.mark.parametrize(("wait_s", "retry_after"), [(31.4, "32"), (36.0, "36"), (900.0, "120")])
+def test_retry_after_is_the_decoders_estimated_wait(failing_backend, wait_s, retry_after):
+    url, _ = failing_backend
+    details = queue_time_refusal(wait_s)
+    assert f"estimated {wait_s:.1f} s" in details, details
+    body = {"model": "plumbing", "prompt": f"fail:RESOURCE_EXHAUSTED:{details}", "max_tokens": 1}
+    response = httpx.post(url + "/v1/completions", json=body, timeout=30)
+    assert response.status_code == 429 and response.json()["error"]["message"] == details, response.text
+    assert response.headers["retry-after"] == retry_after, response.headers
+
+
+def test_retry_after_is_1_without_an_estimated_wait(failing_backend):
+    url, _ = failing_backend
+    details = "this decoder is overloaded: 9 requests are waiting (max_waiting_requests=8); retry later"
+    body = {"model": "plumbing", "prompt": f"fail:RESOURCE_EXHAUSTED:{details}", "max_tokens": 1}
+    response = httpx.post(url + "/v1/completions", json=body, timeout=30)
+    assert response.status_code == 429 and response.headers["retry-after"] == "1", response.headers
 
 
 def request_counts(url: str) -> dict[tuple[str, str, str], float]:

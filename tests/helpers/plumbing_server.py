@@ -2,11 +2,13 @@
 the public port's plumbing (bearer token, TLS, per-client limit) without a model.
 
 ``python -m helpers.plumbing_server PORT '{"auth_token_file": ..., ...}'`` serves until SIGTERM; the JSON holds
-``DecoderServiceConfig`` fields. Its servicer: ``GetStats`` answers ``model="plumbing"`` (a text model);
-``GetRequest`` of id ``sleep:S`` answers NOT_FOUND after ``S`` seconds (a slow control call);
-``Generate`` streams ``sampling.max_tokens`` messages (default 1) 50 ms apart, each with the request's ``text``,
-except that a ``text`` of ``fail:<CODE>:<details>`` ends the call at once with that gRPC status and details (what a
-failing backend tells the HTTP gateway).
+``DecoderServiceConfig`` fields, and ``"input_kind": "audio"`` for a speech model. Its servicer: ``GetStats``
+answers ``model="plumbing"`` (a text model, or a speech one); ``GetRequest`` of id ``sleep:S`` answers NOT_FOUND
+after ``S`` seconds (a slow control call); ``Generate`` streams ``sampling.max_tokens`` messages (default 1) 50 ms
+apart, each with the request's ``text``, except that a ``text`` of ``fail:<CODE>:<details>`` ends the call at once
+with that gRPC status and details (what a failing backend tells the HTTP gateway). An audio request
+(``/v1/audio/*``) whose Whisper ``prompt`` is ``S`` or ``S:N`` waits S seconds, then streams N messages (default 1)
+50 ms apart, each with the audio's length (``"<bytes> bytes"``).
 ``plumbing_server(config)`` starts one on a free port and yields its address once health answers.
 """
 
@@ -27,10 +29,12 @@ TESTS = Path(__file__).resolve().parent.parent
 class PlumbingServicer:
     """The test's DecoderService: enough RPCs to see the interceptors at work (built inside the server process)."""
 
+    input_kind = "text"
+
     async def GetStats(self, request, context):
         from shared.proto import decoder_pb2
 
-        return decoder_pb2.DecoderStats(model="plumbing", input_kind="text")
+        return decoder_pb2.DecoderStats(model="plumbing", input_kind=self.input_kind)
 
     async def GetRequest(self, request, context):
         """A control call that takes ``S`` seconds for a request id ``sleep:S``, then knows no such request."""
@@ -45,6 +49,14 @@ class PlumbingServicer:
 
         from shared.proto import decoder_pb2
 
+        if request.audio:
+            logging.getLogger("plumbing").info("audio of %d bytes", len(request.audio))  # tests wait for the line
+            wait_s, _, count = request.whisper.prompt.partition(":")
+            await asyncio.sleep(float(wait_s or 0))
+            for _ in range(int(count or 1)):
+                yield decoder_pb2.GenerateResponse(request_id="plumbing", text=f"{len(request.audio)} bytes")
+                await asyncio.sleep(0.05)
+            return
         if request.text.startswith("fail:"):
             _, code, details = request.text.split(":", 2)
             await context.abort(grpc.StatusCode[code], details)
@@ -59,8 +71,9 @@ def main(port: int, fields: dict) -> None:
     from shared.proto import decoder_pb2_grpc
 
     logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")
+    kind = fields.pop("input_kind", "text")
     config = DecoderServiceConfig(port=port, metrics_port=0, **fields)
-    servicer = type("Servicer", (PlumbingServicer, decoder_pb2_grpc.DecoderServiceServicer), {})()
+    servicer = type("Servicer", (PlumbingServicer, decoder_pb2_grpc.DecoderServiceServicer), {"input_kind": kind})()
     asyncio.run(
         serve(
             lambda server: decoder_pb2_grpc.add_DecoderServiceServicer_to_server(servicer, server),
