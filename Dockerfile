@@ -20,9 +20,9 @@ FROM ${BASE_IMAGE}
 # gcc: Triton compiles its launcher at run time; libsndfile1: audio decoding.
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libsndfile1 \
  && rm -rf /var/lib/apt/lists/*
-# /secrets, /run/encdec, /run/encdec-backend: mount points of compose's internal-token, redis-secret and
-# backend-token volumes (a new named volume takes this owner).
-RUN useradd --create-home --uid 1000 encdec && mkdir -p /models /app /secrets /run/encdec /run/encdec-backend && chown encdec:encdec /models /app /secrets /run/encdec /run/encdec-backend
+# /secrets, /run/encdec, /run/encdec-backend, /run/encdec-api: mount points of compose's internal-token,
+# redis-secret, backend-token and api-key volumes (a new named volume takes this owner).
+RUN useradd --create-home --uid 1000 encdec && mkdir -p /models /app /secrets /run/encdec /run/encdec-backend /run/encdec-api && chown encdec:encdec /models /app /secrets /run/encdec /run/encdec-backend /run/encdec-api
 USER encdec
 WORKDIR /app
 COPY --chown=encdec:encdec . /app

@@ -19,7 +19,12 @@ from gateway_svc.upload import UploadLimitMiddleware
 
 
 def create_app(cfg: GatewayConfig) -> FastAPI:
-    """The gateway application for ``cfg``; its backends are discovered when it starts (its lifespan)."""
+    """The gateway application for ``cfg``; its backends are discovered when it starts (its lifespan).
+
+    Raises:
+        ValueError: ``cfg.api_key_file`` cannot be read or is empty.
+    """
+    cfg = cfg.with_api_key_read()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

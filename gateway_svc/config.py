@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+
+from shared.public_auth import read_token_file
 
 # OpenAI's documented upload limit for /v1/audio/* (25 MB).
 DEFAULT_MAX_UPLOAD_MB = 25.0
@@ -29,7 +32,9 @@ class GatewayConfig:
             same model are balanced with gRPC's ``round_robin`` policy; each model is routed to its own.
         embed_address: the embed services (encoder services of encoder-only models), as ``decoder_address``.
         api_key: when set, every route but ``/health`` needs ``Authorization: Bearer <api_key>`` (401
-            otherwise). Prefer ``ENCDEC_API_KEY`` to the flag (a flag shows in ``ps``).
+            otherwise). Prefer ``ENCDEC_API_KEY`` or ``api_key_file`` to the flag (a flag shows in ``ps``).
+        api_key_file: a file holding ``api_key`` (read at start-up, ``with_api_key_read``; whitespace stripped):
+            compose's generated key.
         max_upload_mb: largest request body of ``/v1/audio/*`` in MB (10^6 bytes); larger is 413, refused
             before the body is read whole.
         max_request_mb: largest JSON request body in MB (10^6 bytes); larger is 413, refused before it is read
@@ -54,7 +59,7 @@ class GatewayConfig:
 
     Raises:
         ValueError: no backend address, a limit out of range, a lone half of a certificate / key pair, or both
-            ``backend_token`` and ``backend_token_file``.
+            ``backend_token`` and ``backend_token_file`` (or ``api_key`` and ``api_key_file``).
     """
 
     host: str = "127.0.0.1"
@@ -62,6 +67,7 @@ class GatewayConfig:
     decoder_address: str = ""
     embed_address: str = ""
     api_key: str = ""
+    api_key_file: str = ""
     max_upload_mb: float = DEFAULT_MAX_UPLOAD_MB
     max_request_mb: float = DEFAULT_MAX_REQUEST_MB
     max_embedding_inputs: int = DEFAULT_MAX_EMBEDDING_INPUTS
@@ -105,8 +111,23 @@ class GatewayConfig:
             raise ValueError("backend_tls_cert and backend_tls_key go together: set both (PEM files) or neither")
         if self.backend_token and self.backend_token_file:
             raise ValueError("backend_token and backend_token_file are both set: keep one")
+        if self.api_key and self.api_key_file:
+            raise ValueError("api_key and api_key_file are both set: keep one")
         if self.backend_tls_server_name and not (self.backend_tls_ca or self.backend_tls_cert):
             raise ValueError("backend_tls_server_name is for TLS backends: set backend_tls_ca too")
+
+    def with_api_key_read(self) -> GatewayConfig:
+        """This config with ``api_key_file``'s key as ``api_key`` (itself when there is no file).
+
+        Raises:
+            ValueError: the file cannot be read or is empty.
+        """
+        if not self.api_key_file:
+            return self
+        key = read_token_file(self.api_key_file, "api_key_file")
+        if not key:
+            raise ValueError(f"api_key_file {self.api_key_file!r} is empty; write the key in it")
+        return dataclasses.replace(self, api_key=key, api_key_file="")
 
     @property
     def aliases(self) -> dict[str, str]:

@@ -51,7 +51,8 @@ def run(config: GatewayConfig, log_level: str = "info") -> None:
         BindError: the port cannot be bound.
         ValueError: a TLS or token file cannot be read or used (the message names the setting).
     """
-    security = backend_security(config)  # before binding: a wrong path fails the start
+    config = config.with_api_key_read()  # before binding: a wrong path fails the start
+    security = backend_security(config)
     if config.tls_cert:
         server_credentials(config.tls_cert, config.tls_key)  # checks the pair as the gRPC services do
     sock = bind(config.host, config.port)

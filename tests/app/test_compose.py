@@ -162,7 +162,9 @@ def test_environment_names_real_config_fields_and_validates(project, monkeypatch
 def test_each_gateway_reaches_its_profiles_decoder_and_embed_service(project):
     for name, svc in gateways(project).items():
         config = config_from(GatewayConfig, env={k: str(v) for k, v in svc["environment"].items()})
-        assert not config.api_key  # ENCDEC_API_KEY: empty unless set in the shell or .env
+        # Issue 34: the HTTP port always needs a key: the secrets service's file (ENCDEC_API_KEY, else generated)
+        assert not config.api_key and config.api_key_file == "/run/encdec-api/api-key"
+        assert "api-key:/run/encdec-api" in svc["volumes"]
         for targets, role in ((config.decoder_targets, "decoder"), (config.embed_targets, "embed")):
             assert len(targets) == 1, (name, role)
             host, _, port = targets[0].rpartition(":")
@@ -239,8 +241,9 @@ def test_models_volume_and_gpu_profile(project):
     assert "models" in project.volumes
     for name, svc in model_services(project).items():
         assert "models:/models" in svc["volumes"], name
-    for name, svc in gateways(project).items():  # no model: neither the volume nor a GPU (only the backend token)
-        assert svc["volumes"] == ["backend-token:/run/encdec-backend"] and "deploy" not in svc, name
+    for name, svc in gateways(project).items():  # no model: neither the volume nor a GPU (the token and API key)
+        assert svc["volumes"] == ["backend-token:/run/encdec-backend", "api-key:/run/encdec-api"], name
+        assert "deploy" not in svc, name
     gpu = in_profile(project, "gpu")
     for name, svc in gpu.items():
         if name in model_services(project):
@@ -460,7 +463,10 @@ def test_http_gateway_through_the_published_http_port(deployment):
         )
         expected = "".join(m.text for m in messages).strip()
     assert expected
+    key = Path(deployment.env("http")["ENCDEC_API_KEY_FILE"]).read_text().strip()  # the secrets service's
     with httpx.Client(base_url=url, timeout=120) as client:
+        assert client.get("/v1/models").status_code == 401  # secure by default: no key, no API (issue 34)
+        client.headers["Authorization"] = f"Bearer {key}"
         health = client.get("/health")
         counts = health.json()["backends"]  # counts only: /health is open to all (issue 34 item 8)
         assert health.status_code == 200 and counts["serving"] == counts["total"] > 0, health.text
