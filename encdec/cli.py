@@ -432,9 +432,14 @@ def main(argv: list[str] | None = None) -> int:
         UnavailableError,
     )
 
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        if args.command == "bench" and getattr(args, "cpu_isa", None):
+            from encdec.bench.cpu_isa import cap_process
+
+            cap_process(args.cpu_isa, argv)  # returns once the cap is in this process's environment
         return COMMANDS[args.command](args)
     except ValueError as exc:  # config validation
         print(f"encdec: error: {exc}", file=sys.stderr)

@@ -453,6 +453,16 @@ def _add_bench(sub) -> None:
     add_transfer_arguments(p)
     p.set_defaults(func=BenchEntry("transfer", "run"))
 
+    for p in benches.choices.values():  # common to every bench, as the machine line is
+        p.add_argument(
+            "--cpu-isa",
+            choices=["avx2", "avx512"],
+            default=None,
+            help="cap every system (our kernels, torch ATen, MKL, oneDNN, CTranslate2) to this instruction set, "
+            "to reproduce an AVX2 CPU's ratios on an AVX-512 machine (encdec.bench.cpu_isa; re-runs the bench "
+            "with the variables set)",
+        )
+
 
 def _add_suite_arguments(p: argparse.ArgumentParser) -> None:
     """The ``encdec bench all`` flags."""

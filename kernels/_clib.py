@@ -5,6 +5,16 @@ One plain C library (no Python API) opened with ctypes: ``packed_linear``,
 share (``parallel.h``).
 Each kernel exports a ``<kernel>_supported()`` that says whether this CPU runs
 its code (AVX2/FMA).
+
+``ENCDEC_MAX_CPU_ISA`` (``avx2`` or ``avx512``; unset: none) caps every kernel of the library, process-wide, read
+once when it loads (``encdec_max_isa`` in ``kernels/csrc/parallel.h``): under ``avx2`` packed_linear's micro-kernel
+is the AVX2/FMA one (``packed_linear.use_isa("avx512")`` is refused, ``calibration.calibrate_packed_isa`` has one
+candidate) and bfloat16 weights (AVX-512 BF16) are off, as are the services' ``--dtype bfloat16`` on the CPU
+(``shared.device.cpu_bf16_flags``); under ``avx512`` only bfloat16 weights are off. The other kernels (paged decode
+attention, argmax, row norm) are AVX2/FMA only. It caps our kernels alone: torch's ATen, MKL, oneDNN and
+CTranslate2 take ``ATEN_CPU_CAPABILITY`` / ``MKL_ENABLE_INSTRUCTIONS`` / ``ONEDNN_MAX_CPU_ISA`` /
+``CT2_FORCE_CPU_ISA``, which must be set before the process starts (``isa_cap_environment`` gives all five;
+``encdec bench --cpu-isa`` sets them).
 """
 
 from __future__ import annotations
@@ -16,9 +26,55 @@ import os
 from collections.abc import Callable
 from functools import lru_cache
 
-ABI_VERSION = 5  # ENCDEC_KERNELS_ABI of kernels/csrc/parallel.h: the C signatures the wrappers declare
+ABI_VERSION = 6  # ENCDEC_KERNELS_ABI of kernels/csrc/parallel.h: the C signatures the wrappers declare
 
 log = logging.getLogger(__name__)
+
+MAX_CPU_ISA_ENV = "ENCDEC_MAX_CPU_ISA"
+MAX_CPU_ISAS = ("avx2", "avx512")  # its values, lowest first (ENCDEC_ISA_* of kernels/csrc/parallel.h: 1, 2)
+# Each cap's variables for the other libraries: torch's ATen dispatch, MKL, oneDNN (torch's), CTranslate2.
+_LIBRARY_CAPS = {
+    "avx2": {
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "CT2_FORCE_CPU_ISA": "AVX2",
+    },
+    "avx512": {
+        "ATEN_CPU_CAPABILITY": "avx512",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX512",
+        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
+        "CT2_FORCE_CPU_ISA": "AVX512",
+    },
+}
+
+
+def max_cpu_isa(environ: dict[str, str] | None = None) -> str | None:
+    """The cap ``ENCDEC_MAX_CPU_ISA`` sets (``avx2``, ``avx512``; lower-cased), None when unset or empty.
+
+    Args:
+        environ: the environment to read (default ``os.environ``).
+
+    Raises:
+        ValueError: another value (the C kernels would treat it as ``avx2``).
+    """
+    value = (os.environ if environ is None else environ).get(MAX_CPU_ISA_ENV, "").lower()
+    if value and value not in MAX_CPU_ISAS:
+        raise ValueError(f"{MAX_CPU_ISA_ENV} must be one of {', '.join(MAX_CPU_ISAS)} (or unset), got {value!r}")
+    return value or None
+
+
+def isa_cap_environment(isa: str) -> dict[str, str]:
+    """The variables that cap our kernels (``ENCDEC_MAX_CPU_ISA``), torch's ATen dispatch, MKL, oneDNN and
+    CTranslate2 to ``isa`` (``avx2`` or ``avx512``: AVX-512 without VNNI / BF16 / AMX), to set before a process
+    starts (each library reads its variable once, at its first use).
+
+    Raises:
+        ValueError: ``isa`` is not in ``MAX_CPU_ISAS``.
+    """
+    if isa not in MAX_CPU_ISAS:
+        raise ValueError(f"CPU instruction-set cap must be one of {', '.join(MAX_CPU_ISAS)}, got {isa!r}")
+    return {MAX_CPU_ISA_ENV: isa, **_LIBRARY_CAPS[isa]}
 
 
 @lru_cache(maxsize=1)
@@ -52,7 +108,11 @@ def load_library(kernel: str, declare: Callable[[ctypes.CDLL], None]) -> ctypes.
 
     None when it was not built (no C compiler at install time, or not x86-64
     Linux), cannot be opened, or ``<kernel>_supported()`` returns 0.
+
+    Raises:
+        ValueError: ``ENCDEC_MAX_CPU_ISA`` has a value other than ``avx2`` / ``avx512`` (``max_cpu_isa``).
     """
+    max_cpu_isa()  # a misspelt cap fails here, where the kernels load, not silently as avx2
     lib = _open()
     if lib is None:
         return None

@@ -8,7 +8,8 @@ CPU has on one of the model's own packed weights at a decode step's row count, k
 (``packed_linear.use_isa``) and logs the times. Library kernels (MKL / oneDNN through torch) are not candidates for
 decode steps: their sums depend on the row count, and a decode step's rows must get the numbers they get alone
 (batch invariance); the encoder's many-row products are chosen between MKL and oneDNN by measuring
-(``kernels.onednn_linear.prefer_onednn``).
+(``kernels.onednn_linear.prefer_onednn``). Under ``ENCDEC_MAX_CPU_ISA`` (``kernels._clib``) only the instruction sets
+at or below the cap are candidates (``packed_linear.isas_present``): with ``avx2``, none is timed.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ tests/kernels/test_packed_linear.py compares the two on irregular shapes. Result
 differ from it by float32 rounding only (one running sum per output).
 
 bfloat16 weights (``PackedWeight.pack(w, dtype=torch.bfloat16)``, CPUs with
-AVX-512 BF16: ``bf16_available()``, the ``avx512_bf16`` flag) halve the bytes a
+AVX-512 BF16 and no ``ENCDEC_MAX_CPU_ISA`` cap: ``bf16_available()``, the ``avx512_bf16`` flag) halve the bytes a
 step streams. The panels hold k in pairs (``wp[p, q, j, h] = bf16(w[16 p + j,
 2 q + h])``, K padded to even with a zero); each call rounds its x rows to
 bfloat16 once (round to nearest even, as ``x.to(torch.bfloat16)``) and the
@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels._clib import CKernel
+from kernels._clib import MAX_CPU_ISA_ENV, MAX_CPU_ISAS, CKernel
 
 __all__ = [
     "ACTIVATIONS",
@@ -71,7 +71,8 @@ _UNAVAILABLE = (
     "when the package was installed, or not x86-64 Linux) or this CPU lacks AVX2/FMA"
 )
 _NO_BF16 = (
-    "bfloat16 packed weights need AVX-512 BF16 (the avx512_bf16 flag of /proc/cpuinfo), which this CPU lacks; "
+    "bfloat16 packed weights need AVX-512 BF16 (the avx512_bf16 flag of /proc/cpuinfo), which this CPU lacks "
+    "(or ENCDEC_MAX_CPU_ISA caps it); "
     "pack the weight as float32 instead"
 )
 DTYPES = (torch.float32, torch.bfloat16)  # weight dtypes PackedWeight packs (the kernels' layouts)
@@ -96,6 +97,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         pack.restype = None
     lib.packed_linear_bf16.argtypes = lib.packed_linear.argtypes
     lib.packed_linear_bf16.restype = ctypes.c_int
+    lib.encdec_max_isa.restype = ctypes.c_int
 
 
 _KERNEL = CKernel("packed_linear", _declare)
@@ -104,7 +106,8 @@ is_available = _KERNEL.is_available
 
 
 def bf16_available() -> bool:
-    """True if the kernel is available and this CPU has AVX-512 BF16 (``avx512_bf16``): bfloat16 weights pack."""
+    """True if the kernel is available, this CPU has AVX-512 BF16 (``avx512_bf16``) and no ``ENCDEC_MAX_CPU_ISA`` cap
+    is set: bfloat16 weights pack."""
     lib = _library()
     return lib is not None and bool(lib.packed_linear_bf16_supported())
 
@@ -113,8 +116,8 @@ ISAS = {"avx2": 1, "avx512": 2}  # the micro-kernel's instruction sets (kernels/
 
 
 def isa() -> str | None:
-    """The instruction set the micro-kernel runs on this CPU (``avx2`` or ``avx512``; the best present is chosen at
-    load), None when the kernel is not available."""
+    """The instruction set the micro-kernel runs on this CPU (``avx2`` or ``avx512``; the best present under the
+    ``ENCDEC_MAX_CPU_ISA`` cap is chosen at load), None when the kernel is not available."""
     if not is_available():
         return None
     code = _library().packed_linear_isa()
@@ -122,8 +125,9 @@ def isa() -> str | None:
 
 
 def use_isa(name: str | None) -> str:
-    """Runs the float32 micro-kernel on ``name`` (``avx2``, ``avx512``; None: the best this CPU has) from now on, in
-    this process; both give bit-identical results (the tests compare each with ``F.linear`` and with each other).
+    """Runs the float32 micro-kernel on ``name`` (``avx2``, ``avx512``; None: the best this CPU has under the
+    ``ENCDEC_MAX_CPU_ISA`` cap, see ``kernels._clib``) from now on, in this process; both give bit-identical results
+    (the tests compare each with ``F.linear`` and with each other).
     bfloat16 weights have one micro-kernel (AVX-512 BF16), which this does not change.
 
     Returns:
@@ -131,20 +135,25 @@ def use_isa(name: str | None) -> str:
 
     Raises:
         RuntimeError: the kernel is not available.
-        ValueError: an unknown name, or one this CPU lacks (the message says which it has).
+        ValueError: an unknown name, one above the ``ENCDEC_MAX_CPU_ISA`` cap, or one this CPU lacks (the message
+            says which it has).
     """
     if not is_available():
         raise RuntimeError(_UNAVAILABLE)
     if name is not None and name not in ISAS:
         raise ValueError(f"unknown instruction set {name!r}; choose from {', '.join(ISAS)}")
+    code = _library().encdec_max_isa()  # the cap the library read when it loaded (-1: a bad value, taken as avx2)
+    cap = MAX_CPU_ISAS[code - 1] if code > 0 else ("avx2" if code < 0 else None)
+    if name is not None and cap is not None and ISAS[name] > ISAS[cap]:
+        raise ValueError(f"the {name} micro-kernel is above the {MAX_CPU_ISA_ENV}={cap} cap of this process")
     if _library().packed_linear_set_isa(0 if name is None else ISAS[name]) < 0:
         raise ValueError(f"this CPU cannot run the {name} micro-kernel (best available: {_best_isa()})")
     return isa()
 
 
 def isas_present() -> list[str]:
-    """The micro-kernel's instruction sets this CPU runs, in ``ISAS`` order (``[]`` when the kernel is not
-    available); the one in use stays in use."""
+    """The micro-kernel's instruction sets this CPU runs under the ``ENCDEC_MAX_CPU_ISA`` cap, in ``ISAS`` order
+    (``[]`` when the kernel is not available); the one in use stays in use."""
     if not is_available():
         return []
     lib = _library()

@@ -41,7 +41,12 @@ def cpu_flags(info: dict[str, str] | None = None) -> set[str]:
 
 
 def cpu_bf16_flags() -> list[str]:
-    """The ``CPU_BF16_FLAGS`` this CPU has (``/proc/cpuinfo``; empty where it cannot be read or lacks them)."""
+    """The ``CPU_BF16_FLAGS`` this CPU has (``/proc/cpuinfo``; empty where it cannot be read or lacks them, and under
+    an ``ENCDEC_MAX_CPU_ISA`` cap, which emulates a CPU without them: ``kernels._clib``)."""
+    from kernels._clib import max_cpu_isa
+
+    if max_cpu_isa() is not None:
+        return []
     present = cpu_flags()
     return [flag for flag in CPU_BF16_FLAGS if flag in present]
 

@@ -79,7 +79,8 @@ def machine_info() -> dict:
     Returns:
         ``cpu`` (model name), ``vendor``, ``family`` / ``model`` (``/proc/cpuinfo``'s numbers, "" elsewhere),
         ``cpus`` (logical CPUs), ``threads_per_core`` (0 when unknown), ``isa`` (``best_isa``), ``flags`` (the
-        ``ISA_FLAGS`` present), and ``torch`` / ``mkl`` / ``onednn`` versions and torch's ``cpu_capability``.
+        ``ISA_FLAGS`` present), ``isa_cap`` (``ENCDEC_MAX_CPU_ISA``: ``encdec bench --cpu-isa``; "" for none), and
+        ``torch`` / ``mkl`` / ``onednn`` versions and torch's ``cpu_capability``.
     """
     info = cpu_info()
     flags = cpu_flags(info)
@@ -96,16 +97,35 @@ def machine_info() -> dict:
         "threads_per_core": threads_per_core,
         "isa": best_isa(flags),
         "flags": [f for f in ISA_FLAGS if f in flags],
+        "isa_cap": _isa_cap(),
         **_library_versions(),
     }
 
 
+CAP_NAMES = {"avx2": "AVX2", "avx512": "AVX-512 without VNNI / BF16 / AMX"}  # ENCDEC_MAX_CPU_ISA's values
+
+
+def _isa_cap() -> str:
+    """``ENCDEC_MAX_CPU_ISA`` (``encdec bench --cpu-isa``), "" when unset; a bad value is shown as it is."""
+    from kernels._clib import MAX_CPU_ISA_ENV, max_cpu_isa
+
+    try:
+        return max_cpu_isa() or ""
+    except ValueError:
+        return os.environ[MAX_CPU_ISA_ENV]
+
+
 def machine_line(info: dict | None = None) -> str:
-    """One line for a table header: CPU (family / model), ISA, CPUs, threads per core, torch / MKL / oneDNN."""
+    """One line for a table header: CPU (family / model), ISA (and its cap: ``capped to AVX2 (torch ATen: AVX2)``),
+    CPUs, threads per core, torch / MKL / oneDNN."""
     info = info or machine_info()
     name = info["cpu"] + (f" (family {info['family']}, model {info['model']})" if info["family"] else "")
     per_core = (
         f"{info['threads_per_core']} thread(s) per core" if info["threads_per_core"] else "threads per core unknown"
     )
     libs = ", ".join(f"{k} {info[k]}" for k in ("torch", "mkl", "onednn") if info.get(k))
-    return f"{name}, {info['isa']}, {info['cpus']} CPUs, {per_core}; {libs}"
+    isa = info["isa"]
+    if info.get("isa_cap"):  # so no capped result is taken for the native one; torch's dispatch shows it took
+        aten = f" (torch ATen: {info['cpu_capability']})" if info.get("cpu_capability") else ""
+        isa += f", capped to {CAP_NAMES.get(info['isa_cap'], info['isa_cap'])}{aten}"
+    return f"{name}, {isa}, {info['cpus']} CPUs, {per_core}; {libs}"

@@ -21,14 +21,14 @@
  *
  * Instruction sets, chosen at run time (packed_linear_isa; the decoder times both at start and keeps the faster:
  * kernels/calibration.py): AVX2/FMA, and on
- * CPUs with AVX-512F a micro-kernel that holds a whole panel in one 512-bit
+ * CPUs with AVX-512F (unless ENCDEC_MAX_CPU_ISA=avx2: encdec_max_isa in parallel.h) a micro-kernel that holds a whole panel in one 512-bit
  * register, up to MR512_MAX = 12 rows per call (12 accumulators hide the FMA
  * latency; the broadcast of x is the FMA's embedded {1to16} operand). Each
  * output is the same running fp32 sum over k in the same order in both, so
  * the two give bit-identical results: the choice never changes a token. The
  * epilogue (bias, activation, residual) is the AVX2 code for both.
  *
- * bfloat16 weights (packed_linear_bf16, CPUs with AVX-512 BF16): the same panels with k in pairs, half the
+ * bfloat16 weights (packed_linear_bf16, CPUs with AVX-512 BF16, no ENCDEC_MAX_CPU_ISA cap): the same panels with k in pairs, half the
  * bytes, x rounded to bf16 once per call, vdpbf16ps's 32 multiply-adds per instruction into fp32 sums, the same
  * epilogue and thread split; layout and rounding at MR_BF16_MAX below.
  *
@@ -58,8 +58,8 @@
                              * rows; float32: 8 / 12 / 16 KiB alike on AMD Zen 5, 2 and 4 KiB slower */
 #define X_ALIAS_FLOATS 1024 /* x rows this many floats (4 KiB) apart share L1 sets (packed_linear's padded copy) */
 #define X_COPY_MIN_WEIGHT ((size_t)1 << 21) /* weight elements (N K) from which packed_linear copies such x rows */
-#define ISA_AVX2 1
-#define ISA_AVX512 2
+#define ISA_AVX2 ENCDEC_ISA_AVX2
+#define ISA_AVX512 ENCDEC_ISA_AVX512
 #define TARGET512 __attribute__((target("avx512f,avx2,fma")))
 #define ACT_NONE 0
 #define ACT_RELU 1
@@ -72,8 +72,11 @@ int packed_linear_supported(void) {
 
 static int isa_in_use = 0; /* 0 = not chosen yet: the best this CPU has */
 
+/* The best this CPU has under the ENCDEC_MAX_CPU_ISA cap (encdec_max_isa; an unknown value caps to AVX2). */
 static int best_isa(void) {
     __builtin_cpu_init();
+    int cap = encdec_max_isa();
+    if (cap == ENCDEC_ISA_AVX2 || cap < 0) return ISA_AVX2;
     return __builtin_cpu_supports("avx512f") ? ISA_AVX512 : ISA_AVX2;
 }
 
@@ -183,7 +186,7 @@ typedef uint32_t __attribute__((may_alias)) bf16_pair_t; /* two bf16 (low: even 
 
 int packed_linear_bf16_supported(void) {
     __builtin_cpu_init();
-    return packed_linear_supported() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+    return packed_linear_supported() && encdec_max_isa() == 0 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
 }
 

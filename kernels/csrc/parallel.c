@@ -19,6 +19,8 @@
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <strings.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -100,6 +102,22 @@ static void after_fork_child(void) {
 }
 
 int encdec_kernels_abi(void) { return ENCDEC_KERNELS_ABI; }
+
+int encdec_max_isa(void) {
+    static int cap = -2; /* -2: not read yet; every thread reads the same value, so a race only repeats the read */
+    if (cap == -2) {
+        const char* value = getenv("ENCDEC_MAX_CPU_ISA");
+        if (value == NULL || value[0] == '\0')
+            cap = 0;
+        else if (strcasecmp(value, "avx2") == 0)
+            cap = ENCDEC_ISA_AVX2;
+        else if (strcasecmp(value, "avx512") == 0)
+            cap = ENCDEC_ISA_AVX512;
+        else
+            cap = -1;
+    }
+    return cap;
+}
 
 int parallel_for(parallel_fn fn, const void* ctx, size_t n, int num_threads) {
     if (n == 0) return 0;

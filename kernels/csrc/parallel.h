@@ -28,8 +28,19 @@ int parallel_for(parallel_fn fn, const void* ctx, size_t n, int num_threads);
  * shifted arguments. 2: packed_linear's residual, paged_decode_attention's q_stride, paged_write_kv; 3: decode_layer;
  * 4: packed_linear_isa / packed_linear_set_isa (the AVX-512 micro-kernel); 5: the cache_dtype of
  * paged_decode_attention / paged_write_kv, decode_layer's self / cross cache dtypes (bfloat16 KV caches),
- * packed_linear_bf16 and its packing (bfloat16 weights). */
-#define ENCDEC_KERNELS_ABI 5
+ * packed_linear_bf16 and its packing (bfloat16 weights); 6: encdec_max_isa (the ENCDEC_MAX_CPU_ISA cap). */
+#define ENCDEC_KERNELS_ABI 6
 int encdec_kernels_abi(void);
+
+/* Instruction-set levels of the kernels with variants (packed_linear's micro-kernels). */
+#define ENCDEC_ISA_AVX2 1   /* AVX2 + FMA */
+#define ENCDEC_ISA_AVX512 2 /* AVX-512F (no AVX-512 BF16: bfloat16 weights are off) */
+
+/* The cap the environment variable ENCDEC_MAX_CPU_ISA sets on every kernel of the library, read once (at the
+ * first call, when the library loads): 0 none (unset or empty), ENCDEC_ISA_AVX2 ("avx2"), ENCDEC_ISA_AVX512
+ * ("avx512"), any case; -1 for another value, which the kernels treat as avx2 (never above what was meant;
+ * kernels/_clib.py refuses to load the library then). bfloat16 weights (AVX-512 BF16) run only without a cap.
+ * It lets an AVX-512 machine reproduce an AVX2 CPU's kernel choices (encdec bench --cpu-isa). */
+int encdec_max_isa(void);
 
 #endif

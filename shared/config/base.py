@@ -152,7 +152,7 @@ class ServiceConfig:
         if dtype == "bfloat16" and not is_cuda(device) and not cpu_bf16_flags():
             raise ValueError(
                 "dtype bfloat16 on the CPU needs AVX-512 BF16 or AMX (/proc/cpuinfo flags "
-                f"{' or '.join(CPU_BF16_FLAGS)}), which this CPU lacks: without them bfloat16 matmuls are emulated "
+                f"{' or '.join(CPU_BF16_FLAGS)}), which this CPU lacks (or ENCDEC_MAX_CPU_ISA caps away): without them bfloat16 matmuls are emulated "
                 "and slower than float32; use dtype float32 (or quantize int8)"
             )
         if dtype == "float16" and not is_cuda(device):
