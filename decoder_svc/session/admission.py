@@ -21,9 +21,12 @@ freed); an Encode carries the request's deadline (``decoder_svc.session.encode_c
 
 **Estimated wait.** The work ahead of the new request: 0 when nothing with a priority at least as good waits
 (an idle decoder always admits), else ``max(ahead * gap, open)``. ``ahead`` is the requests queued with priority
-at least as good; ``gap`` the median time between two consecutive departures (first tokens) of a busy queue, over
-the last ``GAP_SAMPLES`` such gaps of the last ``GAP_WINDOW_S`` seconds: busy time per request, the queue's
-measured service rate (batching shows as gaps of ~0 between the requests of one batch). The gap that opens a busy
+at least as good; ``gap`` the median busy time per request between departures (first tokens) of a busy queue, over the
+last ``GAP_SAMPLES`` samples of the last ``GAP_WINDOW_S`` seconds: the queue's measured service rate. Departures
+closer than ``BATCH_GAP_S`` (the requests of one batch, whose first tokens come out of one step) make one sample:
+the gap before the first of them shared by all of them, so a batch of 16 every 8 s prices a request at 0.5 s
+(with a sample per departure the 15 gaps of ~0 made the median 0, and a loaded decoder admitted anything up to
+``max_waiting_requests``). The gap that opens a busy
 period (from the queue filling to its first departure: one request's whole time to first token, model warm-up
 and encoder stalls included) is no sample, so requests sent one at a time never price a burst that will share a
 batch as if it ran one by one; the median (the lower of two) and the window bound what one slow departure does.
@@ -49,6 +52,7 @@ from shared.errors import DeadlineExceededError, ResourceExhaustedError, Service
 GAP_SAMPLES = 32  # departures the service-rate estimate takes the median of
 GAP_WINDOW_S = 120.0  # seconds: older departures no longer speak for the service rate
 DEADLINE_MARGIN_S = 0.05  # a request handed to the encoder with less time left than this is not encoded
+BATCH_GAP_S = 0.05  # departures closer than this left one step together (one batch): one rate sample
 
 
 @dataclass(eq=False)
@@ -127,8 +131,10 @@ class AdmissionQueue:
         self._clock = clock
         self._queued: dict[int, Ticket] = {}  # id(ticket) -> ticket, not yet started
         self._orders = itertools.count()
-        self._gaps: deque[tuple[float, float]] = deque(maxlen=GAP_SAMPLES)  # (when, gap seconds)
+        # [when, busy seconds, departures]: one sample per departure, or per batch of departures (BATCH_GAP_S)
+        self._gaps: deque[list[float]] = deque(maxlen=GAP_SAMPLES)
         self._since_departure = False  # ``_last_event`` is a departure (not the start of a busy period)
+        self._sampled = False  # the last departure made or joined a sample (not the busy period's opening batch)
         self._last_event: float | None = None  # last departure, or when the queue last filled from empty
         self.num_refused: dict[str, int] = {"queue_full": 0, "queue_time": 0, "deadline": 0, "displaced": 0}
 
@@ -206,7 +212,16 @@ class AdmissionQueue:
             return
         now = self._clock()
         if self._last_event is not None and self._since_departure:  # between two departures of a busy queue
-            self._gaps.append((now, max(now - self._last_event, 0.0)))
+            gap = max(now - self._last_event, 0.0)
+            if gap >= BATCH_GAP_S:
+                self._gaps.append([now, gap, 1])
+                self._sampled = True
+            elif self._sampled:  # the same batch as the last departure: it shares that sample's gap
+                self._gaps[-1][0] = now
+                self._gaps[-1][1] += gap
+                self._gaps[-1][2] += 1
+        else:
+            self._sampled = False  # the busy period's opening (batch): no sample
         self._last_event = now if self._queued else None
         self._since_departure = self._last_event is not None
 
@@ -223,7 +238,7 @@ class AdmissionQueue:
         """Seconds a new request with ``ahead`` requests before it is expected to wait (module docstring)."""
         if ahead == 0:
             return 0.0
-        recent = sorted(gap for when, gap in self._gaps if now - when <= GAP_WINDOW_S)
+        recent = sorted(busy / count for when, busy, count in self._gaps if now - when <= GAP_WINDOW_S)
         gap = recent[(len(recent) - 1) // 2] if recent else 0.0  # the median (the lower one of an even count)
         open_gap = max(now - self._last_event, 0.0) if self._queued and self._last_event is not None else 0.0
         return max(ahead * gap, open_gap)

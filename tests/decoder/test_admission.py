@@ -201,3 +201,20 @@ def test_requests_sent_one_at_a_time_do_not_price_a_burst_as_serial():
     for t in [q.admit(0, None) for _ in range(16)]:  # the batch's gaps of ~0 price the next burst
         assert t is not None
     assert q.stats()["estimated_queue_wait_s"] < 1.0
+
+
+def test_batched_departures_price_each_request_at_its_share_of_the_batch():
+    """Issue 34 break test (--max-queue-time-s not kept: 13 of 32 admitted waited over 30 s): the first tokens of a
+    batch come out of one step, so the gaps between them are ~0 and their median priced every request at 0 s. A
+    batch of 16 every 8 s is 0.5 s a request: with 16 ahead a new request waits ~8 s, over max_queue_time_s 5."""
+    clock = Clock()
+    q = AdmissionQueue(100, 5.0, clock)
+    queued = [q.admit(0, None) for _ in range(64)]
+    for batch in range(3):  # the first batch opens the busy period (no sample); two more are measured
+        clock.now += 8.0
+        for t in queued[16 * batch : 16 * (batch + 1)]:
+            q.started(t)
+            clock.now += 0.001  # one step's first tokens, delivered one after another
+    assert q.stats()["estimated_queue_wait_s"] == pytest.approx(16 * 0.5, rel=0.01)
+    with pytest.raises(ResourceExhaustedError, match="estimated 8"):
+        q.admit(0, None)
