@@ -7,8 +7,10 @@ uvicorn trusts: its ``FORWARDED_ALLOW_IPS``, default 127.0.0.1). One key shared 
 A call past its client's limit is a 429 (``rate_limit_error``) naming the flag; a call past the gateway's limit a
 503. Either is answered before the body is read. A call holds its slots from its start to its response's last byte
 (a stream until it ends or the client goes away), however it ends. ``/health`` and ``/metrics`` are neither counted
-nor limited: probes and scrapes get through a gateway at its limit. WebSockets (``/v1/realtime``) are not counted
-here (the decoder's ``--max-realtime-streams`` bounds them).
+nor limited: probes and scrapes get through a gateway at its limit. A WebSocket (``/v1/realtime``) is a call too,
+from its handshake to its close: one client cannot hold every realtime stream the decoders take
+(``--max-realtime-streams``); a refused handshake gets the same 429 / 503 as a denial response (a close with
+code 1013, "try again later", where the server cannot send one).
 
 uvicorn's own ``limit_concurrency`` is not used: it counts open connections (idle keep-alive ones too, and the
 probes') and answers a plain-text 503.
@@ -57,7 +59,7 @@ class CallLimitMiddleware:
         self.total = 0
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] in UNCOUNTED_PATHS:
+        if scope["type"] not in ("http", "websocket") or scope["path"] in UNCOUNTED_PATHS:
             await self.app(scope, receive, send)
             return
         client = client_of(scope, self.api_key)
@@ -80,7 +82,10 @@ class CallLimitMiddleware:
                 code="server_overloaded",
             )
         if refusal is not None:
-            await refusal.response()(scope, receive, send)
+            if scope["type"] == "websocket":
+                await _deny_websocket(scope, receive, send, refusal)
+            else:
+                await refusal.response()(scope, receive, send)
             return
         self.in_flight[client] = running + 1
         self.total += 1
@@ -93,3 +98,15 @@ class CallLimitMiddleware:
                 self.in_flight[client] = left
             else:
                 del self.in_flight[client]
+
+
+async def _deny_websocket(scope, receive, send, refusal: GatewayError) -> None:
+    """Refuses a WebSocket handshake with ``refusal``'s HTTP answer (ASGI's denial response), or closes it with
+    code 1013 (try again later) where the server has no denial response."""
+    from starlette.websockets import WebSocket
+
+    websocket = WebSocket(scope, receive, send)
+    try:
+        await websocket.send_denial_response(refusal.response())
+    except RuntimeError:
+        await websocket.close(1013, refusal.message[:120])

@@ -137,3 +137,35 @@ def test_a_call_counts_against_its_api_key_or_its_address():
     assert client_of(scope("Bearer sk-wrong"), "sk-1") == ("ip", "10.0.0.7")  # a wrong key: its address (a 401)
     assert client_of(scope(None), "sk-1") == ("ip", "10.0.0.7")
     assert client_of(scope("Bearer sk-1"), "") == ("ip", "10.0.0.7")  # no key configured: addresses
+
+
+def test_realtime_websockets_count_against_the_client_limit(limited):
+    """A WebSocket holds a slot from its handshake to its close: with 2 open from one address a third handshake is
+    denied with the 429 (it was never counted, so one client could hold every realtime stream); another address
+    still connects, and a closed socket gives its slot back."""
+    from websockets.exceptions import InvalidStatus
+    from websockets.sync.client import connect
+
+    ws_url = limited.replace("http://", "ws://") + "/v1/realtime?model=plumbing"
+
+    def open_from(source: str):
+        return connect(ws_url, source_address=(source, 0), open_timeout=30)
+
+    first, second = open_from("127.0.0.7"), open_from("127.0.0.7")
+    try:
+        with pytest.raises(InvalidStatus) as err:
+            open_from("127.0.0.7")
+        assert err.value.response.status_code == 429
+        assert b"--max-requests-per-client" in err.value.response.body
+        open_from("127.0.0.8").close()  # another client is not held up
+    finally:
+        first.close()
+    for _ in range(100):  # the server sees the close shortly after
+        try:
+            open_from("127.0.0.7").close()
+            break
+        except InvalidStatus:
+            time.sleep(0.05)
+    else:
+        raise AssertionError("the closed socket's slot never came back")
+    second.close()
