@@ -49,7 +49,12 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
     app.include_router(completions.router, dependencies=guarded)
     app.include_router(embeddings.router, dependencies=guarded)
     app.include_router(realtime.router)  # a WebSocket: it checks the API key at its handshake itself
-    app.add_middleware(UploadLimitMiddleware, upload_bytes=cfg.max_upload_bytes, request_bytes=cfg.max_request_bytes)
+    app.add_middleware(
+        UploadLimitMiddleware,
+        upload_bytes=cfg.max_upload_bytes,
+        request_bytes=cfg.max_request_bytes,
+        uploads_in_flight_bytes=int(cfg.max_uploads_in_flight_mb * 1_000_000),
+    )
     app.add_middleware(  # outside the body limit: a refused call is answered before its body is read
         CallLimitMiddleware,
         per_client=cfg.max_requests_per_client,

@@ -18,6 +18,9 @@ DEFAULT_MAX_EMBEDDING_INPUTS = 2048
 # the gateway's one address) and in all (TEI's --max-concurrent-requests default).
 DEFAULT_MAX_REQUESTS_PER_CLIENT = 64
 DEFAULT_MAX_CONCURRENT_REQUESTS = 512
+# Audio bytes the gateway holds at once (uploads spool to /tmp for their call): half the 1 GiB /tmp that compose
+# and the Kubernetes manifests give it, so uploads cannot fill it (40 of 25 MB would).
+DEFAULT_MAX_UPLOADS_IN_FLIGHT_MB = 512.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,6 +40,9 @@ class GatewayConfig:
             compose's generated key.
         max_upload_mb: largest request body of ``/v1/audio/*`` in MB (10^6 bytes); larger is 413, refused
             before the body is read whole.
+        max_uploads_in_flight_mb: most audio upload bytes the gateway holds at once, in MB (each call's declared
+            ``Content-Length``, or ``max_upload_mb`` without one, from its start to its end: an upload spools to
+            /tmp for its call); past it 503 (retry later). 0 = no limit.
         max_request_mb: largest JSON request body in MB (10^6 bytes); larger is 413, refused before it is read
             whole (TEI's ``--payload-limit``).
         max_embedding_inputs: most ``input`` items of one ``/v1/embeddings`` request (400 beyond).
@@ -69,6 +75,7 @@ class GatewayConfig:
     api_key: str = ""
     api_key_file: str = ""
     max_upload_mb: float = DEFAULT_MAX_UPLOAD_MB
+    max_uploads_in_flight_mb: float = DEFAULT_MAX_UPLOADS_IN_FLIGHT_MB
     max_request_mb: float = DEFAULT_MAX_REQUEST_MB
     max_embedding_inputs: int = DEFAULT_MAX_EMBEDDING_INPUTS
     max_requests_per_client: int = DEFAULT_MAX_REQUESTS_PER_CLIENT
@@ -94,6 +101,10 @@ class GatewayConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_upload_mb <= 0:
             raise ValueError(f"max_upload_mb must be > 0, got {self.max_upload_mb:g}")
+        if not self.max_uploads_in_flight_mb >= 0:  # also refuses NaN
+            raise ValueError(
+                f"max_uploads_in_flight_mb must be >= 0 (0 = no limit), got {self.max_uploads_in_flight_mb}"
+            )
         if self.max_request_mb <= 0:
             raise ValueError(f"max_request_mb must be > 0, got {self.max_request_mb:g}")
         if self.max_embedding_inputs < 1:

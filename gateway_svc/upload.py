@@ -34,15 +34,25 @@ def too_large(limit_bytes: int, audio: bool = True) -> GatewayError:
 
 class UploadLimitMiddleware:
     """ASGI middleware bounding every request body: ``upload_bytes`` (plus ``FORM_OVERHEAD_BYTES``) on paths
-    starting with one of ``upload_prefixes``, ``request_bytes`` on the others (JSON bodies)."""
+    starting with one of ``upload_prefixes``, ``request_bytes`` on the others (JSON bodies); and the upload bytes
+    held at once, ``uploads_in_flight_bytes`` (0: no bound): an upload reserves its declared length (its bound
+    without one) for its whole call, since it spools to /tmp until the call ends; past the budget a 503 before
+    the body is read. Used on the event loop only: the count needs no lock."""
 
     def __init__(
-        self, app, upload_bytes: int, request_bytes: int, upload_prefixes: tuple[str, ...] = ("/v1/audio/",)
+        self,
+        app,
+        upload_bytes: int,
+        request_bytes: int,
+        upload_prefixes: tuple[str, ...] = ("/v1/audio/",),
+        uploads_in_flight_bytes: int = 0,
     ) -> None:
         self.app = app
         self.upload_bytes = upload_bytes
         self.request_bytes = request_bytes
         self.upload_prefixes = upload_prefixes
+        self.uploads_in_flight_bytes = uploads_in_flight_bytes
+        self.in_flight = 0  # upload bytes reserved by the calls running
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -55,6 +65,19 @@ class UploadLimitMiddleware:
         if length is not None and length.isdigit() and int(length) > bound:
             await too_large(limit, audio).response()(scope, receive, send)
             return
+        reserved = 0
+        if audio and self.uploads_in_flight_bytes:
+            reserved = int(length) if length is not None and length.isdigit() else bound
+            if self.in_flight + reserved > self.uploads_in_flight_bytes:
+                budget_mb = self.uploads_in_flight_bytes / 1e6
+                await GatewayError(
+                    503,
+                    f"this gateway holds {self.in_flight / 1e6:.1f} MB of uploads already, at most {budget_mb:g} MB "
+                    "at once (--max-uploads-in-flight-mb); retry later",
+                    code="server_overloaded",
+                ).response()(scope, receive, send)
+                return
+        self.in_flight += reserved
         received = 0
 
         async def counted():
@@ -70,7 +93,10 @@ class UploadLimitMiddleware:
                     raise err
             return message
 
-        await self.app(scope, counted, send)
+        try:
+            await self.app(scope, counted, send)
+        finally:
+            self.in_flight -= reserved
 
 
 # A multipart body cut before its closing boundary (RFC 2046 5.1.1: ``--boundary--``): python-multipart's finalize()

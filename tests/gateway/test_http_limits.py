@@ -169,3 +169,24 @@ def test_realtime_websockets_count_against_the_client_limit(limited):
     else:
         raise AssertionError("the closed socket's slot never came back")
     second.close()
+
+
+def test_uploads_past_the_bytes_in_flight_are_503_until_one_ends(speech_backend, tmp_path):
+    """An upload spools to /tmp for its whole call (1 GiB in compose and Kubernetes): --max-uploads-in-flight-mb
+    bounds the bytes held at once (40 uploads of 25 MB filled /tmp before). Here 0.05 MB: a 40 kB upload held by
+    the backend leaves no room for a second one (503 naming the flag) until it ends."""
+    address, log, token_flags = speech_backend
+    flags = [*token_flags, "--max-uploads-in-flight-mb", "0.05", "--max-requests-per-client", "0"]
+    audio = b"RIFF" + bytes(40_000)
+    with gateway_process([address], extra_args=flags, log=tmp_path / "gw.log") as (url, _):
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            held = pool.submit(transcribe, url, "3", "127.0.0.1", audio)
+            deadline = time.monotonic() + 30
+            while not held.done():  # until the first upload is at the backend: its bytes are reserved
+                second = transcribe(url, "0", "127.0.0.2", audio)
+                if second.status_code == 503:
+                    break
+                assert time.monotonic() < deadline, "the second upload was never refused"
+            assert second.status_code == 503 and "--max-uploads-in-flight-mb" in second.text, second.text
+            assert held.result(timeout=60).status_code == 200
+        assert transcribe(url, "0", "127.0.0.2", audio).status_code == 200  # room again
