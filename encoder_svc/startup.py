@@ -21,7 +21,7 @@ from shared.compute_thread import single_threaded_main
 from shared.config import EncoderServiceConfig
 from shared.device import resolve_device
 from shared.grpc_server import serve
-from shared.internal_auth import InternalAuth
+from shared.internal_auth import InternalAuth, InternalTokenInterceptor
 from shared.kv_transport import WriterSet
 from shared.metrics import start_metrics_server
 from shared.models.quantize import apply_quantization
@@ -129,5 +129,7 @@ def run(config: EncoderServiceConfig) -> None:
             **serve_hooks(lease),
             config=config,
             public=False,  # Encode is internal: its own token (shared.internal_auth); TLS with --tls-cert
+            # The internal token checked at each call's headers, before its body is read.
+            extra_interceptors=[InternalTokenInterceptor(auth)] if auth.enabled else None,
         )
     )

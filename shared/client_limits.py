@@ -136,3 +136,68 @@ class ClientLimitInterceptor(grpc.aio.ServerInterceptor):
                 self._leave(key)
 
         return handler
+
+
+WATCH_METHOD = "/grpc.health.v1.Health/Watch"
+MAX_WATCHES_PER_CLIENT = 4  # a probe or load balancer watches once or twice; the rest is someone holding slots
+
+
+class HealthWatchLimitInterceptor(grpc.aio.ServerInterceptor):
+    """At most ``max_per_client`` health ``Watch`` streams per client address, on every port (RESOURCE_EXHAUSTED
+    past it). Health needs no token and a Watch never ends, so without this one client could hold every slot of
+    ``--max-concurrent-rpcs`` open for nothing (issue 34 break test: 20 Watch streams from one address froze a port
+    whose limit was 20). ``Check`` is not limited: it ends at once.
+
+    Args:
+        max_per_client: most Watch streams in flight per client IP (>= 1).
+    """
+
+    def __init__(self, max_per_client: int = MAX_WATCHES_PER_CLIENT) -> None:
+        self.max_per_client = max_per_client
+        self.in_flight: dict[str, int] = {}  # client IP -> Watch streams open
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method != WATCH_METHOD or handler.unary_stream is None:
+            return handler
+        inner = handler.unary_stream
+
+        async def enter(context) -> str:
+            ip = peer_ip(context.peer() or "")
+            running = self.in_flight.get(ip, 0)
+            if running >= self.max_per_client:
+                await context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{running} health Watch streams from {ip} are open; at most {self.max_per_client} per client "
+                    "address: use Check, or close a Watch",
+                )
+            self.in_flight[ip] = running + 1
+            return ip
+
+        def leave(ip: str) -> None:
+            left = self.in_flight[ip] - 1
+            if left:
+                self.in_flight[ip] = left
+            else:
+                del self.in_flight[ip]
+
+        if inspect.isasyncgenfunction(inner):
+
+            async def watch(request, context):
+                ip = await enter(context)
+                try:
+                    async for message in inner(request, context):
+                        yield message
+                finally:
+                    leave(ip)
+
+        else:  # writes with context.write (grpc_health's aio Watch)
+
+            async def watch(request, context):
+                ip = await enter(context)
+                try:
+                    return await inner(request, context)
+                finally:
+                    leave(ip)
+
+        return grpc.unary_stream_rpc_method_handler(watch, handler.request_deserializer, handler.response_serializer)

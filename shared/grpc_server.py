@@ -17,6 +17,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
+from shared.client_limits import HealthWatchLimitInterceptor
 from shared.config.base import ServiceConfig
 from shared.errors import BindError, InvalidRequestError, status_for
 from shared.public_port import internal_port_credentials, public_port_security, security_summary
@@ -177,6 +178,7 @@ async def serve(
     *,
     config: ServiceConfig | None = None,
     public: bool = True,
+    extra_interceptors: list[grpc.aio.ServerInterceptor] | None = None,
 ) -> None:
     """Runs a grpc.aio server with the standard health service until SIGINT/SIGTERM.
 
@@ -203,6 +205,9 @@ async def serve(
             ``max_requests_per_client`` (``shared.client_limits``); on every port ``max_concurrent_rpcs``. None: ``GRPC_OPTIONS``, none of the rest.
         public: False for an internal port (the encoder's Encode, which has its own token,
             ``shared.internal_auth``): no bearer token, no per-client limit; TLS when ``config.tls_cert`` is set.
+        extra_interceptors: run first on every call (the encoder's internal token check,
+            ``shared.internal_auth.InternalTokenInterceptor``). Every port also limits health ``Watch`` streams per
+            client (``shared.client_limits.HealthWatchLimitInterceptor``).
         ``config.health_port``, when set, serves the same health service alone on a plaintext port of ``address``'s
         host (probes that cannot speak TLS).
 
@@ -211,6 +216,7 @@ async def serve(
         ValueError: the token file or a TLS file cannot be read or is not usable (the message names the setting).
     """
     interceptors, credentials = public_port_security(config) if public else ([], internal_port_credentials(config))
+    interceptors = [*(extra_interceptors or []), *interceptors, HealthWatchLimitInterceptor()]
     server = grpc.aio.server(
         options=server_options(config),
         interceptors=[*interceptors, ErrorStatusInterceptor()],

@@ -186,6 +186,27 @@ def test_unauthenticated_or_forged_encode_writes_nothing_into_a_running_request(
         assert token not in log.read_text(errors="replace"), log
 
 
+def _hwm_mib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) // 1024 for line in status if line.startswith("VmHWM:"))
+
+
+def test_an_encode_without_the_token_is_refused_before_its_body_is_read(services):
+    """Issue 34 break test: the encoder checked the internal token in Encode's handler, after gRPC had received and
+    parsed the message: 8 unauthenticated 50 MB Encodes took it from 555 MB to 1.2 GB, held. The token is now
+    checked at the call's headers; the encoder's peak memory stays where it was."""
+    pid = services.process("encoder").pid
+    before = _hwm_mib(pid)
+    body = encoder_pb2.EncodeRequest(request_id="flood", pcm=bytes(40 << 20))
+    options = [("grpc.max_send_message_length", 1 << 30)]
+    with grpc.insecure_channel(services.encoder_address, options=options) as channel:
+        stub = encoder_pb2_grpc.EncoderServiceStub(channel)
+        calls = [stub.Encode.future(body, timeout=60) for _ in range(8)]
+        codes = [refused(call.result).code() for call in calls]
+    assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 8
+    assert _hwm_mib(pid) - before < 40, (before, _hwm_mib(pid))
+
+
 def test_unsigned_torch_dist_target_is_never_dialled(services, auth):
     """An Encode naming a torch_dist address the decoder did not sign is refused before the encoder connects."""
     with socket.create_server(("127.0.0.1", 0)) as listener:

@@ -277,3 +277,37 @@ def test_bad_token_file_fails_the_start(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=os.environ)
     assert done.returncode == 2, done.stderr
     assert "auth_token_file" in done.stderr and "cannot be read" in done.stderr
+
+
+def test_health_watch_streams_are_bounded_per_client(server):
+    """Issue 34 break test: health needs no token and a Watch never ends, so 20 Watch streams from one address held
+    every slot of a port whose --max-concurrent-rpcs was 20. At most 4 per client address now (Check is open)."""
+    from shared.client_limits import MAX_WATCHES_PER_CLIENT
+
+    async def scenario():
+        async with grpc.aio.insecure_channel(server[0]) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            watches = [health.Watch(health_pb2.HealthCheckRequest()) for _ in range(MAX_WATCHES_PER_CLIENT)]
+            for w in watches:
+                assert (await w.read()).status == health_pb2.HealthCheckResponse.SERVING
+            extra = health.Watch(health_pb2.HealthCheckRequest())
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await extra.read()
+            check = await health.Check(health_pb2.HealthCheckRequest(), timeout=10)  # never limited
+            watches[0].cancel()
+            for _ in range(50):  # the server sees the cancellation shortly after
+                again = health.Watch(health_pb2.HealthCheckRequest())
+                try:
+                    first = await again.read()
+                    break
+                except grpc.aio.AioRpcError:
+                    await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("the cancelled Watch's slot never came back")
+            for w in [*watches[1:], again]:
+                w.cancel()
+            return err.value, check, first
+
+    refused, check, first = run(scenario())
+    assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "Watch" in refused.details()
+    assert check.status == first.status == health_pb2.HealthCheckResponse.SERVING
