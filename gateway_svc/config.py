@@ -50,6 +50,10 @@ class GatewayConfig:
             else its address; more get 429 (``gateway_svc.limits``). 0 = no limit.
         max_concurrent_requests: most calls in flight in the gateway, every client together; more get 503.
             ``/health`` and ``/metrics`` are outside both limits. 0 = no limit.
+        forwarded_allow_ips: the proxies (comma-separated IPs or networks, uvicorn's ``forwarded_allow_ips``)
+            whose ``X-Forwarded-For`` names the client; empty: none, every client is its peer address. Any other
+            default lets a caller pick its own address and step around ``max_requests_per_client`` (uvicorn trusts
+            127.0.0.1 by default, so a local caller could: issue 34 break test).
         request_timeout_s: the gRPC deadline of each backend call (seconds).
         model_aliases: more names for served models, ``alias=model`` comma-separated
             (``whisper-1=whisper-tiny.en,text-embedding-3-small=all-MiniLM-L6-v2``), so that code written for
@@ -80,6 +84,7 @@ class GatewayConfig:
     max_embedding_inputs: int = DEFAULT_MAX_EMBEDDING_INPUTS
     max_requests_per_client: int = DEFAULT_MAX_REQUESTS_PER_CLIENT
     max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS
+    forwarded_allow_ips: str = ""
     request_timeout_s: float = 600.0
     model_aliases: str = ""
     tls_cert: str = ""

@@ -3,7 +3,7 @@
 
 A client is the API key its call presents when the gateway has one (``--api-key``) and the key is right, else the
 client's address (``scope["client"]``: the peer, or the address in ``X-Forwarded-For`` when the peer is a proxy
-uvicorn trusts: its ``FORWARDED_ALLOW_IPS``, default 127.0.0.1). One key shared by several users is one client.
+named by ``--forwarded-allow-ips``, none by default). One key shared by several users is one client.
 A call past its client's limit is a 429 (``rate_limit_error``) naming the flag; a call past the gateway's limit a
 503. Either is answered before the body is read. A call holds its slots from its start to its response's last byte
 (a stream until it ends or the client goes away), however it ends. ``/health`` and ``/metrics`` are neither counted

@@ -73,6 +73,9 @@ def run(config: GatewayConfig, log_level: str = "info") -> None:
             log_level=log_level.lower(),
             access_log=False,  # /metrics counts every request; a line per embedding call would flood the log
             timeout_graceful_shutdown=10,
+            # X-Forwarded-For only from the proxies named (none by default), never uvicorn's 127.0.0.1 default.
+            proxy_headers=bool(config.forwarded_allow_ips),
+            forwarded_allow_ips=config.forwarded_allow_ips or None,
             ssl_certfile=config.tls_cert or None,
             ssl_keyfile=config.tls_key or None,
         )

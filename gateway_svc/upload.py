@@ -35,9 +35,10 @@ def too_large(limit_bytes: int, audio: bool = True) -> GatewayError:
 class UploadLimitMiddleware:
     """ASGI middleware bounding every request body: ``upload_bytes`` (plus ``FORM_OVERHEAD_BYTES``) on paths
     starting with one of ``upload_prefixes``, ``request_bytes`` on the others (JSON bodies); and the upload bytes
-    held at once, ``uploads_in_flight_bytes`` (0: no bound): an upload reserves its declared length (its bound
-    without one) for its whole call, since it spools to /tmp until the call ends; past the budget a 503 before
-    the body is read. Used on the event loop only: the count needs no lock."""
+    held at once, ``uploads_in_flight_bytes`` (0: no bound): an upload holds its declared length (without one, the
+    bytes received so far) for its whole call, since it spools to /tmp until the call ends; past the budget a 503,
+    before the body is read when its length is declared; one upload alone is never refused by the budget. Used on
+    the event loop only: the count needs no lock."""
 
     def __init__(
         self,
@@ -65,38 +66,50 @@ class UploadLimitMiddleware:
         if length is not None and length.isdigit() and int(length) > bound:
             await too_large(limit, audio).response()(scope, receive, send)
             return
-        reserved = 0
-        if audio and self.uploads_in_flight_bytes:
-            reserved = int(length) if length is not None and length.isdigit() else bound
-            if self.in_flight + reserved > self.uploads_in_flight_bytes:
-                budget_mb = self.uploads_in_flight_bytes / 1e6
-                await GatewayError(
-                    503,
-                    f"this gateway holds {self.in_flight / 1e6:.1f} MB of uploads already, at most {budget_mb:g} MB "
-                    "at once (--max-uploads-in-flight-mb); retry later",
-                    code="server_overloaded",
-                ).response()(scope, receive, send)
+        budget = self.uploads_in_flight_bytes if audio else 0
+        declared = int(length) if length is not None and length.isdigit() else None
+        reserved = 0  # this call's share of ``in_flight``: its declared length, else the bytes received so far
+        if budget and declared is not None:
+            if self.in_flight and self.in_flight + declared > budget:  # one upload alone always fits
+                await self._over_budget(budget).response()(scope, receive, send)
                 return
-        self.in_flight += reserved
+            reserved = declared
+            self.in_flight += reserved
         received = 0
 
         async def counted():
-            nonlocal received
+            nonlocal received, reserved
             message = await receive()
             if message["type"] == "http.request":
-                received += len(message.get("body", b""))
+                chunk = len(message.get("body", b""))
+                received += chunk
                 if received > bound:
                     err = too_large(limit, audio)
                     # The route's handler answers 413; FastAPI's body parsing turns any exception of the body's
                     # read into its own 400, so the error also waits in the scope for errors.install to find.
                     scope[TOO_LARGE_KEY] = err
                     raise err
+                if budget and declared is None:  # chunked: counted as it arrives
+                    reserved += chunk
+                    self.in_flight += chunk
+                    if self.in_flight > budget and self.in_flight > reserved:
+                        err = self._over_budget(budget)
+                        scope[TOO_LARGE_KEY] = err
+                        raise err
             return message
 
         try:
             await self.app(scope, counted, send)
         finally:
             self.in_flight -= reserved
+
+    def _over_budget(self, budget: int) -> GatewayError:
+        return GatewayError(
+            503,
+            f"this gateway holds {self.in_flight / 1e6:.1f} MB of uploads already, at most {budget / 1e6:g} MB at "
+            "once (--max-uploads-in-flight-mb); retry later",
+            code="server_overloaded",
+        )
 
 
 # A multipart body cut before its closing boundary (RFC 2046 5.1.1: ``--boundary--``): python-multipart's finalize()

@@ -179,14 +179,37 @@ def test_uploads_past_the_bytes_in_flight_are_503_until_one_ends(speech_backend,
     flags = [*token_flags, "--max-uploads-in-flight-mb", "0.05", "--max-requests-per-client", "0"]
     audio = b"RIFF" + bytes(40_000)
     with gateway_process([address], extra_args=flags, log=tmp_path / "gw.log") as (url, _):
+        seen = log.read_text().count("audio of ")
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             held = pool.submit(transcribe, url, "3", "127.0.0.1", audio)
-            deadline = time.monotonic() + 30
-            while not held.done():  # until the first upload is at the backend: its bytes are reserved
-                second = transcribe(url, "0", "127.0.0.2", audio)
-                if second.status_code == 503:
-                    break
-                assert time.monotonic() < deadline, "the second upload was never refused"
+            wait_for_audio(log, seen + 1)  # the first upload is at the backend: its bytes are held
+            second = transcribe(url, "0", "127.0.0.2", audio)
             assert second.status_code == 503 and "--max-uploads-in-flight-mb" in second.text, second.text
             assert held.result(timeout=60).status_code == 200
         assert transcribe(url, "0", "127.0.0.2", audio).status_code == 200  # room again
+
+
+def test_x_forwarded_for_does_not_make_a_new_client(limited, speech_backend):
+    """Issue 34 break test: uvicorn trusted 127.0.0.1's X-Forwarded-For by default, so a local caller naming a new
+    address on each call stepped around --max-requests-per-client. No proxy is trusted unless
+    --forwarded-allow-ips names it: the third call from one peer is a 429 whatever address it claims."""
+    _, log, _ = speech_backend
+    seen = log.read_text().count("audio of ")
+
+    def claimed(address: str, prompt: str):
+        transport = httpx.HTTPTransport(local_address="127.0.0.9")
+        with httpx.Client(base_url=limited, transport=transport, timeout=60) as client:
+            files = {"file": ("a.wav", b"RIFF....WAVE", "audio/wav")}
+            return client.post(
+                TRANSCRIBE,
+                files=files,
+                data={"model": "plumbing", "prompt": prompt},
+                headers={"X-Forwarded-For": address},
+            )
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        held = [pool.submit(claimed, f"10.0.0.{i}", "3") for i in (1, 2)]
+        wait_for_audio(log, seen + 2)
+        third = claimed("10.0.0.3", "0")
+        assert third.status_code == 429 and "127.0.0.9" in third.text, third.text
+        assert all(f.result().status_code == 200 for f in held)
