@@ -41,6 +41,9 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+MAX_HEAD_BYTES = 64 * 1024  # request line and headers; 4x uvicorn's h11 default (an API key, cookies, a proxy's)
+
+
 def run(config: GatewayConfig, log_level: str = "info") -> None:
     """Serves the gateway on ``config.host:config.port`` (blocks until SIGINT / SIGTERM).
 
@@ -73,6 +76,11 @@ def run(config: GatewayConfig, log_level: str = "info") -> None:
             log_level=log_level.lower(),
             access_log=False,  # /metrics counts every request; a line per embedding call would flood the log
             timeout_graceful_shutdown=10,
+            # h11, whose request head is bounded (MAX_HEAD_BYTES; a larger one is a 400 before it is parsed whole):
+            # uvicorn's httptools parser takes a head of any size, and 100 MB of one header held the gateway 11 s at
+            # 280 MB before its 401 (issue 34 break test).
+            http="h11",
+            h11_max_incomplete_event_size=MAX_HEAD_BYTES,
             # X-Forwarded-For only from the proxies named (none by default), never uvicorn's 127.0.0.1 default.
             proxy_headers=bool(config.forwarded_allow_ips),
             forwarded_allow_ips=config.forwarded_allow_ips or None,

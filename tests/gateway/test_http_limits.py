@@ -213,3 +213,16 @@ def test_x_forwarded_for_does_not_make_a_new_client(limited, speech_backend):
         third = claimed("10.0.0.3", "0")
         assert third.status_code == 429 and "127.0.0.9" in third.text, third.text
         assert all(f.result().status_code == 200 for f in held)
+
+
+def test_a_request_head_past_64_kib_is_refused_before_it_is_parsed(limited):
+    """Issue 34 break test: uvicorn's httptools parser took a header of any size (100 MB of one header: 11 s and
+    +200 MB in the gateway before its 401). The gateway runs h11 with a bounded head: 400 at once, and it serves on."""
+    import socket
+
+    host, port = limited.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (128 << 10))  # head not ended
+        answer = sock.recv(4096)  # refused once 64 KiB are in, without waiting for the rest
+    assert answer.startswith(b"HTTP/1.1 400"), answer[:200]
+    assert httpx.get(limited + "/health", timeout=10).status_code in (200, 503)
