@@ -92,23 +92,22 @@ class ClientLimitInterceptor(grpc.aio.ServerInterceptor):
         """Takes a slot of ``bucket`` for the call's client, or ends the call with RESOURCE_EXHAUSTED
         (``context.abort``)."""
         key = (peer_ip(context.peer() or ""), bucket)
-        running = self.in_flight.get(key, 0)
-        if running >= self.max_in_flight:
-            kind = "control calls (GetRequest, Abort, GetStats)" if bucket == "control" else "calls"
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{running} {kind} from {key[0]} are in flight; this server runs at most {self.max_in_flight} at "
-                "once per client address (--max-requests-per-client): wait for one to end, or retry later",
-            )
-        self.in_flight[key] = running + 1
+        kind = "control calls (GetRequest, Abort, GetStats)" if bucket == "control" else "calls"
+        await _take_slot(
+            self.in_flight,
+            key,
+            self.max_in_flight,
+            context,
+            lambda running: (
+                f"{running} {kind} from {key[0]} are in flight; this server runs at most "
+                f"{self.max_in_flight} at once per client address (--max-requests-per-client): wait for one to end, "
+                "or retry later"
+            ),
+        )
         return key
 
     def _leave(self, key: tuple[str, str]) -> None:
-        left = self.in_flight.get(key, 0) - 1
-        if left > 0:
-            self.in_flight[key] = left
-        else:
-            self.in_flight.pop(key, None)
+        _give_back(self.in_flight, key)
 
     def _counted(self, inner, bucket: str):
         """``inner`` (a coroutine handler) holding a slot of ``bucket`` while it runs."""
@@ -138,6 +137,23 @@ class ClientLimitInterceptor(grpc.aio.ServerInterceptor):
         return handler
 
 
+async def _take_slot(counts: dict, key, limit: int, context: grpc.aio.ServicerContext, refusal) -> None:
+    """One more call of ``key`` in ``counts``, or the call ends with RESOURCE_EXHAUSTED ``refusal(running)``."""
+    running = counts.get(key, 0)
+    if running >= limit:
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal(running))
+    counts[key] = running + 1
+
+
+def _give_back(counts: dict, key) -> None:
+    """One call of ``key`` fewer in ``counts`` (the entry goes at 0)."""
+    left = counts.get(key, 0) - 1
+    if left > 0:
+        counts[key] = left
+    else:
+        counts.pop(key, None)
+
+
 WATCH_METHOD = "/grpc.health.v1.Health/Watch"
 MAX_WATCHES_PER_CLIENT = 4  # a probe or load balancer watches once or twice; the rest is someone holding slots
 
@@ -164,22 +180,20 @@ class HealthWatchLimitInterceptor(grpc.aio.ServerInterceptor):
 
         async def enter(context) -> str:
             ip = peer_ip(context.peer() or "")
-            running = self.in_flight.get(ip, 0)
-            if running >= self.max_per_client:
-                await context.abort(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"{running} health Watch streams from {ip} are open; at most {self.max_per_client} per client "
-                    "address: use Check, or close a Watch",
-                )
-            self.in_flight[ip] = running + 1
+            await _take_slot(
+                self.in_flight,
+                ip,
+                self.max_per_client,
+                context,
+                lambda running: (
+                    f"{running} health Watch streams from {ip} are open; at most {self.max_per_client} "
+                    "per client address: use Check, or close a Watch"
+                ),
+            )
             return ip
 
         def leave(ip: str) -> None:
-            left = self.in_flight[ip] - 1
-            if left:
-                self.in_flight[ip] = left
-            else:
-                del self.in_flight[ip]
+            _give_back(self.in_flight, ip)
 
         if inspect.isasyncgenfunction(inner):
 
