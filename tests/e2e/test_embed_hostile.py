@@ -27,7 +27,8 @@ CEILING_MB = 400
 (50 x 1 MB texts arrive as one 50 MB message: the message, its parsed strings and gRPC's buffers
 are most of it)."""
 ONE_MB = "word " * 200_000
-BIG_FORWARD = ["word " * 300] * 32  # 32 x 256 tokens: one 8192-token forward, seconds on a CPU
+BIG_FORWARD = ["word " * 300] * 96  # 96 x 256 tokens: three 8192-token forwards (~0.8 s each on a 2-core Xeon): a
+# call queued behind them waits over a second, however fast the machine (with one forward a 0.5 s deadline raced it)
 
 
 def _stub(address: str) -> embed_pb2_grpc.EmbedServiceStub:
