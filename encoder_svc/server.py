@@ -21,21 +21,13 @@ import numpy as np
 from encoder_svc.batcher import WRITE_MARGIN_S, EncodeBatcher, EncodeItem
 from shared.config import EncoderServiceConfig
 from shared.errors import InvalidRequestError, NotFoundError
-from shared.internal_auth import InternalAuth, input_digest
+from shared.internal_auth import InternalAuth, input_digest_off_loop
 from shared.kv_transport import KVTargetSpec, WriterSet
 from shared.metrics import EncoderMetrics
 from shared.models.registry import model_names
 from shared.proto import encoder_pb2, encoder_pb2_grpc
 
 FEATURE_FRAMES = 3000  # log-mel frames of Whisper's 30 s window (10 ms hop)
-
-
-async def _input_digest(request) -> bytes:
-    """``shared.internal_auth.input_digest`` of an Encode's input; a large one hashed off the event loop."""
-    fields = {"pcm": request.pcm, "features": request.features, "input_ids": request.input_ids}
-    if len(request.pcm) + len(request.features) < (1 << 20):
-        return input_digest(**fields)
-    return await asyncio.to_thread(input_digest, **fields)
 
 
 def encode_order(request) -> tuple:
@@ -144,7 +136,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
                     request.block_ids,
                     request.target,
                     request.model,
-                    digest=await _input_digest(request),
+                    digest=await input_digest_off_loop(request.pcm, request.features, request.input_ids),
                     expires_s=request.expires_s,
                 )
             item = self._item(request)

@@ -20,7 +20,7 @@ from grpc_health.v1._async import HealthServicer
 from shared.client_limits import HealthWatchLimitInterceptor
 from shared.config.base import ServiceConfig
 from shared.errors import BindError, InvalidRequestError, status_for
-from shared.public_port import internal_port_credentials, public_port_security, security_summary
+from shared.public_port import port_credentials, public_port_security, security_summary
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +215,7 @@ async def serve(
         BindError: the address cannot be bound.
         ValueError: the token file or a TLS file cannot be read or is not usable (the message names the setting).
     """
-    interceptors, credentials = public_port_security(config) if public else ([], internal_port_credentials(config))
+    interceptors, credentials = public_port_security(config) if public else ([], port_credentials(config))
     interceptors = [*(extra_interceptors or []), *interceptors, HealthWatchLimitInterceptor()]
     server = grpc.aio.server(
         options=server_options(config),

@@ -18,6 +18,7 @@ Without a token file both services behave as before and log one warning at start
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import heapq
 import hmac
@@ -55,6 +56,19 @@ def input_digest(pcm: bytes = b"", features: bytes = b"", input_ids: Sequence[in
     for label, data in ((b"pcm", pcm), (b"features", features), (b"ids", ids)):
         h.update(label + len(data).to_bytes(8, "little") + bytes(data))
     return h.digest()
+
+
+# An input past this many bytes is hashed on a worker thread (``input_digest_off_loop``): SHA-256 runs ~1 GB/s, so
+# a whole clip's PCM (up to --max-message-bytes) would stall the event loop for tens of milliseconds.
+OFF_LOOP_DIGEST_BYTES = 1 << 20
+
+
+async def input_digest_off_loop(pcm: bytes = b"", features: bytes = b"", input_ids: Sequence[int] = ()) -> bytes:
+    """``input_digest``, on a worker thread when ``pcm`` and ``features`` hold ``OFF_LOOP_DIGEST_BYTES`` or more
+    (a Whisper window's 960 kB of log-mel is hashed in place)."""
+    if len(pcm) + len(features) < OFF_LOOP_DIGEST_BYTES:
+        return input_digest(pcm, features, input_ids)
+    return await asyncio.to_thread(input_digest, pcm, features, input_ids)
 
 
 class ReplayGuard:

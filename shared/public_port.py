@@ -31,16 +31,13 @@ def public_port_security(
         interceptors.append(BearerTokenInterceptor(token))
     if config.max_requests_per_client > 0:
         interceptors.append(ClientLimitInterceptor(config.max_requests_per_client))
-    credentials = None
-    if config.tls_cert:  # re-read when the files change (a cert-manager rotation): shared.tls_reload
-        credentials = ReloadingServerCredentials(config.tls_cert, config.tls_key, config.tls_client_ca).credentials()
-    return interceptors, credentials
+    return interceptors, port_credentials(config)
 
 
-def internal_port_credentials(config: ServiceConfig | None) -> grpc.ServerCredentials | None:
-    """TLS of an internal port (the encoder's Encode) when ``config`` names a certificate (``tls_cert`` /
-    ``tls_key``, mutual TLS with ``tls_client_ca``), re-read on rotation; None: plaintext. Encode has its own token
-    (``shared.internal_auth``): no bearer token or per-client limit here.
+def port_credentials(config: ServiceConfig | None) -> grpc.ServerCredentials | None:
+    """TLS of a port, public or internal (the encoder's Encode), when ``config`` names a certificate
+    (``tls_cert`` / ``tls_key``, mutual TLS with ``tls_client_ca``), re-read when the files change (a cert-manager
+    rotation: ``shared.tls_reload``); None: plaintext.
 
     Raises:
         ValueError: a TLS file cannot be read or used.

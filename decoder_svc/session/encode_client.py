@@ -37,7 +37,7 @@ from decoder_svc.replicas.encoder_pool import EncoderPool, EncoderTarget, health
 from decoder_svc.session.inputs import RequestInput
 from shared.config import DecoderServiceConfig
 from shared.errors import UnavailableError
-from shared.internal_auth import MAX_SIGNED_LIFETIME_S, InternalAuth, input_digest
+from shared.internal_auth import MAX_SIGNED_LIFETIME_S, InternalAuth, input_digest_off_loop
 from shared.metrics import DecoderMetrics
 from shared.proto import encoder_pb2
 
@@ -170,8 +170,7 @@ class EncodeClient:
         if deadline is not None:
             left_s = min(left_s, max(deadline - time.monotonic(), 0.0))
         expires_s = time.time() + min(left_s, MAX_SIGNED_LIFETIME_S)
-        size = sum(len(v) for v in source.values() if isinstance(v, bytes))
-        digest = input_digest(**source) if size < (1 << 20) else await asyncio.to_thread(input_digest, **source)
+        digest = await input_digest_off_loop(**source)
         mac = self.auth.sign_target(
             request_id, transfer_id, block_ids, target, self.config.model, digest=digest, expires_s=expires_s
         )
