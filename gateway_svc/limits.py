@@ -21,6 +21,7 @@ from __future__ import annotations
 import hmac
 
 from gateway_svc.errors import GatewayError
+from shared.public_auth import bearer_token_of
 
 UNCOUNTED_PATHS = frozenset({"/health", "/metrics"})
 
@@ -28,12 +29,9 @@ UNCOUNTED_PATHS = frozenset({"/health", "/metrics"})
 def client_of(scope, api_key: str) -> tuple[str, str]:
     """The client a call counts against: ``("key", key)`` for the gateway's API key, else ``("ip", address)``."""
     if api_key:
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                scheme, _, given = value.decode("latin-1").partition(" ")
-                if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), api_key.encode()):
-                    return ("key", api_key)
-                break
+        given = bearer_token_of((name.decode("latin-1"), value) for name, value in scope["headers"])
+        if given is not None and hmac.compare_digest(given.encode("latin-1"), api_key.encode()):
+            return ("key", api_key)
     client = scope.get("client")
     return ("ip", client[0] if client else "unknown")
 

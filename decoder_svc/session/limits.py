@@ -18,7 +18,7 @@ from decoder_svc.core.sampling_params import SamplingParams
 from decoder_svc.session.inputs import RequestInput
 from shared.config import DecoderServiceConfig
 from shared.errors import InvalidRequestError, PermissionDeniedError
-from shared.public_auth import read_token_file
+from shared.public_auth import MIN_TOKEN_CHARS, read_token_file
 
 PRIORITY_TOKEN_METADATA = "x-encdec-priority-token"
 # The most urgent priority even a token holder may ask for: int32's floor is left to nobody, so an operator's
@@ -41,8 +41,10 @@ class PriorityGate:
         self.floor = config.min_client_priority
         path = config.priority_token_file
         token = read_token_file(path, "priority_token_file") if path else None
-        if token is not None and len(token) < 16:
-            raise ValueError(f"priority_token_file {path!r} holds {len(token)} characters; a token needs 16 or more")
+        if token is not None and len(token) < MIN_TOKEN_CHARS:
+            raise ValueError(
+                f"priority_token_file {path!r} holds {len(token)} characters; a token needs {MIN_TOKEN_CHARS} or more"
+            )
         self._token = token.encode() if token else None
 
     def check(self, priority: int, metadata, what: str = "request") -> None:
