@@ -204,7 +204,9 @@ def test_an_encode_without_the_token_is_refused_before_its_body_is_read(services
         calls = [stub.Encode.future(body, timeout=60) for _ in range(8)]
         codes = [refused(call.result).code() for call in calls]
     assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 8
-    assert _hwm_mib(pid) - before < 40, (before, _hwm_mib(pid))
+    # gRPC may take in what flow control lets through before the refusal (a few MiB a call): far from the bodies
+    # themselves (320 MB; the old check in the handler peaked ~460 MiB above). CI saw +41 MiB.
+    assert _hwm_mib(pid) - before < 160, (before, _hwm_mib(pid))
 
 
 def test_unsigned_torch_dist_target_is_never_dialled(services, auth):
