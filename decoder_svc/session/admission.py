@@ -32,8 +32,19 @@ and encoder stalls included) is no sample, so requests sent one at a time never 
 batch as if it ran one by one; the median (the lower of two) and the window bound what one slow departure does.
 ``open`` is the gap open now (since the last departure, or since the queue filled): a queue that has not moved
 for that long is not expected to move sooner, so an encoder that stopped delivering raises the estimate as it
-stalls, and once it delivers again the estimate falls back at once. With no sample yet the estimate is the
-open gap only: ``max_waiting_requests`` bounds a cold start's burst.
+stalls, and once it delivers again the estimate falls back at once.
+
+**Seats.** A queue that has not been busy lately has no departure gap to go by, yet its request may still wait:
+every batch seat (``seats``, the engine's ``max_num_seqs``) can be held by requests already decoding, each for as
+long as its whole output takes. Then the estimate comes from the service time of finished requests (first token
+to end; the median of the last ``SERVICE_SAMPLES``, which holds no model warm-up: that falls before the first
+token): the request needs ``beyond = ahead + in service - seats + 1`` seats to free, the first when the request
+in service expected to end soonest does (its residual time: the median of the finished service times longer than
+what it has run, less what it has run; as long again when it has outrun them all), each further one a median
+service time / seats later (requests in service end spread out). With fewer requests than seats it is priced as above
+(0 with nothing ahead): an idle decoder always admits, and a burst of ``seats`` requests all enter.
+With no sample of either kind (the first requests after start) the estimate is the open gap only:
+``max_waiting_requests`` bounds a cold start's burst.
 
 Single-threaded: every method runs on the service's event loop; ``stats`` may also be read from the metrics
 scrape thread (it copies what it reads).
@@ -41,6 +52,7 @@ scrape thread (it copies what it reads).
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import time
 from collections import deque
@@ -53,6 +65,7 @@ GAP_SAMPLES = 32  # departures the service-rate estimate takes the median of
 GAP_WINDOW_S = 120.0  # seconds: older departures no longer speak for the service rate
 DEADLINE_MARGIN_S = 0.05  # a request handed to the encoder with less time left than this is not encoded
 BATCH_GAP_S = 0.05  # departures closer than this left one step together (one batch): one rate sample
+SERVICE_SAMPLES = 32  # finished requests whose service time (first token to end) prices a seat's turnover
 
 
 @dataclass(eq=False)
@@ -65,6 +78,7 @@ class Ticket:
         deadline: ``time.monotonic()`` by which its gRPC call ends; None without a deadline.
         order: admission order (ties of priority: first come first served).
         started: its first token is out (it left the queue).
+        started_at: ``time.monotonic()`` of its first token (it holds a batch seat from then to its end); None before.
         encoding: its first Encode was sent: it is never displaced.
         refusal: why it was displaced by a higher-priority request; delivered through ``bind``'s callback.
     """
@@ -74,6 +88,7 @@ class Ticket:
     deadline: float | None
     order: int
     started: bool = False
+    started_at: float | None = None
     encoding: bool = False
     refusal: ServiceError | None = None
     _fail: Callable[[BaseException], None] | None = field(default=None, repr=False)
@@ -107,6 +122,18 @@ class Ticket:
         return None
 
 
+def _median(values: list[float]) -> float:
+    """The median of sorted ``values`` (the lower one of an even count)."""
+    return values[(len(values) - 1) // 2]
+
+
+def _residual(services: list[float], ran: float) -> float:
+    """Seconds a request that has decoded ``ran`` seconds is expected to go on: the median of the finished service
+    times (sorted ``services``) longer than ``ran``, less ``ran``; as long again when it outran every one of them."""
+    longer = services[bisect.bisect_right(services, ran) :]
+    return _median(longer) - ran if longer else ran
+
+
 class AdmissionQueue:
     """The decoder's queued requests, their estimated wait, and the admission limits.
 
@@ -114,22 +141,34 @@ class AdmissionQueue:
         max_waiting_requests: most requests queued with a priority at least as good as a new one's (>= 1).
         max_queue_time_s: longest estimated wait a new request is admitted to (seconds, > 0).
         clock: monotonic seconds (tests pass their own).
+        seats: requests the engine runs at once (``max_num_seqs``), or None: the estimate then ignores requests
+            in service (see "Seats" in the module docstring).
 
     Raises:
         ValueError: a limit out of range.
     """
 
     def __init__(
-        self, max_waiting_requests: int, max_queue_time_s: float, clock: Callable[[], float] = time.monotonic
+        self,
+        max_waiting_requests: int,
+        max_queue_time_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        seats: int | None = None,
     ) -> None:
         if max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
         if not 0 < max_queue_time_s < float("inf"):
             raise ValueError(f"max_queue_time_s must be > 0 and finite (seconds), got {max_queue_time_s}")
+        if seats is not None and seats < 1:
+            raise ValueError(f"seats must be >= 1, got {seats}")
         self.max_waiting_requests = max_waiting_requests
         self.max_queue_time_s = max_queue_time_s
+        self.seats = seats
         self._clock = clock
         self._queued: dict[int, Ticket] = {}  # id(ticket) -> ticket, not yet started
+        self._in_service: dict[int, Ticket] = {}  # id(ticket) -> ticket: first token out, not yet ended
+        self._services: deque[float] = deque(maxlen=SERVICE_SAMPLES)  # seconds from first token to a finished end
         self._orders = itertools.count()
         # [when, busy seconds, departures]: one sample per departure, or per batch of departures (BATCH_GAP_S)
         self._gaps: deque[list[float]] = deque(maxlen=GAP_SAMPLES)
@@ -211,6 +250,8 @@ class AdmissionQueue:
         if self._queued.pop(id(ticket), None) is None:
             return
         now = self._clock()
+        ticket.started_at = now
+        self._in_service[id(ticket)] = ticket
         if self._last_event is not None and self._since_departure:  # between two departures of a busy queue
             gap = max(now - self._last_event, 0.0)
             if gap >= BATCH_GAP_S:
@@ -225,23 +266,36 @@ class AdmissionQueue:
         self._last_event = now if self._queued else None
         self._since_departure = self._last_event is not None
 
-    def leave(self, ticket: Ticket | None) -> None:
-        """``ticket``'s request ended (any way): it no longer waits. No rate sample: it was not served."""
+    def leave(self, ticket: Ticket | None, finished: bool = False) -> None:
+        """``ticket``'s request ended (any way): it no longer waits, and frees its batch seat. ``finished``: it ran
+        to its end (not aborted, failed or cut), so the time from its first token is a service-time sample. An
+        end before the first token is no rate sample: it was not served."""
         if ticket is None:
             return
         ticket.started = True
         if self._queued.pop(id(ticket), None) is not None and not self._queued:
             self._last_event, self._since_departure = None, False
+        if self._in_service.pop(id(ticket), None) is not None and finished and ticket.started_at is not None:
+            self._services.append(max(self._clock() - ticket.started_at, 0.0))
 
     # --- what it looks like -----------------------------------------------------
     def _estimate(self, ahead: int, now: float) -> float:
         """Seconds a new request with ``ahead`` requests before it is expected to wait (module docstring)."""
-        if ahead == 0:
-            return 0.0
         recent = sorted(busy / count for when, busy, count in self._gaps if now - when <= GAP_WINDOW_S)
-        gap = recent[(len(recent) - 1) // 2] if recent else 0.0  # the median (the lower one of an even count)
         open_gap = max(now - self._last_event, 0.0) if self._queued and self._last_event is not None else 0.0
-        return max(ahead * gap, open_gap)
+        if recent or self.seats is None or not self._services:
+            if ahead == 0:
+                return 0.0
+            gap = recent[(len(recent) - 1) // 2] if recent else 0.0  # the median (the lower one of an even count)
+            return max(ahead * gap, open_gap)
+        # No busy queue lately, but requests have finished: price the seats it waits for (module docstring).
+        beyond = ahead + len(self._in_service) - self.seats + 1  # seats that must free before it gets one
+        if beyond <= 0:
+            return open_gap if ahead else 0.0
+        services = sorted(self._services)
+        ran = [now - t.started_at for t in self._in_service.values() if t.started_at is not None]
+        first_free = min((_residual(services, r) for r in ran), default=0.0)
+        return max(first_free + (beyond - 1) * _median(services) / self.seats, open_gap)
 
     def stats(self) -> dict:
         """``num_queued_requests``, ``oldest_queue_wait_s`` (the longest-waiting queued request's wait) and

@@ -338,7 +338,7 @@ class RequestSession:
         Redis just failed this request, so its end waits for Redis's return (``Sessions.flush_unrecorded``)
         instead of costing the client another timeout now; ``record`` False: another replica ended the record."""
         sessions = self._sessions
-        sessions.admission.leave(self.ticket)
+        sessions.admission.leave(self.ticket, finished=state == RequestState.FINISHED)  # frees its seat
         sessions.metrics.requests.labels(state=state.name.lower(), finish_reason=fields.get("finish_reason", "")).inc()
         self.abort_requested = True
         if self.encoding is not None and not self.encoding.done() and not sessions.cutting:

@@ -70,7 +70,9 @@ class Sessions:
         self.metrics = metrics
         self.token_texts = convert.TokenTexts(engine.tokenizer)  # logprobs' token texts, cached by id
         self.active: dict[str, RequestSession] = {}
-        self.admission = AdmissionQueue(config.max_waiting_requests, config.max_queue_time_s)
+        self.admission = AdmissionQueue(
+            config.max_waiting_requests, config.max_queue_time_s, seats=config.max_num_seqs
+        )  # seats: the batch a request waits to join (decoder_svc.session.admission)
         self.replica_id = ""  # this decoder's registry id: the owner of the records it creates (set by start-up)
         self.open_records: set[str] = set()  # Redis records this replica created and has not yet ended
         # The records as created, until their final state is written: a final write that finds the record gone

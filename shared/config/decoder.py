@@ -135,8 +135,9 @@ class DecoderServiceConfig(ServiceConfig):
             send (seq2seq: 32 at once).
         max_queue_time_s: a new request whose estimated wait (queued requests
             ahead of it x the median measured time between two of them starting,
-            or the current stall if longer; 0 with nothing ahead: see
-            ``decoder_svc.session.admission``) is
+            or the current stall if longer; without a busy queue, the time until
+            a batch seat frees, from finished requests' service times; 0 with
+            nothing ahead and a seat free: see ``decoder_svc.session.admission``) is
             longer than this gets RESOURCE_EXHAUSTED at once (seconds); one whose
             gRPC deadline is shorter than its estimated wait gets DEADLINE_EXCEEDED.
             30 s: the wait a client of an interactive service still accepts; the

@@ -218,3 +218,77 @@ def test_batched_departures_price_each_request_at_its_share_of_the_batch():
     assert q.stats()["estimated_queue_wait_s"] == pytest.approx(16 * 0.5, rel=0.01)
     with pytest.raises(ResourceExhaustedError, match="estimated 8"):
         q.admit(0, None)
+
+
+def test_full_seats_are_priced_by_the_measured_service_time():
+    """Issue 34 break test (--max-queue-time-s 30 not kept): with every batch seat held by requests that decode for
+    long and nothing queued, the old estimate had no departure gap to go by and priced each new request at 0, so
+    up to max_waiting_requests entered and waited a whole service time or more. Finished requests now measure the
+    service time (first token to end), and a request that must wait for seats is priced by it."""
+    clock = Clock()
+    q = AdmissionQueue(32, 5.0, clock, seats=4)
+    cold = [q.admit(0, None) for _ in range(4)]  # a cold burst of `seats` requests all enter
+    assert q.stats()["estimated_queue_wait_s"] == 0.0
+    clock.now += 0.5
+    for t in cold:
+        q.started(t)
+    clock.now += 8.0
+    for t in cold:  # each decoded for 8 s after its first token
+        q.leave(t, finished=True)
+    assert q.stats()["estimated_queue_wait_s"] == 0.0  # idle: admits at once
+    running = [q.admit(0, None) for _ in range(4)]  # the seats fill again
+    clock.now += 0.5
+    for t in running:
+        q.started(t)
+    clock.now += 2.0  # they have run 2 s of their ~8: a seat frees in ~6 s
+    assert q.stats()["estimated_queue_wait_s"] == pytest.approx(6.0)
+    with pytest.raises(ResourceExhaustedError, match="estimated 6.0 s"):
+        q.admit(0, None)
+    clock.now += 3.0  # 3 s to go: the next one enters, the one after it waits for a second seat (+8 / 4 s)
+    first = q.admit(0, None)
+    assert q.stats()["estimated_queue_wait_s"] == pytest.approx(3.0 + 2.0)
+    clock.now += 2.5
+    q.leave(running[0], finished=True)  # a seat frees
+    q.started(first)
+    assert q.stats()["estimated_queue_wait_s"] == pytest.approx(0.5)  # the oldest has run 7.5 s of its ~8
+    for t in [first, *running[1:]]:
+        q.leave(t, finished=True)
+    assert q.stats()["estimated_queue_wait_s"] == 0.0
+
+
+def test_aborted_and_failed_requests_are_no_service_sample():
+    clock = Clock()
+    q = AdmissionQueue(32, 5.0, clock, seats=1)
+    t = q.admit(0, None)
+    q.started(t)
+    clock.now += 0.1
+    q.leave(t)  # aborted after 0.1 s: no sample, else it would price every seat at 0.1 s
+    t = q.admit(0, None)
+    q.started(t)
+    clock.now += 60.0
+    assert q.stats()["estimated_queue_wait_s"] == 0.0  # nothing measured: only the count bounds it
+    q.leave(t, finished=True)
+    with pytest.raises(ValueError, match="seats"):
+        AdmissionQueue(1, 1.0, seats=0)
+
+
+def test_a_mix_of_short_and_long_requests_prices_the_held_seats_by_their_residual_time():
+    """Many short requests finished, and long ones hold the seats: a seat frees when a long one ends, which the
+    median of all services (a short one's) does not say; the finished services longer than what the running ones
+    have decoded do. One that outran every finished request is expected to run as long again."""
+    clock = Clock()
+    q = AdmissionQueue(32, 30.0, clock, seats=2)
+    for service in [0.1] * 6 + [10.0] * 2:
+        t = q.admit(0, None)
+        q.started(t)
+        clock.now += service
+        q.leave(t, finished=True)
+    held = [q.admit(0, None) for _ in range(2)]
+    for t in held:
+        q.started(t)
+    clock.now += 4.0  # past every short one: a long one, due at ~10 s
+    assert q.stats()["estimated_queue_wait_s"] == pytest.approx(6.0)
+    clock.now += 16.0  # 20 s: longer than any finished request, expected to run as long again
+    assert q.stats()["estimated_queue_wait_s"] == pytest.approx(20.0)
+    for t in held:
+        q.leave(t)

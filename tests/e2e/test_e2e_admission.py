@@ -320,3 +320,36 @@ def test_one_stalled_request_never_wedges_the_idle_decoder(quick, sources):
         assert stub.GetStats(decoder_pb2.GetStatsRequest()).estimated_queue_wait_s == 0.0
         assert alone(stub, src)
     assert_all_blocks_free(stub)
+
+
+LONG_NEW = 255  # tokens a seat-holding request decodes (ignore_eos; the tiny T5 holds 256)
+
+
+def test_held_seats_are_priced_by_the_measured_service_time(quick, sources):
+    """Issue 34 break test (--max-queue-time-s not kept): with every seat held by requests still decoding and
+    nothing queued, the old estimate had no departure gap to go by and priced a new request at 0 (a burst entered up
+    to --max-waiting-requests and waited for the seats). Now finished requests measure the service time, and the
+    wait for a seat is priced by it: above 0 while the seats are held, 0 again once the decoder is idle."""
+    svc, stub = quick
+
+    def long(src: list[int]) -> decoder_pb2.GenerateRequest:
+        return decoder_pb2.GenerateRequest(
+            input_ids=decoder_pb2.TokenIds(ids=src),
+            sampling=decoder_pb2.SamplingParams(max_tokens=LONG_NEW, ignore_eos=True),
+        )
+
+    estimates = []
+    for round_ in range(2):  # the first measures the service time, the second holds every seat
+        seated = [Call(stub, long(s)) for s in sources[:4]]
+        while any(call.is_alive() for call in seated):
+            stats = stub.GetStats(decoder_pb2.GetStatsRequest())
+            if round_ == 1 and stats.num_running == 4 and stats.num_queued_requests == 0:
+                estimates.append(stats.estimated_queue_wait_s)
+            time.sleep(0.01)
+        for call in seated:
+            assert call.error is None and len(call.tokens) == LONG_NEW, call.error
+    assert estimates, "never saw the four seats held"
+    assert all(e > 0 for e in estimates), estimates  # the old code: 0.0 each time
+    assert stub.GetStats(decoder_pb2.GetStatsRequest()).estimated_queue_wait_s == 0.0  # idle again: admits
+    assert alone(stub, sources[5])
+    assert_all_blocks_free(stub)
