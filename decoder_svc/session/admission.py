@@ -43,8 +43,9 @@ in service expected to end soonest does (its residual time: the median of the fi
 what it has run, less what it has run; as long again when it has outrun them all), each further one a median
 service time / seats later (requests in service end spread out). With fewer requests than seats it is priced as above
 (0 with nothing ahead): an idle decoder always admits, and a burst of ``seats`` requests all enter.
-With no sample of either kind (the first requests after start) the estimate is the open gap only:
-``max_waiting_requests`` bounds a cold start's burst.
+Before any request has finished, a request in service is expected to run as long again as it has run (so seats
+held for a while price a new request even then). A cold start's burst, all at once, finds nothing measured and
+nothing running yet: the open gap prices it, and ``max_waiting_requests`` bounds it.
 
 Single-threaded: every method runs on the service's event loop; ``stats`` may also be read from the metrics
 scrape thread (it copies what it reads).
@@ -283,19 +284,20 @@ class AdmissionQueue:
         """Seconds a new request with ``ahead`` requests before it is expected to wait (module docstring)."""
         recent = sorted(busy / count for when, busy, count in self._gaps if now - when <= GAP_WINDOW_S)
         open_gap = max(now - self._last_event, 0.0) if self._queued and self._last_event is not None else 0.0
-        if recent or self.seats is None or not self._services:
+        if recent or self.seats is None:
             if ahead == 0:
                 return 0.0
             gap = recent[(len(recent) - 1) // 2] if recent else 0.0  # the median (the lower one of an even count)
             return max(ahead * gap, open_gap)
-        # No busy queue lately, but requests have finished: price the seats it waits for (module docstring).
+        # No busy queue lately: price the seats it waits for (module docstring).
         beyond = ahead + len(self._in_service) - self.seats + 1  # seats that must free before it gets one
         if beyond <= 0:
             return open_gap if ahead else 0.0
         services = sorted(self._services)
         ran = [now - t.started_at for t in self._in_service.values() if t.started_at is not None]
         first_free = min((_residual(services, r) for r in ran), default=0.0)
-        return max(first_free + (beyond - 1) * _median(services) / self.seats, open_gap)
+        per_seat = _median(services) / self.seats if services else 0.0
+        return max(first_free + (beyond - 1) * per_seat, open_gap)
 
     def stats(self) -> dict:
         """``num_queued_requests``, ``oldest_queue_wait_s`` (the longest-waiting queued request's wait) and

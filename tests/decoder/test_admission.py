@@ -265,9 +265,14 @@ def test_aborted_and_failed_requests_are_no_service_sample():
     q.leave(t)  # aborted after 0.1 s: no sample, else it would price every seat at 0.1 s
     t = q.admit(0, None)
     q.started(t)
+    clock.now += 0.02  # nothing finished: expected to run as long again (a 0.1 s sample would say 0.08 s)
+    assert q.stats()["estimated_queue_wait_s"] == pytest.approx(0.02)
     clock.now += 60.0
-    assert q.stats()["estimated_queue_wait_s"] == 0.0  # nothing measured: only the count bounds it
+    assert q.stats()["estimated_queue_wait_s"] == pytest.approx(60.02)  # held a minute: a new one waits for it
+    with pytest.raises(ResourceExhaustedError, match="estimated 60.0 s"):
+        q.admit(0, None)
     q.leave(t, finished=True)
+    assert q.stats()["estimated_queue_wait_s"] == 0.0
     with pytest.raises(ValueError, match="seats"):
         AdmissionQueue(1, 1.0, seats=0)
 
