@@ -345,6 +345,19 @@ def _add_bench(sub) -> None:
     _add_suite_arguments(p)
     p.set_defaults(func=BenchEntry("suite"))
 
+    p = benches.add_parser(
+        "peak",
+        help="the machine's peak (sgemm, bf16, int8, memory bandwidth) and the decode-step products against it",
+    )
+    p.add_argument("--threads", type=int, default=2, help="torch / kernel threads (the other benches' --threads)")
+    p.add_argument("--rows", default="1,16,32,64", help="decode-step row counts (running sequences), comma-separated")
+    p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--plot", default=None, help="write a roofline PNG here (matplotlib)")
+    p.add_argument(
+        "--also", nargs="*", default=[], help="earlier runs' --json files: more roofline panels (e.g. --cpu-isa avx2)"
+    )
+    p.set_defaults(func=BenchEntry("products"))
+
     p = benches.add_parser("seq2seq", help="decode-bound T5 / BART shapes: our services vs HF generate vs CTranslate2")
     _add_seq2seq_arguments(p)
     p.set_defaults(func=BenchEntry("seq2seq"))

@@ -48,11 +48,17 @@ import sys
 import time
 from pathlib import Path
 
+from encdec.bench import roofline
+from encdec.bench.flops import seq2seq_dims, seq2seq_request_flops
 from encdec.bench.machine import machine_line
+from encdec.bench.peak import machine_peak, peak_line
 from encdec.bench.seq2seq_checkpoints import SHAPES, build_checkpoint, source_ids
 from encdec.bench.table import markdown_table, median_run, write_json
 
-COLUMNS = ["model", "system", "mode", "requests", "tokens", "wall s", "tokens/s", "x best batched", "same as HF"]
+COLUMNS = [
+    "model", "system", "mode", "requests", "tokens", "wall s", "tokens/s", "x best batched", "same as HF",
+    *roofline.COLUMNS,
+]  # fmt: skip
 
 
 def _gen_kwargs(n: int) -> dict:
@@ -168,7 +174,11 @@ async def generate_ids(stub, ids: list[int], sampling) -> tuple[list[int], float
     return tokens, first if first is not None else 0.0, time.perf_counter() - start
 
 
-async def _ours_once(address: str, sources: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
+async def _ours_once(
+    address: str, sources: list[list[int]], new_tokens: int, pids: dict[str, int]
+) -> tuple[float, list[list[int]], dict[str, float]]:
+    """One timed run after a warm-up request: ``(wall_s, tokens, cpu_s)``, ``cpu_s`` each process of ``pids``'s
+    CPU seconds over the timed part."""
     import grpc
 
     from shared.grpc_server import GRPC_OPTIONS
@@ -178,9 +188,12 @@ async def _ours_once(address: str, sources: list[list[int]], new_tokens: int) ->
     async with grpc.aio.insecure_channel(address, options=GRPC_OPTIONS) as channel:
         stub = decoder_pb2_grpc.DecoderServiceStub(channel)
         await generate_ids(stub, sources[0], sampling)  # warm-up
+        cpu = roofline.cpu_seconds(pids)
         start = time.perf_counter()
         results = await asyncio.gather(*(generate_ids(stub, s, sampling) for s in sources))
-        return time.perf_counter() - start, [r[0] for r in results]
+        wall = time.perf_counter() - start
+        after = roofline.cpu_seconds(pids)
+        return wall, [r[0] for r in results], {n: after[n] - cpu[n] for n in pids}
 
 
 def service_args(
@@ -200,23 +213,36 @@ def run_ours(
     stream_interval: int = 1,
     repeats: int = 1,
     dtype: str = "float32",
-) -> tuple[float, list[list[int]]]:
+) -> tuple[float, list[list[int]], dict[str, float]]:
     """Our services (started and stopped here) on ``model_dir``: all requests at once over gRPC, ``repeats`` times
-    against the same services; the median run. ``dtype``: both services' ``--dtype``."""
+    against the same services; the median run ``(wall_s, tokens, cpu_s)``, ``cpu_s`` the encoder's and the
+    decoder's CPU seconds over it. ``dtype``: both services' ``--dtype``."""
     from encdec.launcher import Services
 
     enc, dec = service_args(threads, max(len(sources), 1), quantize, dtype)
     dec = [*dec, "--stream-interval", str(stream_interval)]
     with Services(model=str(model_dir), log_level="WARNING", extra_encoder_args=enc, extra_decoder_args=dec) as svc:
+        pids = {n: svc.process(n).pid for n in ("encoder", "decoder")}
         return median_run(
-            [asyncio.run(_ours_once(svc.decoder_address, sources, new_tokens)) for _ in range(max(repeats, 1))]
+            [asyncio.run(_ours_once(svc.decoder_address, sources, new_tokens, pids)) for _ in range(max(repeats, 1))]
         )
 
 
 def _row(
-    model: str, system: str, mode: str, wall: float, tokens: list[list[int]], truth: list[list[int]] | None, load: float
+    model: str,
+    system: str,
+    mode: str,
+    wall: float,
+    tokens: list[list[int]],
+    truth: list[list[int]] | None,
+    load: float,
+    source_len: int,
+    cpu: dict[str, float] | None = None,
 ) -> dict:
+    """One table row; its FLOPs (``encdec.bench.flops``) from each request's generated tokens, and ``cpu s`` (our
+    encoder's and decoder's CPU seconds) where known, for ``roofline.add_achieved``."""
     n = sum(len(t) for t in tokens)
+    dims = seq2seq_dims(SHAPES[model])
     same = None if truth is None else f"{sum(a == b for a, b in zip(tokens, truth))}/{len(tokens)}"
     return {
         "model": model,
@@ -228,6 +254,8 @@ def _row(
         "tokens/s": n / wall if wall > 0 else 0.0,
         "same as HF": same,
         "load": load,
+        **roofline.totals([seq2seq_request_flops(dims, source_len, len(t)) for t in tokens]),
+        "cpu s": cpu,
     }
 
 
@@ -273,7 +301,7 @@ def bench_model(name: str, args, progress: bool = True) -> list[dict]:
     hf_load = load()[0]
     truth = hf.get("sequential", hf["batched"])[1]
     for mode, (wall, tokens) in hf.items():
-        rows.append(_row(name, "HF transformers fp32", mode, wall, tokens, truth, hf_load))
+        rows.append(_row(name, "HF transformers fp32", mode, wall, tokens, truth, hf_load, args.source_len))
     ct2_batched = None
     if not args.skip_ct2:
         modes = ["batched"] if args.skip_hf_sequential else ["sequential", "batched"]
@@ -291,16 +319,21 @@ def bench_model(name: str, args, progress: bool = True) -> list[dict]:
             )
             ct2_load = load()[0]
             for mode, (wall, tokens) in res.items():
-                rows.append(_row(name, f"CTranslate2 {compute_type}", mode, wall, tokens, truth, ct2_load))
+                rows.append(
+                    _row(name, f"CTranslate2 {compute_type}", mode, wall, tokens, truth, ct2_load, args.source_len)
+                )
                 if compute_type == "float32" and mode == "batched":
                     ct2_batched = rows[-1]
-    for (q, k), (wall, tokens, ours_load) in ours.items():
+    for (q, k), (wall, tokens, cpu, ours_load) in ours.items():
         system = f"encdec-serve {q} (2 services, gRPC{'' if k == 1 else f', stream interval {k}'})"
-        rows.append(_row(name, system, f"concurrent {len(sources)}", wall, tokens, truth, ours_load))
+        rows.append(
+            _row(name, system, f"concurrent {len(sources)}", wall, tokens, truth, ours_load, args.source_len, cpu)
+        )
     hf_batched = next(r for r in rows if r["system"].startswith("HF") and r["mode"] == "batched")
     best = max(hf_batched["tokens/s"], ct2_batched["tokens/s"] if ct2_batched else 0.0)
     for r in rows:
         r["x best batched"] = r["tokens/s"] / best if best else None
+    roofline.add_achieved(rows, machine_peak(args.threads), args.threads)
     return rows
 
 
@@ -310,6 +343,7 @@ def run(args, progress: bool = True) -> dict:
     unknown = [m for m in names if m not in SHAPES]
     if unknown:
         raise ValueError(f"unknown model shape(s) {unknown}; choose from {', '.join(SHAPES)}")
+    peak = machine_peak(args.threads)  # at bench start, before any system runs
     rows: list[dict] = []
     for name in names:
         rows += bench_model(name, args, progress)
@@ -327,6 +361,8 @@ def run(args, progress: bool = True) -> dict:
         "ours_fixed_length": fixed,
         "columns": COLUMNS,
         "rows": rows,
+        "peak": peak.to_dict(),
+        "notes": [peak_line(peak), roofline.NOTE],
     }
 
 
@@ -340,6 +376,7 @@ def main(args) -> int:
     payload = run(args)
     print(f"Machine: {machine_line()}\n")
     print(markdown_table(payload["rows"], COLUMNS))
+    print("\n" + "\n".join(payload["notes"]))
     if args.json:
         write_json(args.json, payload)
     return 0

@@ -1,6 +1,6 @@
 """``encdec bench`` / ``encdec bench all``: every bench in one invocation.
 
-Runs whisper, seq2seq, embed, transfer (when ``encdec/bench/transfer.py``
+Runs peak (the machine's limit and the decode-step products against it), whisper, seq2seq, embed, transfer (when ``encdec/bench/transfer.py``
 exists), online, http (when httpx, its client, is installed), quality and realtime one
 after another, each exactly as its own sub-command would with its defaults (the CLI
 parser builds each one's arguments, plus ``--threads`` / ``--skip-ct2`` and any
@@ -29,7 +29,7 @@ from encdec.bench.table import markdown_table, write_json
 from encdec.parser import build_parser
 
 # Benches that take --threads / --skip-ct2.
-THREADED = {"whisper", "seq2seq", "embed", "transfer", "online", "http", "quality", "realtime"}
+THREADED = {"peak", "whisper", "seq2seq", "embed", "transfer", "online", "http", "quality", "realtime"}
 CT2 = {"whisper", "seq2seq", "quality", "realtime"}
 
 

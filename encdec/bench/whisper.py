@@ -31,13 +31,16 @@ import grpc
 import torch
 
 from decoder_svc.session.audio import decode_audio
+from encdec.bench import roofline
+from encdec.bench.flops import Dims, whisper_dims, whisper_prompt_len, whisper_request_flops
+from encdec.bench.peak import machine_peak, peak_line
 from encdec.bench.table import markdown_table, median_run, write_json
 from shared.models.registry import resolve_model
 from shared.models.whisper_features import log_mel_spectrogram, special_token_ids
 from shared.proto import decoder_pb2, decoder_pb2_grpc
 
 SAMPLE_RATE = 16000
-COLUMNS = ["system", "mode", "requests", "wall s", "tokens/s", "x realtime", "same as HF"]
+COLUMNS = ["system", "mode", "requests", "wall s", "tokens/s", "x realtime", "same as HF", *roofline.COLUMNS]
 # Our services' flags per variant of the weights (both services get them).
 VARIANT_FLAGS = {"fp32": [], "int8": ["--quantize", "int8"], "bf16": ["--dtype", "bfloat16"]}
 
@@ -50,8 +53,12 @@ def _row(
     tokens: list[list[int]],
     truth: list[list[int]] | None,
     eot: int,
+    dims: Dims,
+    cpu: dict[str, float] | None = None,
 ) -> dict:
-    """One table row; ids from ``eot`` (``<|endoftext|>``) up are specials and timestamps, not text."""
+    """One table row; ids from ``eot`` (``<|endoftext|>``) up are specials and timestamps, not text. Its FLOPs
+    (``encdec.bench.flops``: one window per request) from each request's text tokens + the end token, and ``cpu
+    s`` (our encoder's and decoder's CPU seconds) where known, for ``roofline.add_achieved``."""
 
     def text(ids: list[int]) -> list[int]:
         return [t for t in ids if t < eot]
@@ -66,6 +73,8 @@ def _row(
         "tokens/s": n_tok / wall,
         "x realtime": audio_s / wall,
         "same as HF": same,
+        **roofline.totals([whisper_request_flops(dims, len(text(t)) + 1, whisper_prompt_len(dims)) for t in tokens]),
+        "cpu s": cpu,
     }
 
 
@@ -107,7 +116,11 @@ def run_ct2(
     return result["wall_s"], result["tokens"]
 
 
-async def _ours_once(address: str, files: list[str], concurrency: int) -> tuple[float, list[list[int]]]:
+async def _ours_once(
+    address: str, files: list[str], concurrency: int, pids: dict[str, int]
+) -> tuple[float, list[list[int]], dict[str, float] | None]:
+    """One timed run after a warm-up request: ``(wall_s, tokens, cpu_s)``, ``cpu_s`` each process of ``pids``'s
+    CPU seconds over the timed part (None without ``pids``)."""
     payloads = [Path(f).read_bytes() for f in files]
     sem = asyncio.Semaphore(concurrency)
     async with grpc.aio.insecure_channel(address) as channel:
@@ -123,9 +136,12 @@ async def _ours_once(address: str, files: list[str], concurrency: int) -> tuple[
                 return ids
 
         await one(payloads[0])  # warm-up
+        cpu = roofline.cpu_seconds(pids)
         start = time.perf_counter()
         tokens = await asyncio.gather(*(one(p) for p in payloads))
-        return time.perf_counter() - start, list(tokens)
+        wall = time.perf_counter() - start
+        after = roofline.cpu_seconds(pids)
+        return wall, list(tokens), {n: after[n] - cpu[n] for n in pids} if pids else None
 
 
 def run_ours(
@@ -136,19 +152,21 @@ def run_ours(
     variant: str = "fp32",
     repeats: int = 1,
     model: str = "whisper-tiny.en",
-) -> dict[int, tuple[float, list[list[int]]]]:
+) -> dict[int, tuple[float, list[list[int]], dict[str, float] | None]]:
     """Our services end to end over gRPC (started here unless ``address`` is given): per concurrency level, the
-    median of ``repeats`` runs against the same services. ``variant``: a key of ``VARIANT_FLAGS`` (both
+    median of ``repeats`` runs against the same services, ``(wall_s, tokens, cpu_s)`` (``cpu_s``: the encoder's
+    and the decoder's CPU seconds over the run; None with ``address``). ``variant``: a key of ``VARIANT_FLAGS`` (both
     services' weights: ``fp32``, ``int8`` = ``--quantize int8``, ``bf16`` = ``--dtype bfloat16``)."""
     from encdec.launcher import Services
 
-    def median_of_runs(address: str, concurrency: int) -> tuple[float, list[list[int]]]:
-        return median_run([asyncio.run(_ours_once(address, files, concurrency)) for _ in range(max(repeats, 1))])
+    def median_of_runs(address: str, concurrency: int, pids: dict[str, int]):
+        runs = [asyncio.run(_ours_once(address, files, concurrency, pids)) for _ in range(max(repeats, 1))]
+        return median_run(runs)
 
     results = {}
     if address:
         for c in concurrencies:
-            results[c] = median_of_runs(address, c)
+            results[c] = median_of_runs(address, c, {})
         return results
     flags = ["--num-threads", str(threads), *VARIANT_FLAGS[variant]]
     # Clips repeat across requests: turn the encoder-output cache off so every request is encoded, as
@@ -156,15 +174,10 @@ def run_ours(
     with Services(
         model=model, log_level="WARNING", extra_encoder_args=flags, extra_decoder_args=[*flags, "--encoder-cache", "0"]
     ) as svc:
+        pids = {n: svc.process(n).pid for n in ("encoder", "decoder")}
         for c in concurrencies:
-            results[c] = median_of_runs(svc.decoder_address, c)
+            results[c] = median_of_runs(svc.decoder_address, c, pids)
     return results
-
-
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a live process (/proc/PID/stat fields 14 and 15)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def transcribe_over_grpc(stub, path: str, options) -> dict:
@@ -226,9 +239,10 @@ def on_services(model: str, threads: int, address: str | None, job):
         model=model, log_level="WARNING", extra_encoder_args=flags, extra_decoder_args=[*flags, "--encoder-cache", "0"]
     ) as svc:
         pids = {n: svc.process(n).pid for n in ("encoder", "decoder")}
-        before = {n: _cpu_s(p) for n, p in pids.items()}
+        before = roofline.cpu_seconds(pids)
         result = job(svc.decoder_address)
-        return result, {n: _cpu_s(p) - before[n] for n, p in pids.items()}
+        after = roofline.cpu_seconds(pids)
+        return result, {n: after[n] - before[n] for n in pids}
 
 
 def short_form_rows(args, clips: list[str], eot: int) -> tuple[list[dict], float]:
@@ -240,26 +254,36 @@ def short_form_rows(args, clips: list[str], eot: int) -> tuple[list[dict], float
     print(f"{len(files)} requests, {audio_s:.1f} s of audio, {args.threads} threads per system", file=sys.stderr)
 
     rows = []
+    dims = model_dims(args.model)
     walls, hf_tokens = run_hf(audio, args.threads, args.repeats, args.model)
     truth = hf_tokens["sequential"]
     for mode in ("sequential", "batched"):
-        rows.append(_row("HF transformers fp32", mode, audio_s, walls[mode], hf_tokens[mode], truth, eot))
+        rows.append(_row("HF transformers fp32", mode, audio_s, walls[mode], hf_tokens[mode], truth, eot, dims))
     if not args.skip_ct2:
         for compute_type in ("float32", "int8"):
             for mode in ("sequential", "batched"):
                 repeats = args.repeats if mode == "batched" else 1
                 wall, tokens = run_ct2(files, compute_type, mode, args.threads, repeats, args.model)
-                rows.append(_row(f"CTranslate2 {compute_type}", mode, audio_s, wall, tokens, truth, eot))
+                rows.append(_row(f"CTranslate2 {compute_type}", mode, audio_s, wall, tokens, truth, eot, dims))
     variants = ["fp32"] + ["int8"] * bool(args.int8) + ["bf16"] * bool(getattr(args, "bf16", False))
     for variant in variants:
         name = f"encdec-serve {variant} (2 services, gRPC)"
-        for c, (wall, tokens) in run_ours(
+        for c, (wall, tokens, cpu) in run_ours(
             files, concurrencies, args.threads, args.address, variant, args.repeats, args.model
         ).items():
-            rows.append(_row(name, f"concurrency {c}", audio_s, wall, tokens, truth, eot))
+            rows.append(_row(name, f"concurrency {c}", audio_s, wall, tokens, truth, eot, dims, cpu))
         if args.address:
             break  # running services have their own settings
+    roofline.add_achieved(rows, machine_peak(args.threads), args.threads)
     return rows, audio_s
+
+
+def model_dims(model: str) -> Dims:
+    """The FLOP-counting shapes of a Whisper model name (its CTranslate2 weights' shapes)."""
+    from shared.models.ct2_reader import load_ct2_weights
+    from shared.models.whisper import WhisperConfig
+
+    return whisper_dims(WhisperConfig.from_ct2_weights(load_ct2_weights(resolve_model(model)[1] / "model.bin")))
 
 
 def main(args) -> int:
@@ -272,11 +296,13 @@ def main(args) -> int:
         return 2
     info = machine_info()
     line = machine_line(info)
-    print(f"Machine: {line}; model {args.model}; {args.threads} threads per system\n")
+    peak = machine_peak(args.threads)  # at bench start, before any system runs
+    print(f"Machine: {line}; model {args.model}; {args.threads} threads per system\n{peak_line(peak)}\n")
     eot = special_token_ids(resolve_model(args.model)[1])["<|endoftext|>"]
     rows, audio_s = short_form_rows(args, clips, eot) if args.requests > 0 else ([], 0.0)
     if rows:
         print(markdown_table(rows, COLUMNS), flush=True)
+        print(f"\n{roofline.NOTE}", flush=True)
     long_form = None
     if args.long_form:
         from encdec.bench.whisper_longform import render
@@ -299,6 +325,8 @@ def main(args) -> int:
                 "columns": COLUMNS,
                 "rows": rows,
                 "long_form": long_form,
+                "peak": peak.to_dict(),
+                "notes": [peak_line(peak), roofline.NOTE],
             },
         )
     return 0
