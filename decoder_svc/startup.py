@@ -226,7 +226,7 @@ def run(config: DecoderServiceConfig) -> None:
         readiness = servicer.readiness = DecoderReadiness(
             store, sessions.encoder, sessions.flush_unrecorded, replica.uptime
         )
-        start_metrics_server(config.metrics_port, config.host, servicer.metrics.registry)
+        start_metrics_server(config.metrics_port, config.metrics_host or config.host, servicer.metrics.registry)
         replica.start(servicer)
 
         async def on_stop() -> None:

@@ -383,7 +383,16 @@ class Services:
         token = self._token_args()
         public_token, backend_token = self._public_secrets()
         encoder = self._spawn(
-            "encoder", ["serve-encoder", "--port", str(self.encoder_port), *model, *token, *self.extra_encoder_args]
+            "encoder",
+            [
+                "serve-encoder",
+                "--port",
+                str(self.encoder_port),
+                *model,
+                *token,
+                *_local_metrics(self.extra_encoder_args),
+                *self.extra_encoder_args,
+            ],
         )
         decoder = self._spawn(
             "decoder",
@@ -396,6 +405,7 @@ class Services:
                 *model,
                 *token,
                 *public_token,
+                *_local_metrics(self.extra_decoder_args),
                 *self.extra_decoder_args,
             ],
         )
@@ -413,6 +423,7 @@ class Services:
                     "--metrics-port",
                     "9402",
                     *public_token,
+                    *_local_metrics([]),
                 ],
             )
         wait_healthy(self.encoder_address, self.startup_timeout_s, encoder)
@@ -459,6 +470,15 @@ class Services:
 def _flag_given(args: list[str], *flags: str) -> bool:
     """True when ``args`` hold one of ``flags`` (``--flag value`` or ``--flag=value``)."""
     return any(a in flags or a.split("=", 1)[0] in flags for a in args)
+
+
+def _local_metrics(args: list[str]) -> list[str]:
+    """``--metrics-host 127.0.0.1`` for a service started with ``args`` that binds beyond loopback, unless a metrics
+    host is given (``--metrics-host`` in ``args``, ``ENCDEC_METRICS_HOST``): ``/metrics`` is plain HTTP without a
+    token, so it stays on loopback unless asked for (issue 34)."""
+    if _is_loopback(_host_of(args)) or os.environ.get("ENCDEC_METRICS_HOST") or _flag_given(args, "--metrics-host"):
+        return []
+    return ["--metrics-host", "127.0.0.1"]
 
 
 def _host_of(args: list[str]) -> str:

@@ -114,7 +114,7 @@ def run(config: EncoderServiceConfig) -> None:
         max_batch_wait_ms=config.max_batch_wait_ms,
     )
     servicer = EncoderServicer(config, model, batcher, auth)
-    start_metrics_server(config.metrics_port, config.host, servicer.metrics.registry)
+    start_metrics_server(config.metrics_port, config.metrics_host or config.host, servicer.metrics.registry)
 
     async def on_stop() -> None:
         batcher.stop()

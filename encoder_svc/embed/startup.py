@@ -60,7 +60,7 @@ def run(config: EncoderServiceConfig, num_threads: int | None = None) -> None:
     servicer = EmbedServicer(
         engine, batcher, config.model, model_names(config.model), config.max_inputs_per_request, metrics
     )
-    start_metrics_server(config.metrics_port, config.host, metrics.registry)
+    start_metrics_server(config.metrics_port, config.metrics_host or config.host, metrics.registry)
 
     async def on_stop() -> None:
         batcher.stop()

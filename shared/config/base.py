@@ -42,6 +42,8 @@ class ServiceConfig:
         kv_transfer_timeout_s: torch_dist: bound on pairing and on a transfer (seconds).
         metrics_port: Prometheus ``/metrics`` HTTP port (``shared.metrics``);
             0 = off. A port already taken is logged and metrics stay off.
+        metrics_host: the address ``/metrics`` listens on (plain HTTP, no token); empty = ``host``. ``encdec up``
+            bound beyond loopback sets 127.0.0.1 unless given (issue 34: no public port without a secret).
         device: where the model runs: ``cpu``, ``cuda`` or ``cuda:N``
             (``shared.device``). A missing GPU fails at startup.
         dtype: weight and activation dtype: ``float32`` (default); ``float16`` on a CUDA ``device`` only;
@@ -95,6 +97,7 @@ class ServiceConfig:
     kv_device: str = ""
     kv_transfer_timeout_s: float = 30.0
     metrics_port: int
+    metrics_host: str = ""
     device: str = "cpu"
     dtype: str = "float32"
     internal_token_file: str = ""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 from pathlib import Path
 
@@ -190,7 +191,29 @@ def test_up_bound_beyond_loopback_serves_nothing_without_its_generated_secrets(r
         assert httpx.get(f"{url}/v1/models", timeout=30).status_code == 401
         models = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=30)
         assert models.status_code == 200, models.text  # the gateway reached the decoder with the token
+        # /metrics (plain HTTP, no token) stays on loopback: the decoder's 9400 answers there and not on the
+        # machine's own address, where its gRPC port does answer (the break test found 9400-9402 on 0.0.0.0)
+        decoder = _cmdline_of("serve-decoder", address.rsplit(":", 1)[1])
+        assert decoder[decoder.index("--metrics-host") + 1] == "127.0.0.1", decoder
+        assert httpx.get("http://127.0.0.1:9400/metrics", timeout=30).status_code == 200
+        own = _own_address()
+        if own is not None:
+            with socket.create_connection((own, int(address.rsplit(":", 1)[1])), timeout=5):
+                pass
+            with pytest.raises(OSError):
+                socket.create_connection((own, 9400), timeout=5).close()
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         proc.wait(timeout=60)
     assert not Path(token_file).exists() and not Path(key_file).exists()  # gone with the services
+
+
+def _own_address() -> str | None:
+    """This machine's non-loopback IPv4 address (the route a packet out would take; nothing is sent), or None."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("10.255.255.255", 1))
+            own = probe.getsockname()[0]
+        except OSError:
+            return None
+    return None if own.startswith("127.") else own
