@@ -14,8 +14,9 @@ DEFAULT_MAX_UPLOAD_MB = 25.0
 DEFAULT_MAX_REQUEST_MB = 8.0
 # OpenAI's documented limit of inputs in one /v1/embeddings request.
 DEFAULT_MAX_EMBEDDING_INPUTS = 2048
-# Calls in flight per client (a quarter of the backends' per-address 256: several clients share a backend through
-# the gateway's one address) and in all (TEI's --max-concurrent-requests default).
+# Calls in flight per client (several clients share a backend through the gateway's one address) and in all (TEI's
+# --max-concurrent-requests default; the backends' per-address --max-requests-per-client is as large, so the
+# gateway's own cap refuses first).
 DEFAULT_MAX_REQUESTS_PER_CLIENT = 64
 DEFAULT_MAX_CONCURRENT_REQUESTS = 512
 # Audio bytes the gateway holds at once (uploads spool to /tmp for their call): half the 1 GiB /tmp that compose

@@ -77,7 +77,9 @@ class ServiceConfig:
         tls_cert / tls_key: PEM certificate chain and private key: the public port serves TLS (both or neither).
         tls_client_ca: PEM CA bundle: clients must present a certificate it signed (mutual TLS); needs tls_cert.
         max_requests_per_client: most calls in flight from one client address (the peer IP) on the public port;
-            more get RESOURCE_EXHAUSTED; 0 = no limit. Behind the HTTP gateway every call comes from its address.
+            more get RESOURCE_EXHAUSTED; 0 = no limit. Behind the HTTP gateway every call comes from its address:
+            512 is the gateway's ``--max-concurrent-requests`` (``gateway_svc.config``), so a gateway in front
+            meets its own cap (503 to its clients, per client 429) before its backend's limit.
         max_message_bytes: largest gRPC message received or sent (bytes): audio travels in Generate.
         max_concurrent_rpcs: most calls the port runs at once, every client, method and outcome together (gRPC's
             ``maximum_concurrent_rpcs``: a call past it ends at once with RESOURCE_EXHAUSTED, before its body is
@@ -110,7 +112,7 @@ class ServiceConfig:
     tls_cert: str = ""
     tls_key: str = ""
     tls_client_ca: str = ""
-    max_requests_per_client: int = 256
+    max_requests_per_client: int = 512
     max_message_bytes: int = 64 * 1024 * 1024
     max_concurrent_rpcs: int = 4096
     health_port: int = 0

@@ -226,3 +226,18 @@ def test_a_request_head_past_64_kib_is_refused_before_it_is_parsed(limited):
         answer = sock.recv(4096)  # refused once 64 KiB are in, without waiting for the rest
     assert answer.startswith(b"HTTP/1.1 400"), answer[:200]
     assert httpx.get(limited + "/health", timeout=10).status_code in (200, 503)
+
+
+def test_the_gateway_caps_its_calls_before_a_backend_refuses_its_address():
+    """Issue 34 break test: behind one gateway every HTTP user shares the backends' per-address bucket, which was
+    256 while the gateway admitted 512 in all, so the 257th call got the backend's "calls from <gateway address>"
+    refusal instead of the gateway's own 503. The defaults now agree: the gateway's cap is at most the limit a
+    decoder or encoder puts on one address."""
+    from gateway_svc.config import GatewayConfig
+    from shared.config.decoder import DecoderServiceConfig
+    from shared.config.encoder import EncoderServiceConfig
+
+    gateway = GatewayConfig(decoder_address="127.0.0.1:50051")
+    for backend in (DecoderServiceConfig(), EncoderServiceConfig()):
+        assert 0 < gateway.max_concurrent_requests <= backend.max_requests_per_client, type(backend).__name__
+    assert gateway.max_requests_per_client < gateway.max_concurrent_requests
