@@ -240,6 +240,19 @@ def _field(loc: tuple) -> str:
     return out or "body"
 
 
+def _most_specific(errors: list[dict]) -> dict:
+    """The error to report of a body that failed validation: of the first failing field's errors (a union field
+    such as ``input``, ``str | list[str] | list[int] | list[list[int]]``, has one per member), the one that got
+    furthest: a wrong value (``input[0][0]`` over 2**31 - 1) over a member whose type did not fit ("should be a
+    valid string"), then the deepest; the first of equals."""
+
+    def top(error: dict) -> str:  # "input" of input[0][0]
+        return re.split(r"[.\[]", _field(tuple(error.get("loc", ()))), maxsplit=1)[0]
+
+    same = [e for e in errors if top(e) == top(errors[0])]
+    return max(same, key=lambda e: (not str(e.get("type", "")).endswith("_type"), len(_field(tuple(e.get("loc", ()))))))
+
+
 def install(app: FastAPI) -> None:
     """Every error the app can raise answers in OpenAI's shape; none becomes an HTML page or a bare 500."""
 
@@ -255,6 +268,7 @@ def install(app: FastAPI) -> None:
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request body"}
         field = _field(tuple(first.get("loc", ())))
+        specific = _most_specific(exc.errors()) if exc.errors() else first
         kind = first.get("type", "")
         content_type = request.headers.get("content-type", "")
         if field == "body" and not content_type.startswith("application/json"):
@@ -267,8 +281,8 @@ def install(app: FastAPI) -> None:
         elif kind == "json_invalid":
             message = invalid_json_message(str((first.get("ctx") or {}).get("error") or first.get("msg", "")))
             field = None  # its loc is the character position, not a field
-        else:
-            message = f"{field}: {first.get('msg')}"
+        else:  # the member of a union that got furthest: "input[0][0]: ... less than or equal to 2147483647"
+            message = f"{_field(tuple(specific.get('loc', ())))}: {specific.get('msg')}"
         return error_response(400, message, param=field)
 
     @app.exception_handler(StarletteHTTPException)

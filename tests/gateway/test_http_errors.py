@@ -241,6 +241,17 @@ def test_out_of_range_and_uncoerced_values_are_400_naming_the_field(stack, path,
     assert error["param"] == param, error
 
 
+def test_a_token_id_out_of_range_is_400_saying_so_not_that_a_string_was_expected(client):
+    """Issue 34 break test: ``[[99999999999]]`` got "input: Input should be a valid string" (the first member of the
+    union ``str | list[str] | list[int] | list[list[int]]``), though the input is token ids, one out of range."""
+    for body, where in (([[99999999999]], "input[0][0]"), ([7, 2**31], "input[1]")):
+        error = error_of(client.post("/v1/embeddings", json={"model": EMBED, "input": body}), 400)
+        assert error["param"] == "input", error
+        assert error["message"].startswith(where) and "2147483647" in error["message"], error
+    error = error_of(client.post("/v1/embeddings", json={"model": EMBED, "input": {"a": 1}}), 400)
+    assert error["param"] == "input" and "valid string" in error["message"], error  # no member got further
+
+
 @pytest.mark.parametrize("field", ["input", "model"])
 def test_a_lone_surrogate_is_400_not_a_500(stack, field):
     model, text = (EMBED, "\\ud800") if field == "input" else ("\\ud800", "x")
