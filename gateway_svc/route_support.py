@@ -21,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 from gateway_svc.backends import Backends
 from gateway_svc.config import GatewayConfig
 from gateway_svc.errors import GatewayError, from_rpc_error
+from shared.public_auth import bearer_token_of
 
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
@@ -43,12 +44,12 @@ async def require_api_key(request: Request) -> None:
     expected = request.app.state.config.api_key
     if not expected:
         return
-    scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not given:
+    given = bearer_token_of(request.headers.items())
+    if given is None:
         raise GatewayError(
             401, "missing API key: send the header 'Authorization: Bearer <key>'", code="invalid_api_key"
         )
-    if not hmac.compare_digest(given.strip().encode(), expected.encode()):
+    if not hmac.compare_digest(given.encode(), expected.encode()):
         raise GatewayError(401, "invalid API key", code="invalid_api_key")
 
 

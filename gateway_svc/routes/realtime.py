@@ -17,6 +17,7 @@ from fastapi import APIRouter, WebSocket
 from gateway_svc.config import GatewayConfig
 from gateway_svc.errors import GatewayError
 from gateway_svc.realtime_connection import ENDPOINT, RealtimeConnection
+from shared.public_auth import bearer_token_of
 
 router = APIRouter()
 
@@ -28,8 +29,8 @@ def api_key_refusal(websocket: WebSocket, expected: str) -> GatewayError | None:
     ``openai-insecure-api-key.<key>``; None when it has it, or when the gateway has no key."""
     if not expected:
         return None
-    scheme, _, token = websocket.headers.get("authorization", "").partition(" ")
-    given = [token.strip()] if scheme.lower() == "bearer" and token.strip() else []
+    token = bearer_token_of(websocket.headers.items())
+    given = [] if token is None else [token]
     given += [
         p.removeprefix(KEY_SUBPROTOCOL)
         for p in websocket.scope.get("subprotocols", ())
