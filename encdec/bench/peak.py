@@ -13,8 +13,10 @@ what the same cores reach on the easiest product there is. Measured in this proc
   over it (bytes read per second), far beyond any last-level cache.
 
 Each is the best of ``reps`` timed runs after one untimed run (the first touch of the pages, MKL's and oneDNN's
-one-time setup); a shared machine's other work only lowers a run, so the best one is nearest the limit
-(``best_of`` merges two measurements: ``encdec bench peak`` measures before and after its products).
+one-time setup); a shared machine's other work only lowers a run, so the best one is nearest the limit, and a run
+is timed by this process's CPU seconds / threads where that is less than its wall time (``busy_s``: the time it
+waited for a core taken by another process is not the machine's limit). ``best_of`` merges two measurements (the benches
+measure at their start and their end).
 """
 
 from __future__ import annotations
@@ -51,14 +53,22 @@ class Peak:
         return asdict(self)
 
 
+def busy_s(fn, *args, **kwargs) -> float:
+    """Seconds of one call ``fn(*args, **kwargs)``: min(wall seconds, this process's CPU seconds / torch's thread
+    count). While another process holds a core, a call's wall time includes the time it waited for it and its CPU
+    time does not; a call that leaves threads idle is still timed by its wall time."""
+    import torch
+
+    start, cpu = time.perf_counter(), time.process_time()
+    fn(*args, **kwargs)
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    return min(wall, cpu / torch.get_num_threads()) if cpu > 0 else wall
+
+
 def _best_s(fn, reps: int, *args) -> float:
+    """The best ``busy_s`` of ``reps`` calls after one untimed one."""
     fn(*args)
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn(*args)
-        best = min(best, time.perf_counter() - start)
-    return best
+    return min(busy_s(fn, *args) for _ in range(reps))
 
 
 def _bf16_missing() -> str | None:

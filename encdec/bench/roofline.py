@@ -2,7 +2,9 @@
 
 A row's FLOPs are counted from the model's shapes (``encdec.bench.flops``) for the tokens it generated; its
 GFLOP/s is FLOPs / wall seconds, its % of peak that over the peak of its dtype measured at the bench's thread
-count (``encdec.bench.peak``: int8 rows against the int8 peak, bf16 rows against the bf16 one, others fp32).
+count (``encdec.bench.peak``: int8 rows against the int8 peak, bf16 rows against the bf16 one, others fp32),
+measured at the bench's start and again at its end, each measure's best kept: a peak measured while another
+process holds the cores is too low and would put rows above 100%.
 
 Encoder and decoder apart, only where the system lets us see them: our encoder and decoder are separate processes,
 so each side's busy time is taken as the process's CPU seconds over the timed run divided by the thread count the
