@@ -19,8 +19,9 @@ A queued request whose deadline passes, or will pass within ``DEADLINE_MARGIN_S`
 encoder is dropped before its Encode (``Ticket.check_encode``: DEADLINE_EXCEEDED, recorded FAILED, its blocks
 freed); an Encode carries the request's deadline (``decoder_svc.session.encode_client``).
 
-**Estimated wait.** The work ahead of the new request: 0 when nothing with a priority at least as good waits
-(an idle decoder always admits), else ``max(ahead * gap, open)``. ``ahead`` is the requests queued with priority
+**Estimated wait.** The larger of the queue's wait and the wait for a batch seat ("Seats" below). The queue's
+wait is the work ahead of the new request: 0 when nothing with a priority at least as good waits, else
+``max(ahead * gap, open)``. ``ahead`` is the requests queued with priority
 at least as good; ``gap`` the median busy time per request between departures (first tokens) of a busy queue, over the
 last ``GAP_SAMPLES`` samples of the last ``GAP_WINDOW_S`` seconds: the queue's measured service rate. Departures
 closer than ``BATCH_GAP_S`` (the requests of one batch, whose first tokens come out of one step) make one sample:
@@ -34,18 +35,17 @@ batch as if it ran one by one; the median (the lower of two) and the window boun
 for that long is not expected to move sooner, so an encoder that stopped delivering raises the estimate as it
 stalls, and once it delivers again the estimate falls back at once.
 
-**Seats.** A queue that has not been busy lately has no departure gap to go by, yet its request may still wait:
-every batch seat (``seats``, the engine's ``max_num_seqs``) can be held by requests already decoding, each for as
-long as its whole output takes. Then the estimate comes from the service time of finished requests (first token
-to end; the median of the last ``SERVICE_SAMPLES``, which holds no model warm-up: that falls before the first
-token): the request needs ``beyond = ahead + in service - seats + 1`` seats to free, the first when the request
-in service expected to end soonest does (its residual time: the median of the finished service times longer than
-what it has run, less what it has run; as long again when it has outrun them all), each further one a median
-service time / seats later (requests in service end spread out). With fewer requests than seats it is priced as above
-(0 with nothing ahead): an idle decoder always admits, and a burst of ``seats`` requests all enter.
-Before any request has finished, a request in service is expected to run as long again as it has run (so seats
-held for a while price a new request even then). A cold start's burst, all at once, finds nothing measured and
-nothing running yet: the open gap prices it, and ``max_waiting_requests`` bounds it.
+**Seats.** A request also waits for a batch seat (``seats``, the engine's ``max_num_seqs``), which requests
+already decoding hold for as long as their whole output takes; the departure gap does not see that when the queue
+has not been busy (nothing queued, every seat held by long requests). The estimate is the larger of the queue's
+wait above and the wait for a seat, which comes from the service time of finished requests (first token to end;
+the last ``SERVICE_SAMPLES``, which hold no model warm-up: that falls before the first token): the request needs
+``beyond = ahead + in service - seats + 1`` seats to free, the first when the request in service expected to end
+soonest does (its residual time: the median of the finished service times longer than what it has run, less what
+it has run; as long again when it has outrun them all, or before any request has finished), each further one a
+median service time / seats later (requests in service end spread out). With a seat free it is 0: an idle decoder
+always admits, and a burst of ``seats`` requests all enter. A cold start's burst, all at once, finds nothing
+measured and nothing running yet: the open gap prices it, and ``max_waiting_requests`` bounds it.
 
 Single-threaded: every method runs on the service's event loop; ``stats`` may also be read from the metrics
 scrape thread (it copies what it reads).
@@ -281,23 +281,31 @@ class AdmissionQueue:
 
     # --- what it looks like -----------------------------------------------------
     def _estimate(self, ahead: int, now: float) -> float:
-        """Seconds a new request with ``ahead`` requests before it is expected to wait (module docstring)."""
+        """Seconds a new request with ``ahead`` requests before it is expected to wait (module docstring): the
+        larger of the queue's wait and the wait for a batch seat."""
+        return max(self._queue_wait(ahead, now), self._seat_wait(ahead, now))
+
+    def _queue_wait(self, ahead: int, now: float) -> float:
+        """``max(ahead * gap, open)``; 0 with nothing ahead."""
+        if ahead == 0:
+            return 0.0
         recent = sorted(busy / count for when, busy, count in self._gaps if now - when <= GAP_WINDOW_S)
+        gap = _median(recent) if recent else 0.0
         open_gap = max(now - self._last_event, 0.0) if self._queued and self._last_event is not None else 0.0
-        if recent or self.seats is None:
-            if ahead == 0:
-                return 0.0
-            gap = recent[(len(recent) - 1) // 2] if recent else 0.0  # the median (the lower one of an even count)
-            return max(ahead * gap, open_gap)
-        # No busy queue lately: price the seats it waits for (module docstring).
+        return max(ahead * gap, open_gap)
+
+    def _seat_wait(self, ahead: int, now: float) -> float:
+        """Until ``beyond`` seats free (module docstring, "Seats"); 0 with a seat free or without ``seats``."""
+        if self.seats is None:
+            return 0.0
         beyond = ahead + len(self._in_service) - self.seats + 1  # seats that must free before it gets one
         if beyond <= 0:
-            return open_gap if ahead else 0.0
+            return 0.0
         services = sorted(self._services)
         ran = [now - t.started_at for t in self._in_service.values() if t.started_at is not None]
         first_free = min((_residual(services, r) for r in ran), default=0.0)
         per_seat = _median(services) / self.seats if services else 0.0
-        return max(first_free + (beyond - 1) * per_seat, open_gap)
+        return first_free + (beyond - 1) * per_seat
 
     def stats(self) -> dict:
         """``num_queued_requests``, ``oldest_queue_wait_s`` (the longest-waiting queued request's wait) and

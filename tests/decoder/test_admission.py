@@ -297,3 +297,23 @@ def test_a_mix_of_short_and_long_requests_prices_the_held_seats_by_their_residua
     assert q.stats()["estimated_queue_wait_s"] == pytest.approx(20.0)
     for t in held:
         q.leave(t)
+
+
+def test_held_seats_count_beside_a_measured_departure_gap():
+    """A departure gap measured earlier says nothing of seats held now: with every seat held by long requests and
+    nothing queued, the estimate is the wait for a seat, not the empty queue's 0."""
+    clock = Clock()
+    q = AdmissionQueue(32, 30.0, clock, seats=2)
+    for t in [q.admit(0, None) for _ in range(3)]:  # a busy queue: two departures 0.5 s apart are gap samples
+        clock.now += 0.5
+        q.started(t)
+    for t in list(q._in_service.values()):
+        clock.now += 4.0
+        q.leave(t, finished=True)  # services of 4.5-10 s
+    held = [q.admit(0, None) for _ in range(2)]
+    for t in held:
+        q.started(t)
+    clock.now += 1.0
+    assert q.stats()["estimated_queue_wait_s"] > 1.0  # before: 0.0 (no queue, the gap branch)
+    for t in held:
+        q.leave(t)
