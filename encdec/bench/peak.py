@@ -13,9 +13,11 @@ what the same cores reach on the easiest product there is. Measured in this proc
   over it (bytes read per second), far beyond any last-level cache.
 
 Each is the best of ``reps`` timed runs after one untimed run (the first touch of the pages, MKL's and oneDNN's
-one-time setup); a shared machine's other work only lowers a run, so the best one is nearest the limit, and a run
-is timed by this process's CPU seconds / threads where that is less than its wall time (``busy_s``: the time it
-waited for a core taken by another process is not the machine's limit). ``best_of`` merges two measurements (the benches
+one-time setup); a shared machine's other work only lowers a run, so the best one is nearest the limit. The fp32
+and memory runs are timed by this process's CPU seconds / threads where that is less than their wall time
+(``busy_s``: the time a run waited for a core taken by another process is not the machine's limit); bf16 and
+int8 by wall time (oneDNN may leave threads idle on a product, which ``busy_s`` would time too short), so under
+load those two read low. ``best_of`` merges two measurements (the benches
 measure at their start and their end).
 """
 
@@ -56,7 +58,8 @@ class Peak:
 def busy_s(fn, *args, **kwargs) -> float:
     """Seconds of one call ``fn(*args, **kwargs)``: min(wall seconds, this process's CPU seconds / torch's thread
     count). While another process holds a core, a call's wall time includes the time it waited for it and its CPU
-    time does not; a call that leaves threads idle is still timed by its wall time."""
+    time does not. Only for calls that keep every thread busy (a large sgemm, a large copy): one that leaves
+    threads idle would be timed too short."""
     import torch
 
     start, cpu = time.perf_counter(), time.process_time()
@@ -65,10 +68,16 @@ def busy_s(fn, *args, **kwargs) -> float:
     return min(wall, cpu / torch.get_num_threads()) if cpu > 0 else wall
 
 
-def _best_s(fn, reps: int, *args) -> float:
-    """The best ``busy_s`` of ``reps`` calls after one untimed one."""
+def _wall_s(fn, *args) -> float:
+    start = time.perf_counter()
     fn(*args)
-    return min(busy_s(fn, *args) for _ in range(reps))
+    return time.perf_counter() - start
+
+
+def _best_s(fn, reps: int, *args, busy: bool = True) -> float:
+    """The best of ``reps`` calls after one untimed one, each timed by ``busy_s`` (else by its wall time)."""
+    fn(*args)
+    return min((busy_s if busy else _wall_s)(fn, *args) for _ in range(reps))
 
 
 def _bf16_missing() -> str | None:
@@ -94,11 +103,11 @@ def default_sizes(threads: int) -> tuple[int, ...]:
     return (1536, 3072) if threads <= 8 else (3072, 6144)
 
 
-def _best_rate(ops_of_n, make, run, sizes: tuple[int, ...], reps: int) -> tuple[float, int]:
+def _best_rate(ops_of_n, make, run, sizes: tuple[int, ...], reps: int, busy: bool = True) -> tuple[float, int]:
     """The best ``ops_of_n(n) / seconds`` over ``sizes`` (operands ``make(n)``, one call ``run(*operands)``) and its n."""
     best, best_n = 0.0, sizes[0]
     for n in sizes:
-        rate = ops_of_n(n) / _best_s(run, reps, *make(n)) / 1e9
+        rate = ops_of_n(n) / _best_s(run, reps, *make(n), busy=busy) / 1e9
         best, best_n = max((best, best_n), (rate, n))
     return best, best_n
 
@@ -124,13 +133,13 @@ def measure_peak(threads: int, sizes: tuple[int, ...] | None = None, reps: int =
         bf16 = None
         if (reason := _bf16_missing()) is None:
             bf16 = _best_rate(ops, lambda n: (torch.randn(n, n).bfloat16(), torch.randn(n, n).bfloat16()), torch.mm,
-                              sizes, reps)[0]  # fmt: skip
+                              sizes, reps, busy=False)[0]  # fmt: skip
         else:
             skipped["bf16"] = reason
         int8 = None
         i8 = lambda n: torch.randint(-128, 128, (n, n), dtype=torch.int8)  # noqa: E731
         try:
-            int8 = _best_rate(ops, lambda n: (i8(n), i8(n)), torch._int_mm, sizes, reps)[0]
+            int8 = _best_rate(ops, lambda n: (i8(n), i8(n)), torch._int_mm, sizes, reps, busy=False)[0]
         except (AttributeError, RuntimeError) as exc:  # no _int_mm in this torch, or no CPU kernel for it
             skipped["int8"] = f"torch._int_mm: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
         x = torch.ones(MEMORY_BYTES // 4)

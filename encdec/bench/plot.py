@@ -8,6 +8,7 @@ decode-step products under the machine's measured roofs.
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 from encdec.bench.table import format_number
@@ -113,7 +114,7 @@ def plot_roofline(payloads: list[dict], path: str | Path) -> Path:
 
     from encdec.bench.machine import machine_line
 
-    fig, axes = plt.subplots(1, len(payloads), figsize=(7 * len(payloads), 5.5), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(1, len(payloads), figsize=(7 * len(payloads), 5.8), squeeze=False)
     for ax, payload in zip(axes[0], payloads):
         peak, rows = payload["peak"], payload["rows"]
         xs = [r["FLOP/byte"] for r in rows]
@@ -141,7 +142,7 @@ def plot_roofline(payloads: list[dict], path: str | Path) -> Path:
         ax.set_xlabel("FLOP per byte (float32 weight, x and output moved once)")
         ax.set_ylabel("GFLOP/s")
         info = payload.get("machine")
-        title = machine_line(info).split("; ")[0] if info else "this machine"
+        title = textwrap.fill(machine_line(info).split("; ")[0], 80) if info else "this machine"
         above = f"; above the chart: {', '.join(others)}" if others else ""
         ax.set_title(f"{title}\n{payload['threads']} threads: decode-step products{above}", fontsize=8)
         ax.legend(fontsize=7, loc="lower right")
