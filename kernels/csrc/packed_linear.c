@@ -168,6 +168,83 @@ static const micro_kernel_t MICRO_KERNELS512[MR512_MAX + 1] = {
     0, micro_kernel512_1, micro_kernel512_2, micro_kernel512_3, micro_kernel512_4, micro_kernel512_5, micro_kernel512_6,
     micro_kernel512_7, micro_kernel512_8, micro_kernel512_9, micro_kernel512_10, micro_kernel512_11, micro_kernel512_12};
 
+/* A call of one or two rows (a decode step of one or two sequences) has one or two running sums per 8 or 16 outputs:
+ * each FMA waits for the last one of its chain (4-5 cycles), and the weight is read one panel at a time. The wide
+ * micro-kernels take G panels at once (G streams of the weight, G x MR x 2 or G x MR independent chains), so the
+ * FMAs overlap and the weight streams at the memory's pace. Each output is still the one running fp32 sum over k in
+ * order, so they equal the one-panel kernels bit for bit (a row's result is the same alone or in any batch).
+ * acc[(g MR + i) 2 + h]: panel g, row i, half h. Panels are panel_bytes apart (steps x 64). */
+typedef void (*wide_kernel_t)(const void* pw, size_t panel_bytes, const void* x, size_t ldx, size_t steps,
+                              __m256* acc);
+#define WIDE_MAX_ROWS 2
+#define WIDE_KERNEL(MR, G)                                                                                         \
+    TARGET static void wide_kernel_##MR##x##G(const void* pw_, size_t panel_bytes, const void* x_, size_t ldx,      \
+                                              size_t k, __m256* acc) {                                            \
+        const float* x = x_;                                                                                       \
+        const char* base = pw_;                                                                                    \
+        __m256 a[G][MR][2];                                                                                        \
+        _Pragma("GCC unroll 8") for (int g = 0; g < G; g++) _Pragma("GCC unroll 2") for (int i = 0; i < MR; i++)   \
+            a[g][i][0] = a[g][i][1] = _mm256_setzero_ps();                                                         \
+        for (size_t kk = 0; kk < k; kk++) {                                                                        \
+            __m256 b[MR];                                                                                          \
+            _Pragma("GCC unroll 2") for (int i = 0; i < MR; i++) b[i] = _mm256_broadcast_ss(x + i * ldx + kk);     \
+            _Pragma("GCC unroll 8") for (int g = 0; g < G; g++) {                                                  \
+                const float* w = (const float*)(base + g * panel_bytes) + PANEL * kk;                              \
+                __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);                                       \
+                _mm_prefetch((const char*)w + PREFETCH_BYTES, _MM_HINT_T0);                                        \
+                _Pragma("GCC unroll 2") for (int i = 0; i < MR; i++) {                                             \
+                    a[g][i][0] = _mm256_fmadd_ps(b[i], w0, a[g][i][0]);                                            \
+                    a[g][i][1] = _mm256_fmadd_ps(b[i], w1, a[g][i][1]);                                            \
+                }                                                                                                  \
+            }                                                                                                      \
+        }                                                                                                          \
+        _Pragma("GCC unroll 8") for (int g = 0; g < G; g++) _Pragma("GCC unroll 2") for (int i = 0; i < MR; i++) { \
+            acc[(g * MR + i) * 2] = a[g][i][0];                                                                    \
+            acc[(g * MR + i) * 2 + 1] = a[g][i][1];                                                                \
+        }                                                                                                          \
+    }
+/* AVX2: up to 8 (one row) and 12 (two rows) accumulators of the 16 registers */
+WIDE_KERNEL(1, 2) WIDE_KERNEL(1, 3) WIDE_KERNEL(1, 4) WIDE_KERNEL(2, 2) WIDE_KERNEL(2, 3)
+#define WIDE_KERNEL512(MR, G)                                                                                      \
+    TARGET512 static void wide_kernel512_##MR##x##G(const void* pw_, size_t panel_bytes, const void* x_,            \
+                                                    size_t ldx, size_t k, __m256* acc) {                          \
+        const float* x = x_;                                                                                       \
+        const char* base = pw_;                                                                                    \
+        __m512 a[G][MR];                                                                                           \
+        _Pragma("GCC unroll 8") for (int g = 0; g < G; g++) _Pragma("GCC unroll 2") for (int i = 0; i < MR; i++)   \
+            a[g][i] = _mm512_setzero_ps();                                                                         \
+        for (size_t kk = 0; kk < k; kk++) {                                                                        \
+            __m512 b[MR];                                                                                          \
+            _Pragma("GCC unroll 2") for (int i = 0; i < MR; i++) b[i] = _mm512_set1_ps(x[i * ldx + kk]);           \
+            _Pragma("GCC unroll 8") for (int g = 0; g < G; g++) {                                                  \
+                const float* w = (const float*)(base + g * panel_bytes) + PANEL * kk;                              \
+                __m512 wv = _mm512_loadu_ps(w);                                                                    \
+                _mm_prefetch((const char*)w + PREFETCH_BYTES, _MM_HINT_T0);                                        \
+                _Pragma("GCC unroll 2") for (int i = 0; i < MR; i++) a[g][i] = _mm512_fmadd_ps(b[i], wv, a[g][i]); \
+            }                                                                                                      \
+        }                                                                                                          \
+        _Pragma("GCC unroll 8") for (int g = 0; g < G; g++) _Pragma("GCC unroll 2") for (int i = 0; i < MR; i++) { \
+            acc[(g * MR + i) * 2] = _mm512_castps512_ps256(a[g][i]);                                               \
+            acc[(g * MR + i) * 2 + 1] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[g][i]), 1));    \
+        }                                                                                                          \
+    }
+/* AVX-512: up to 8 and 12 accumulators */
+WIDE_KERNEL512(1, 2) WIDE_KERNEL512(1, 3) WIDE_KERNEL512(1, 4) WIDE_KERNEL512(1, 5) WIDE_KERNEL512(1, 6)
+WIDE_KERNEL512(1, 7) WIDE_KERNEL512(1, 8) WIDE_KERNEL512(2, 2) WIDE_KERNEL512(2, 3) WIDE_KERNEL512(2, 4)
+WIDE_KERNEL512(2, 5) WIDE_KERNEL512(2, 6)
+#define WIDE_PANELS_MAX 8
+/* [rows][panels]: the kernel of that many panels at once (NULL: none); a thread's chunk of panels (parallel.h: about
+ * 4 per thread, fewer than 8 for a [512, 512] weight) takes the widest that fits, then narrower ones. */
+static const wide_kernel_t WIDE_KERNELS[WIDE_MAX_ROWS + 1][WIDE_PANELS_MAX + 1] = {
+    {0}, {0, 0, wide_kernel_1x2, wide_kernel_1x3, wide_kernel_1x4}, {0, 0, wide_kernel_2x2, wide_kernel_2x3}};
+static const wide_kernel_t WIDE_KERNELS512[WIDE_MAX_ROWS + 1][WIDE_PANELS_MAX + 1] = {
+    {0},
+    {0, 0, wide_kernel512_1x2, wide_kernel512_1x3, wide_kernel512_1x4, wide_kernel512_1x5, wide_kernel512_1x6,
+     wide_kernel512_1x7, wide_kernel512_1x8},
+    {0, 0, wide_kernel512_2x2, wide_kernel512_2x3, wide_kernel512_2x4, wide_kernel512_2x5, wide_kernel512_2x6}};
+static const size_t WIDE_PANELS[WIDE_MAX_ROWS + 1] = {0, 4, 3};
+static const size_t WIDE_PANELS512[WIDE_MAX_ROWS + 1] = {0, 4, 4};
+
 /* bfloat16 weights (packed_linear_bf16): AVX-512 BF16's vdpbf16ps multiplies 16 lanes of bf16 pairs and adds both
  * products to fp32 accumulators, 32 multiply-adds per instruction, at half the weight bytes of float32. Layout
  * (packed_linear_bf16_pack), k in pairs, K padded to even with a zero:
@@ -273,6 +350,8 @@ typedef struct {
     int activation;
     const micro_kernel_t* kernels; /* MICRO_KERNELS, MICRO_KERNELS512 or MICRO_KERNELS_BF16 */
     size_t mr_max;                 /* rows per micro-kernel call: MR_MAX, MR512_MAX or MR_BF16_MAX */
+    const wide_kernel_t (*wide)[WIDE_PANELS_MAX + 1]; /* WIDE_KERNELS / WIDE_KERNELS512 (m <= WIDE_MAX_ROWS), or NULL */
+    const size_t* wide_panels;                        /* the most panels per wide-kernel call, by rows */
 } job_t;
 
 /* The epilogue's activation (packed_linear's `activation`). */
@@ -282,44 +361,61 @@ TARGET static inline __m256 activate(__m256 v, int activation) {
     return v;
 }
 
+/* Rows [m0, m0 + mr) of panel p from the micro-kernel's sums acc[2 i], acc[2 i + 1]: + bias, activation, + residual. */
+TARGET static void epilogue(const job_t* j, size_t p, size_t m0, size_t mr, const __m256* acc) {
+    float tail[PANEL];
+    size_t n0 = p * PANEL, valid = j->n - n0 < PANEL ? j->n - n0 : PANEL;
+    __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
+    if (j->bias && valid == PANEL) {
+        b0 = _mm256_loadu_ps(j->bias + n0);
+        b1 = _mm256_loadu_ps(j->bias + n0 + 8);
+    }
+    for (size_t i = 0; i < mr; i++) {
+        float* o = j->out + (m0 + i) * j->n + n0;
+        const float* res = j->residual ? j->residual + (m0 + i) * j->n + n0 : NULL;
+        __m256 r0 = _mm256_add_ps(acc[2 * i], b0), r1 = _mm256_add_ps(acc[2 * i + 1], b1);
+        if (valid == PANEL) {
+            r0 = activate(r0, j->activation);
+            r1 = activate(r1, j->activation);
+            if (res) {
+                r0 = _mm256_add_ps(_mm256_loadu_ps(res), r0);
+                r1 = _mm256_add_ps(_mm256_loadu_ps(res + 8), r1);
+            }
+            _mm256_storeu_ps(o, r0);
+            _mm256_storeu_ps(o + 8, r1);
+        } else { /* last, partial panel: bias added per element, then the activation and the residual */
+            _mm256_storeu_ps(tail, r0);
+            _mm256_storeu_ps(tail + 8, r1);
+            for (size_t c = 0; c < PANEL; c++) tail[c] += c < valid && j->bias ? j->bias[n0 + c] : 0.0f;
+            _mm256_storeu_ps(tail, activate(_mm256_loadu_ps(tail), j->activation));
+            _mm256_storeu_ps(tail + 8, activate(_mm256_loadu_ps(tail + 8), j->activation));
+            for (size_t c = 0; c < valid; c++) o[c] = res ? res[c] + tail[c] : tail[c];
+        }
+    }
+}
+
 /* Panels [first_panel, end_panel) of the output. */
 TARGET static void run_panels(const void* ctx, size_t first_panel, size_t end_panel) {
     const job_t* j = (const job_t*)ctx;
-    __m256 acc[2 * (MR512_MAX > MR_BF16_MAX ? MR512_MAX : MR_BF16_MAX)];
-    float tail[PANEL];
-    for (size_t p = first_panel; p < end_panel; p++) {
-        size_t n0 = p * PANEL, valid = j->n - n0 < PANEL ? j->n - n0 : PANEL;
-        const char* pw = (const char*)j->wp + p * j->steps * 64; /* a panel step is 64 bytes in both layouts */
-        __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
-        if (j->bias && valid == PANEL) {
-            b0 = _mm256_loadu_ps(j->bias + n0);
-            b1 = _mm256_loadu_ps(j->bias + n0 + 8);
+    __m256 acc[2 * (MR512_MAX > MR_BF16_MAX ? MR512_MAX : MR_BF16_MAX) > 2 * WIDE_PANELS_MAX * WIDE_MAX_ROWS
+                   ? 2 * (MR512_MAX > MR_BF16_MAX ? MR512_MAX : MR_BF16_MAX)
+                   : 2 * WIDE_PANELS_MAX * WIDE_MAX_ROWS];
+    size_t panel_bytes = j->steps * 64; /* a panel step is 64 bytes in both layouts */
+    size_t p = first_panel;
+    if (j->wide && j->m <= WIDE_MAX_ROWS) { /* one or two rows: up to G panels at a time; a last single one below */
+        while (end_panel - p >= 2) {
+            size_t g = end_panel - p < j->wide_panels[j->m] ? end_panel - p : j->wide_panels[j->m];
+            j->wide[j->m][g]((const char*)j->wp + p * panel_bytes, panel_bytes, j->x, j->ldx, j->steps, acc);
+            for (size_t q = 0; q < g; q++) epilogue(j, p + q, 0, j->m, acc + 2 * q * j->m);
+            p += g;
         }
-        for (size_t m0 = 0; m0 < j->m; m0 += j->mr_max) {  /* the panel stays in L1/L2 across row groups */
+    }
+    for (; p < end_panel; p++) {
+        const char* pw = (const char*)j->wp + p * panel_bytes;
+        for (size_t m0 = 0; m0 < j->m; m0 += j->mr_max) { /* the panel stays in L1/L2 across row groups */
             size_t mr = j->m - m0 < j->mr_max ? j->m - m0 : j->mr_max;
             j->kernels[mr](pw, (const char*)j->x + m0 * j->ldx * 4, j->ldx, j->steps, acc);
-            for (size_t i = 0; i < mr; i++) {
-                float* o = j->out + (m0 + i) * j->n + n0;
-                const float* res = j->residual ? j->residual + (m0 + i) * j->n + n0 : NULL;
-                __m256 r0 = _mm256_add_ps(acc[2 * i], b0), r1 = _mm256_add_ps(acc[2 * i + 1], b1);
-                if (valid == PANEL) {
-                    r0 = activate(r0, j->activation);
-                    r1 = activate(r1, j->activation);
-                    if (res) {
-                        r0 = _mm256_add_ps(_mm256_loadu_ps(res), r0);
-                        r1 = _mm256_add_ps(_mm256_loadu_ps(res + 8), r1);
-                    }
-                    _mm256_storeu_ps(o, r0);
-                    _mm256_storeu_ps(o + 8, r1);
-                } else {  /* last, partial panel: bias added per element, then the activation and the residual */
-                    _mm256_storeu_ps(tail, r0);
-                    _mm256_storeu_ps(tail + 8, r1);
-                    for (size_t c = 0; c < PANEL; c++) tail[c] += c < valid && j->bias ? j->bias[n0 + c] : 0.0f;
-                    _mm256_storeu_ps(tail, activate(_mm256_loadu_ps(tail), j->activation));
-                    _mm256_storeu_ps(tail + 8, activate(_mm256_loadu_ps(tail + 8), j->activation));
-                    for (size_t c = 0; c < valid; c++) o[c] = res ? res[c] + tail[c] : tail[c];
-                }
-            }
+            epilogue(j, p, m0, mr, acc);
         }
     }
 }
@@ -350,7 +446,8 @@ int packed_linear(const float* x, const float* wp, const float* bias, const floa
         }
     }
     job_t job = {xp ? xp : x, wp, bias, residual, out, m, n, k, ldx, activation, avx512 ? MICRO_KERNELS512 : MICRO_KERNELS,
-                 avx512 ? MR512_MAX : MR_MAX};
+                 avx512 ? MR512_MAX : MR_MAX, avx512 ? WIDE_KERNELS512 : WIDE_KERNELS,
+                 avx512 ? WIDE_PANELS512 : WIDE_PANELS};
     int rc = parallel_for(run_panels, &job, (n + PANEL - 1) / PANEL, num_threads);
     free(xp);
     return rc;
@@ -374,7 +471,7 @@ int packed_linear_bf16(const float* x, const uint16_t* wp, const float* bias, co
     bf16_pair_t* x2 = m * ldx <= X2_STACK_PAIRS ? stack_x2 : malloc(m * ldx * sizeof *x2);
     if (x2 == NULL) return -4;
     x_to_bf16_pairs(x, x2, ldx, m, k);
-    job_t job = {x2, wp, bias, residual, out, m, n, pairs, ldx, activation, MICRO_KERNELS_BF16, MR_BF16_MAX};
+    job_t job = {x2, wp, bias, residual, out, m, n, pairs, ldx, activation, MICRO_KERNELS_BF16, MR_BF16_MAX, NULL, NULL};
     int rc = parallel_for(run_panels, &job, (n + PANEL - 1) / PANEL, num_threads);
     if (x2 != stack_x2) free(x2);
     return rc;
