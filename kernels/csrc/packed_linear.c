@@ -170,7 +170,7 @@ static const micro_kernel_t MICRO_KERNELS512[MR512_MAX + 1] = {
 
 /* A call of one or two rows (a decode step of one or two sequences) has one or two running sums per 8 or 16 outputs:
  * each FMA waits for the last one of its chain (4-5 cycles), and the weight is read one panel at a time. The wide
- * micro-kernels take G panels at once (G streams of the weight, G x MR x 2 or G x MR independent chains), so the
+ * micro-kernels take up to 4 panels at once (as many weight streams, G x MR x 2 or G x MR independent chains), so the
  * FMAs overlap and the weight streams at the memory's pace. Each output is still the one running fp32 sum over k in
  * order, so they equal the one-panel kernels bit for bit (a row's result is the same alone or in any batch).
  * acc[(g MR + i) 2 + h]: panel g, row i, half h. Panels are panel_bytes apart (steps x 64). */
@@ -228,20 +228,19 @@ WIDE_KERNEL(1, 2) WIDE_KERNEL(1, 3) WIDE_KERNEL(1, 4) WIDE_KERNEL(2, 2) WIDE_KER
             acc[(g * MR + i) * 2 + 1] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[g][i]), 1));    \
         }                                                                                                          \
     }
-/* AVX-512: up to 8 and 12 accumulators */
-WIDE_KERNEL512(1, 2) WIDE_KERNEL512(1, 3) WIDE_KERNEL512(1, 4) WIDE_KERNEL512(1, 5) WIDE_KERNEL512(1, 6)
-WIDE_KERNEL512(1, 7) WIDE_KERNEL512(1, 8) WIDE_KERNEL512(2, 2) WIDE_KERNEL512(2, 3) WIDE_KERNEL512(2, 4)
-WIDE_KERNEL512(2, 5) WIDE_KERNEL512(2, 6)
-#define WIDE_PANELS_MAX 8
+/* AVX-512: 4 and 8 accumulators. Not more panels: the streams are K x 64 bytes apart (a multiple of 4 KiB), so they
+ * and their prefetched lines share L1 sets; 8 panels (16 lines in a set of 12 ways) measured slower than 4 on an
+ * Intel Xeon for a weight read from cache. */
+WIDE_KERNEL512(1, 2) WIDE_KERNEL512(1, 3) WIDE_KERNEL512(1, 4) WIDE_KERNEL512(2, 2) WIDE_KERNEL512(2, 3)
+WIDE_KERNEL512(2, 4)
+#define WIDE_PANELS_MAX 4
 /* [rows][panels]: the kernel of that many panels at once (NULL: none); a thread's chunk of panels (parallel.h: about
- * 4 per thread, fewer than 8 for a [512, 512] weight) takes the widest that fits, then narrower ones. */
+ * 4 per thread) takes the widest that fits, then narrower ones. */
 static const wide_kernel_t WIDE_KERNELS[WIDE_MAX_ROWS + 1][WIDE_PANELS_MAX + 1] = {
     {0}, {0, 0, wide_kernel_1x2, wide_kernel_1x3, wide_kernel_1x4}, {0, 0, wide_kernel_2x2, wide_kernel_2x3}};
 static const wide_kernel_t WIDE_KERNELS512[WIDE_MAX_ROWS + 1][WIDE_PANELS_MAX + 1] = {
-    {0},
-    {0, 0, wide_kernel512_1x2, wide_kernel512_1x3, wide_kernel512_1x4, wide_kernel512_1x5, wide_kernel512_1x6,
-     wide_kernel512_1x7, wide_kernel512_1x8},
-    {0, 0, wide_kernel512_2x2, wide_kernel512_2x3, wide_kernel512_2x4, wide_kernel512_2x5, wide_kernel512_2x6}};
+    {0}, {0, 0, wide_kernel512_1x2, wide_kernel512_1x3, wide_kernel512_1x4},
+    {0, 0, wide_kernel512_2x2, wide_kernel512_2x3, wide_kernel512_2x4}};
 static const size_t WIDE_PANELS[WIDE_MAX_ROWS + 1] = {0, 4, 3};
 static const size_t WIDE_PANELS512[WIDE_MAX_ROWS + 1] = {0, 4, 4};
 
@@ -402,7 +401,7 @@ TARGET static void run_panels(const void* ctx, size_t first_panel, size_t end_pa
                    : 2 * WIDE_PANELS_MAX * WIDE_MAX_ROWS];
     size_t panel_bytes = j->steps * 64; /* a panel step is 64 bytes in both layouts */
     size_t p = first_panel;
-    if (j->wide && j->m <= WIDE_MAX_ROWS) { /* one or two rows: up to G panels at a time; a last single one below */
+    if (j->wide && j->m <= WIDE_MAX_ROWS) { /* one or two rows: up to 4 panels at a time; a last single one below */
         while (end_panel - p >= 2) {
             size_t g = end_panel - p < j->wide_panels[j->m] ? end_panel - p : j->wide_panels[j->m];
             j->wide[j->m][g]((const char*)j->wp + p * panel_bytes, panel_bytes, j->x, j->ldx, j->steps, acc);
