@@ -69,7 +69,7 @@ def run(config: EncoderServiceConfig) -> None:
     if is_encoder_only(config.model):  # BERT family: EmbedService instead of Encode
         if config.quantize != "none":
             raise ValueError(
-                f"quantize {config.quantize} is for Whisper models only; the Embed service runs "
+                f"quantize {config.quantize} is for encoder-decoder models only; the Embed service runs "
                 f"{config.model} in {config.dtype}: use quantize none"
             )
         from encoder_svc.embed.startup import run as run_embed

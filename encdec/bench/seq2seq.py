@@ -14,7 +14,8 @@ each decoded greedily to exactly ``--new-tokens`` tokens:
   request's tokens into messages of 16, the first token and the finish still
   at once: 32 x 64 tokens are 2048 messages or ~160). The bench client runs
   on the same cores as the services, so each message costs twice here.
-  ``--int8`` adds a ``--quantize int8`` row, ``--bf16`` a ``--dtype bfloat16``
+  ``--int8`` adds a ``--quantize int8`` row (a note compares it with
+  CTranslate2 int8 batched), ``--bf16`` a ``--dtype bfloat16``
   one (CPUs with AVX-512 BF16 / AMX), both counted against HF fp32's tokens;
 - HF transformers ``generate`` (in this process, after our services stopped):
   one request at a time, and all of them as one static batch
@@ -363,8 +364,30 @@ def run(args, progress: bool = True) -> dict:
         "columns": COLUMNS,
         "rows": rows,
         "peak": peak.to_dict(),
-        "notes": [peak_line(peak), roofline.NOTE],
+        "notes": [peak_line(peak), roofline.NOTE, *_int8_notes(rows)],
     }
+
+
+def _int8_notes(rows: list[dict]) -> list[str]:
+    """Per model with an int8 row: ours int8 against CTranslate2 int8 batched (the comparable mode), both counted
+    against HF fp32's outputs."""
+    notes = []
+    for ours in (r for r in rows if r["system"].startswith("encdec-serve int8")):
+        ct2 = next(
+            (
+                r
+                for r in rows
+                if r["model"] == ours["model"] and r["system"] == "CTranslate2 int8" and r["mode"] == "batched"
+            ),
+            None,
+        )
+        if ct2 is not None:
+            notes.append(
+                f"{ours['model']} int8: ours {ours['tokens/s']:.0f} tokens/s, CTranslate2 int8 batched "
+                f"{ct2['tokens/s']:.0f}: {ours['tokens/s'] / ct2['tokens/s']:.2f}x; same as HF fp32: ours "
+                f"{ours['same as HF']}, CTranslate2 int8 {ct2['same as HF']}"
+            )
+    return notes
 
 
 def _sampling_fields() -> list[str]:

@@ -32,7 +32,8 @@ class ServiceConfig:
         port: gRPC port.
         num_threads: torch intra-op threads; 0 keeps torch's default.
         quantize: ``none`` or ``int8`` (opt-in int8 weights with per-token
-            activation scales, Whisper models on the CPU; see ``shared.models.quantize``).
+            activation scales, encoder-decoder models (Whisper, T5, BART, mBART, Marian) on the CPU;
+            see ``shared.models.quantize``).
         kv_transport: the cross-KV transport(s) (``shm``, ``torch_dist``,
             ``cuda_ipc``; ``shared.kv_transport``).
         kv_dist_backend: torch_dist: ``gloo`` (CPU tensors over TCP) or

@@ -95,7 +95,7 @@ class DecoderServiceConfig(ServiceConfig):
             VAD gate and fallback on every request) or ``hf`` (HF transformers' ``generate``,
             the reference of the parity tests); see ``decoder_svc.whisper.quality``.
         quantize: ``none`` or ``int8`` (opt-in int8 decoder weights and output
-            projection with per-token activation scales, Whisper models; see
+            projection with per-token activation scales, encoder-decoder models; see
             ``shared.models.quantize``).
         kv_cache_memory: memory for both KV cache groups: bytes (``2GiB``,
             ``512MB``, ``1073741824``) or a fraction of the memory free after the

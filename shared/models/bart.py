@@ -25,7 +25,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
@@ -33,6 +32,7 @@ from kernels import decode_layer
 from kernels.decode_layer import FusedDecodeLayer, LayerWeights
 from kernels.packed_linear import ACTIVATIONS
 from shared.attention_metadata import AttentionMetadata
+from shared.models.encoder_attention import encoder_attention, right_padded_lengths
 from shared.models.hf_checkpoint import TextGenerationDefaults, copy_weights, linear_names, load_hf_weights, read_json
 from shared.models.linear import (
     FusedPacked,
@@ -45,6 +45,7 @@ from shared.models.linear import (
     packed_product,
 )
 from shared.models.norm import LayerNorm
+from shared.models.quantize import Int8Parts
 
 __all__ = ["BartConfig", "BartForConditionalGeneration", "sinusoidal_positions"]
 
@@ -158,8 +159,9 @@ class EncoderLayer(_FeedForward):
         self.fc1, self.fc2 = Linear(c.d_model, c.encoder_ffn_dim), Linear(c.encoder_ffn_dim, c.d_model)
         self.ffn_block, self.act, self.act_name = Block(c.d_model, c.pre_norm), ACT2FN[c.activation], c.activation
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """``x`` ``[B, S, d]``; ``mask`` ``[B, 1, 1, S]`` bool (True = real key) or None."""
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, lengths: list[int] | None = None) -> torch.Tensor:
+        """``x`` ``[B, S, d]``; ``mask`` ``[B, 1, 1, S]`` bool (True = real key) or None; ``lengths``: attend one
+        sequence at a time (``shared.models.encoder_attention``)."""
         b, s, d = x.shape
         a = self.self_attn
 
@@ -167,7 +169,7 @@ class EncoderLayer(_FeedForward):
             q, k, v = (
                 p(h).view(b, s, a.h, a.dh).transpose(1, 2) for p in (a.q_proj, a.k_proj, a.v_proj)
             )  # [B, H, S, Dh]
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(b, s, d)
+            out = encoder_attention(q, k, v, mask, lengths=lengths).transpose(1, 2).reshape(b, s, d)
             return linear_add(a.out_proj, out, residual)
 
         x = self.attn_block(x, attend)
@@ -299,6 +301,7 @@ class BartForConditionalGeneration(PackedDecodeWeights, nn.Module):
     """BART-family encoder + paged decoder. Build with ``from_pretrained`` (an HF directory)."""
 
     input_modality = "text"
+    batch_invariant_attention = False  # True: encoder attention one sequence at a time (set for int8: quantize)
     variant: dict = {}  # BartConfig flags of the architecture (subclasses override)
 
     def __init__(self, config: BartConfig, generation: TextGenerationDefaults | None = None) -> None:
@@ -311,6 +314,7 @@ class BartForConditionalGeneration(PackedDecodeWeights, nn.Module):
         self.decoder = Stack(c, DecoderLayer, c.decoder_layers, dec_embed)
         self.lm_head = None if c.tie_word_embeddings else Linear(c.d_model, c.vocab_size, bias=False)
         self.register_buffer("final_logits_bias", torch.zeros(1, c.vocab_size))
+        self.output_projection: nn.Module | None = None  # int8: set_output_projection (shared.models.quantize)
 
     @classmethod
     def hf_generation_config(cls, hf: dict) -> dict:
@@ -376,8 +380,9 @@ class BartForConditionalGeneration(PackedDecodeWeights, nn.Module):
         b, s = input_ids.shape
         x = self.encoder.embed(input_ids, torch.arange(s, device=input_ids.device))  # [B, S, d]
         mask = None if attention_mask is None else attention_mask[:, None, None, :].bool()  # [B, 1, 1, S]
+        lengths = right_padded_lengths(attention_mask) if self.batch_invariant_attention else None
         for layer in self.encoder.layers:
-            x = layer(x, mask)
+            x = layer(x, mask, lengths)
         return self.encoder.finish(x)
 
     @torch.inference_mode()
@@ -413,10 +418,24 @@ class BartForConditionalGeneration(PackedDecodeWeights, nn.Module):
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, d_model]`` -> ``[N, vocab_size]`` float32: ``lm_head(hidden) + final_logits_bias``."""
+        if self.output_projection is not None:  # int8, the bias included (shared.models.quantize)
+            return self.output_projection(hidden).float()
         return self._vocab_projection(hidden, self.final_logits_bias[0]).float()
 
     def _projection_weight(self) -> torch.Tensor:
         return self.lm_head.weight if self.lm_head is not None else self.decoder.embed_tokens.weight
+
+    def int8_parts(self) -> Int8Parts:
+        """What ``--quantize int8`` converts (``shared.models.quantize``): each decoder layer's cross-attention
+        ``k_proj`` and ``v_proj`` are the cross-KV projections; the output projection is ``lm_head`` (or the tied
+        decoder embedding) with ``final_logits_bias``."""
+        return Int8Parts(
+            encoder_layers=self.encoder.layers,
+            decoder_layers=self.decoder.layers,
+            cross_kv=tuple((layer.encoder_attn, n) for layer in self.decoder.layers for n in ("k_proj", "v_proj")),
+            output_weight=self._projection_weight(),
+            output_bias=self.final_logits_bias[0],
+        )
 
     def _decoder_layers(self) -> nn.ModuleList:
         return self.decoder.layers

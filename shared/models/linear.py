@@ -287,11 +287,19 @@ class PackedDecodeWeights:
     projection weight) and ``_decoder_layers()``, whose layers each define
     ``pack_decode_weights() -> int`` (pack what a decode step multiplies:
     ``Linear.pack``, ``pack_fused``; bytes added). It computes logits with
-    ``_vocab_projection(hidden)``. The decoder service calls
-    ``pack_decode_weights()`` once the weights are on their device.
+    ``_vocab_projection(hidden)``, or with its ``output_projection`` once one
+    is set (``set_output_projection``: the int8 one of ``shared.models.quantize``).
+    The decoder service calls ``pack_decode_weights()`` once the weights are on
+    their device.
     """
 
     packed_projection: PackedWeight | None = None  # set by pack_decode_weights()
+
+    def set_output_projection(self, module: nn.Module) -> None:
+        """Replaces the output projection in ``compute_logits`` by ``module`` (``[N, d] -> [N, vocab]``, any logits
+        bias included). The model's ``__init__`` sets ``output_projection = None`` (an instance attribute: a class
+        one would hide the submodule registered here)."""
+        self.output_projection = module
 
     def _projection_weight(self) -> torch.Tensor:
         raise NotImplementedError

@@ -1,5 +1,9 @@
 """Opt-in int8 weights (CPU): decoder layers and output projection, encoder layers and cross-KV projections.
 
+For every encoder-decoder model (Whisper, T5, BART, mBART, Marian): each
+declares what is converted with ``int8_parts()`` (an ``Int8Parts``) and takes
+the int8 output projection with ``set_output_projection``.
+
 Decode steps on CPU are memory-bound: every step reads all decoder weights and
 the output projection (Whisper tiny.en: an 80 MB fp32 ``[51864, 384]`` matrix,
 read on every step). ``Int8Linear`` stores
@@ -9,8 +13,8 @@ weight bytes; the encoder's compute-bound products also run faster (measured:
 docs/benchmarks.md, Measurements formerly in docstrings). The
 output projection's top candidates are rescored in fp32
 (``Int8OutputProjection``). ``encdec bench whisper --int8`` counts
-transcripts equal to HF's; CTranslate2's ``int8`` compute type is the
-comparable mode.
+transcripts equal to HF's, ``encdec bench seq2seq --int8`` outputs equal to
+HF's fp32 ones; CTranslate2's ``int8`` compute type is the comparable mode.
 
 Per-row scales, not torch's dynamic quantization (``torch.ao``, fbgemm), whose
 activation scale spans the whole tensor, for two reasons:
@@ -21,10 +25,19 @@ activation scale spans the whole tensor, for two reasons:
   (``tests/models/test_quantize.py``), and the encoder service batches int8 requests
   as it does fp32 ones. With per-tensor scales, 16 clips at concurrency 16
   gave 10 to 16 transcripts equal to HF's depending on how steps were batched.
+  Text encoders also attend one source at a time under int8
+  (``batch_invariant_attention``, ``shared.models.encoder_attention``): the
+  batched attention over right-padded sources differs from a source's own in
+  the last bits, which int8's rounding can turn into another token.
 - Accuracy. Whisper's encoder activations vary in size across positions; one
   scale for all 1500 positions rounds the small ones coarsely. With per-tensor
   scales the int8 encoder flipped one of the five bundled clips' greedy
   transcripts; with per-row scales none flips (``tests/models/test_quantize.py``).
+
+Int8 models decode through the layers' torch path: the fused C decode layer
+(``kernels.decode_layer``) and the packed fp32 weights take our fp32
+``Linear`` only (``packed_product`` is None for an ``Int8Linear``), and the
+decoder service packs no weights under int8.
 
 Int8 models keep torch's LayerNorm / RMS norm instead of the C row kernel
 (``kernels.cpu_norm``): quantization rounds each activation to a grid, so
@@ -35,6 +48,8 @@ norms).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -115,75 +130,112 @@ class Int8OutputProjection(nn.Module):
 
     Args:
         weight: ``[vocab, d]`` fp32 projection (tied embeddings for Whisper).
+        bias: ``[vocab]`` float logits bias (BART's ``final_logits_bias``) or None; added to the int8 logits and to
+            the rescored ones.
         rescore_top_k: candidates recomputed exactly per row.
+
+    Input ``[N, d]`` float -> ``[N, vocab]`` float32.
     """
 
-    def __init__(self, weight: torch.Tensor, rescore_top_k: int = 32) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, rescore_top_k: int = 32) -> None:
         super().__init__()
         self.weight = weight  # shared with the model, not copied
+        self.logits_bias = None if bias is None else bias.detach().float()  # [vocab]
         self.rescore_top_k = min(rescore_top_k, weight.shape[0])
-        self.int8 = Int8Linear(weight)
+        self.int8 = Int8Linear(weight, bias)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.int8(hidden.float())  # [N, vocab], int8 weights
         top = logits.topk(self.rescore_top_k, dim=-1).indices  # [N, k]
         exact = torch.einsum("nd,nkd->nk", hidden.float(), self.weight[top].float())  # [N, k]
+        if self.logits_bias is not None:
+            exact += self.logits_bias[top]
         return logits.scatter_(1, top, exact)
+
+
+@dataclass(frozen=True)
+class Int8Parts:
+    """What ``--quantize int8`` converts in an encoder-decoder model (its ``int8_parts()``).
+
+    Attributes:
+        encoder_layers: the encoder's layers; every ``nn.Linear`` in them becomes an ``Int8Linear`` (encoder side).
+        decoder_layers: the decoder's layers; every ``nn.Linear`` in them becomes an ``Int8Linear`` (decoder side).
+        cross_kv: ``(owner, attribute name)`` of each cross-attention K/V projection, applied to the encoder output
+            by ``compute_cross_kv`` (encoder side): Whisper's fused ``cross_kv``, T5's ``k`` / ``v``, BART's
+            ``k_proj`` / ``v_proj``.
+        output_weight: ``[vocab, d]`` output projection weight (the tied embedding where tied).
+        output_bias: ``[vocab]`` logits bias added after the projection (BART's ``final_logits_bias``) or None.
+    """
+
+    encoder_layers: nn.ModuleList
+    decoder_layers: nn.ModuleList
+    cross_kv: tuple[tuple[nn.Module, str], ...]
+    output_weight: torch.Tensor
+    output_bias: torch.Tensor | None = None
 
 
 def quantize_decoder_int8(model: nn.Module) -> None:
     """Makes ``model``'s decoder layers and output projection int8, in place.
 
-    The model must have ``decoder_layers`` (an ``nn.ModuleList``) and may
-    have a tied output projection: ``set_output_projection(module)`` receives an
-    ``Int8OutputProjection`` built from its weight. Every ``nn.Linear`` in the
-    decoder layers becomes an ``Int8Linear``. Encoder weights stay as they
-    are (the encoder service owns that side).
+    Every ``nn.Linear`` in ``model.int8_parts().decoder_layers`` becomes an
+    ``Int8Linear``; ``model.set_output_projection`` receives an
+    ``Int8OutputProjection`` of the output weight (and logits bias). Encoder
+    weights stay as they are (the encoder service owns that side).
 
     Raises:
-        ValueError: the model has no ``decoder_layers``.
+        ValueError: the model has no ``int8_parts`` (``check_int8``).
     """
-    if not isinstance(getattr(model, "decoder_layers", None), nn.ModuleList):
-        raise ValueError(f"{type(model).__name__} has no decoder_layers to quantize")
-    _to_int8_linears(model.decoder_layers)
-    weight = getattr(model, "output_projection_weight", None)
-    if weight is not None:
-        model.set_output_projection(Int8OutputProjection(weight))
+    parts = check_int8(model).int8_parts()
+    _to_int8_linears(parts.decoder_layers)
+    model.set_output_projection(Int8OutputProjection(parts.output_weight, parts.output_bias))
 
 
 def quantize_encoder_int8(model: nn.Module) -> None:
     """Makes ``model``'s encoder layers and cross-attention K/V projections int8 (``Int8Linear``), in place.
 
     The encoder's GEMMs are compute-bound (``M`` = 1500 positions for
-    Whisper); int8 runs them faster than fp32 (the encoder's attention stays
-    fp32; measured: docs/benchmarks.md, Measurements formerly in docstrings).
-    Convolutions and norms stay fp32.
+    Whisper, the padded source positions of a text batch); int8 runs them faster than fp32 (the encoder's
+    attention stays fp32; measured: docs/benchmarks.md, Measurements formerly in docstrings).
+    Convolutions, embeddings and norms stay fp32.
 
     Raises:
-        ValueError: the model has no ``encoder_layers``.
+        ValueError: the model has no ``int8_parts`` (``check_int8``).
     """
-    if not isinstance(getattr(model, "encoder_layers", None), nn.ModuleList):
-        raise ValueError(f"{type(model).__name__} has no encoder_layers to quantize")
-    _to_int8_linears(model.encoder_layers)
-    for layer in getattr(model, "decoder_layers", []):
-        if isinstance(getattr(layer, "cross_kv", None), nn.Linear):
-            layer.cross_kv = Int8Linear.from_linear(layer.cross_kv)
+    parts = check_int8(model).int8_parts()
+    _to_int8_linears(parts.encoder_layers)
+    if hasattr(model, "batch_invariant_attention"):  # text encoders: padded batches (shared.models.encoder_attention)
+        model.batch_invariant_attention = True
+    for owner, name in parts.cross_kv:
+        if isinstance(getattr(owner, name), nn.Linear):  # the decoder side may have converted it already
+            setattr(owner, name, Int8Linear.from_linear(getattr(owner, name)))
+
+
+def check_int8(model: nn.Module) -> nn.Module:
+    """``model`` when it declares its int8 parts (``int8_parts()``: the encoder-decoder models).
+
+    Raises:
+        ValueError: it does not (e.g. the encoder-only BERT family, served by the Embed service in its dtype).
+    """
+    if not callable(getattr(model, "int8_parts", None)):
+        raise ValueError(
+            f"quantize int8 is for encoder-decoder models (Whisper, T5, BART, mBART, Marian), "
+            f"not {type(model).__name__}: use quantize none"
+        )
+    return model
 
 
 def apply_quantization(model: nn.Module, quantize: str, side: str) -> None:
     """``quantize`` ``none`` or ``int8``; ``side`` ``encoder`` or ``decoder``.
 
+    int8 converts that side's parts (``quantize_encoder_int8`` / ``quantize_decoder_int8``) and sets every norm of
+    the model to torch's own (``use_kernel = False``: see the module docstring).
+
     Raises:
-        ValueError: unknown mode, or int8 on a model other than Whisper (the
-            only one whose int8 transcripts are checked against HF's).
+        ValueError: unknown mode, or int8 on a model without ``int8_parts`` (``check_int8``).
     """
     if quantize not in SUPPORTED:
         raise ValueError(f"quantize must be one of {SUPPORTED}, got {quantize!r}")
     if quantize == "int8":
-        from shared.models.whisper import WhisperForConditionalGeneration
-
-        if not isinstance(model, WhisperForConditionalGeneration):
-            raise ValueError(f"quantize int8 is for Whisper models only, not {type(model).__name__}: use quantize none")
         (quantize_encoder_int8 if side == "encoder" else quantize_decoder_int8)(model)
         for module in model.modules():  # norms in torch: see the module docstring
             if hasattr(module, "use_kernel"):

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
@@ -33,6 +32,7 @@ from kernels.cpu_norm import reference_rms_norm, rms_norm
 from kernels.decode_layer import FusedDecodeLayer, LayerWeights
 from kernels.packed_linear import ACTIVATIONS
 from shared.attention_metadata import AttentionMetadata
+from shared.models.encoder_attention import encoder_attention, right_padded_lengths
 from shared.models.hf_checkpoint import (
     TextGenerationDefaults,
     copy_weights,
@@ -50,6 +50,7 @@ from shared.models.linear import (
     pack_fused,
     packed_product,
 )
+from shared.models.quantize import Int8Parts
 
 __all__ = ["T5Config", "T5ForConditionalGeneration", "relative_position_bucket"]
 
@@ -189,12 +190,13 @@ class EncoderLayer(nn.Module):
         self.attn_norm, self.attn = RMSNorm(c.d_model, c.eps), Attention(c)
         self.ffn_norm, self.ffn = RMSNorm(c.d_model, c.eps), FeedForward(c)
 
-    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[B, S, d]``; ``bias`` ``[B, H, S, S]`` position bias with -inf on padded keys."""
+    def forward(self, x: torch.Tensor, bias: torch.Tensor, lengths: list[int] | None = None) -> torch.Tensor:
+        """``x`` ``[B, S, d]``; ``bias`` ``[B, H, S, S]`` position bias with -inf on padded keys; ``lengths``: attend
+        one sequence at a time (``shared.models.encoder_attention``)."""
         b, s, _ = x.shape
         a, h = self.attn, self.attn_norm(x)
         q, k, v = (p(h).view(b, s, a.h, a.dh).transpose(1, 2) for p in (a.q, a.k, a.v))  # [B, H, S, Dh]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1.0)  # [B, H, S, Dh]
+        out = encoder_attention(q, k, v, bias, scale=1.0, lengths=lengths)  # [B, H, S, Dh]
         x = linear_add(a.o, out.transpose(1, 2).reshape(b, s, a.h * a.dh), x)
         return self.ffn(self.ffn_norm(x), x)
 
@@ -274,6 +276,7 @@ class T5ForConditionalGeneration(PackedDecodeWeights, nn.Module):
     """T5 encoder + paged decoder. Build with ``from_pretrained`` (an HF directory)."""
 
     input_modality = "text"
+    batch_invariant_attention = False  # True: encoder attention one sequence at a time (set for int8: quantize)
 
     def __init__(self, config: T5Config, generation: TextGenerationDefaults | None = None) -> None:
         super().__init__()
@@ -287,6 +290,7 @@ class T5ForConditionalGeneration(PackedDecodeWeights, nn.Module):
         self.decoder_layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.decoder_layers))
         self.decoder_norm = RMSNorm(c.d_model, c.eps)
         self.lm_head = None if c.tie_word_embeddings else Linear(c.d_model, c.vocab_size, bias=False)
+        self.output_projection: nn.Module | None = None  # int8: set_output_projection (shared.models.quantize)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32) -> T5ForConditionalGeneration:
@@ -356,9 +360,10 @@ class T5ForConditionalGeneration(PackedDecodeWeights, nn.Module):
         if attention_mask is not None:
             bias = bias.masked_fill(attention_mask[:, None, None, :] == 0, float("-inf"))  # [B, H, S, S]
         bias = bias.expand(b, -1, -1, -1).to(self.dtype)
+        lengths = right_padded_lengths(attention_mask) if self.batch_invariant_attention else None
         x = self.shared(input_ids)  # [B, S, d]
         for layer in self.encoder_layers:
-            x = layer(x, bias)
+            x = layer(x, bias, lengths)
         return self.encoder_norm(x)
 
     @torch.inference_mode()
@@ -405,10 +410,23 @@ class T5ForConditionalGeneration(PackedDecodeWeights, nn.Module):
         """``[N, d_model]`` -> ``[N, vocab_size]`` float32 (v1.0: hidden scaled by ``d_model ** -0.5``)."""
         if self.config.scale_decoder_outputs:
             hidden = hidden * self.config.d_model**-0.5
+        if self.output_projection is not None:  # int8 (shared.models.quantize)
+            return self.output_projection(hidden).float()
         return self._vocab_projection(hidden).float()
 
     def _projection_weight(self) -> torch.Tensor:
         return self.lm_head.weight if self.lm_head is not None else self.shared.weight
+
+    def int8_parts(self) -> Int8Parts:
+        """What ``--quantize int8`` converts (``shared.models.quantize``): each decoder layer's cross-attention ``k`` and
+        ``v`` are the cross-KV projections; the output projection is ``lm_head`` or the tied ``shared`` embedding (the
+        v1.0 output scaling stays in ``compute_logits``)."""
+        return Int8Parts(
+            encoder_layers=self.encoder_layers,
+            decoder_layers=self.decoder_layers,
+            cross_kv=tuple((layer.cross_attn, n) for layer in self.decoder_layers for n in ("k", "v")),
+            output_weight=self._projection_weight(),
+        )
 
     def _decoder_layers(self) -> nn.ModuleList:
         return self.decoder_layers

@@ -30,6 +30,7 @@ from shared.models.bfloat16 import bfloat16_attention
 from shared.models.ct2_reader import load_ct2_weights
 from shared.models.linear import Linear, PackedDecodeWeights, linear_act, linear_add, packed_product
 from shared.models.norm import LayerNorm
+from shared.models.quantize import Int8Parts
 from shared.models.whisper_features import load_tokenizer, log_mel_spectrogram, special_token_ids
 from shared.models.whisper_specials import WhisperSpecials
 
@@ -427,11 +428,12 @@ class WhisperForConditionalGeneration(PackedDecodeWeights, nn.Module):
     def _decoder_layers(self) -> nn.ModuleList:
         return self.decoder_layers
 
-    @property
-    def output_projection_weight(self) -> torch.Tensor:
-        """``[vocab_size, d_model]``: the tied output projection (the decoder embeddings)."""
-        return self._projection_weight()
-
-    def set_output_projection(self, module: nn.Module) -> None:
-        """Replaces the tied projection in ``compute_logits`` (``[N, d] -> [N, vocab]``)."""
-        self.output_projection = module
+    def int8_parts(self) -> Int8Parts:
+        """What ``--quantize int8`` converts (``shared.models.quantize``): the fused ``cross_kv`` of each decoder layer
+        is the cross-attention K/V projection; the output projection is the tied embedding."""
+        return Int8Parts(
+            encoder_layers=self.encoder_layers,
+            decoder_layers=self.decoder_layers,
+            cross_kv=tuple((layer, "cross_kv") for layer in self.decoder_layers),
+            output_weight=self._projection_weight(),
+        )

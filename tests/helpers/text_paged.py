@@ -1,9 +1,11 @@
-"""Test harness: teacher-forced logits of a text model through its paged decoder path.
+"""Test harness: a text model through its paged decoder path, without the services.
 
-Encodes a padded batch of sources, writes each one's cross-attention KV into a
-pool at shuffled block ids, then runs every decoder sequence as one flat varlen
-prefill (so the paged self-attention, its block tables and the T5 position
-bias see several sequences of different lengths at once).
+``teacher_forced_logits`` encodes a padded batch of sources, writes each one's
+cross-attention KV into a pool at shuffled block ids, then runs every decoder
+sequence as one flat varlen prefill (so the paged self-attention, its block
+tables and the T5 position bias see several sequences of different lengths at
+once). ``engine_greedy`` decodes sources in one continuous batch through the
+real ``DecoderEngine``, playing the encoder service.
 """
 
 from __future__ import annotations
@@ -12,7 +14,12 @@ import random
 
 import torch
 
+from decoder_svc.core.engine import DecoderEngine
+from decoder_svc.core.sampling_params import SamplingParams
 from shared.attention_metadata import AttentionMetadata
+from shared.kv_transport import write_blocks
+
+BLOCK = 7  # KV block size of engine_greedy (divides no source length on purpose)
 
 
 def _pad(rows: list[list[int]], value: int = 0) -> torch.Tensor:
@@ -71,3 +78,25 @@ def teacher_forced_logits(
     hidden = model(torch.tensor(ids), torch.tensor(pos), md, self_cache, cross_cache)  # [T, d]
     logits = model.compute_logits(hidden)  # [T, V]
     return [logits[a:b] for a, b in zip(qsl[:-1], qsl[1:])]
+
+
+def engine_greedy(model, tokenizer, srcs: list[list[int]], max_new: int) -> list[list[int]]:
+    """All sources in one continuous batch through ``DecoderEngine``; generated ids (end token included)."""
+    c = model.config
+    n_cross = sum(-(-len(s) // BLOCK) for s in srcs) + 3
+    cross = torch.zeros(c.decoder_layers, 2, n_cross, BLOCK, c.num_heads, c.head_dim)
+    engine = DecoderEngine(
+        model, tokenizer, cross, num_self_blocks=len(srcs) * (-(-(max_new + 2) // BLOCK)) + 3, block_size=BLOCK
+    )
+    kv = dict(zip(map(str, range(len(srcs))), encode_batch(model, srcs)))
+    for i, s in enumerate(srcs):
+        engine.add_request(str(i), len(s), SamplingParams(max_tokens=max_new))
+    out = {str(i): [] for i in range(len(srcs))}
+    while engine.has_unfinished_requests():
+        step = engine.step()
+        for rid, blocks in step.to_encode:
+            write_blocks(cross, blocks, kv[rid])
+            engine.mark_encoded(rid)
+        for o in step.outputs:
+            out[o.request_id] += o.new_token_ids
+    return [out[str(i)] for i in range(len(srcs))]

@@ -14,16 +14,12 @@ import random
 import pytest
 import torch
 from helpers.text_checkpoints import sentence
-from helpers.text_paged import encode_batch, teacher_forced_logits
+from helpers.text_paged import BLOCK, engine_greedy, teacher_forced_logits
 
-from decoder_svc.core.engine import DecoderEngine
-from decoder_svc.core.sampling_params import SamplingParams
-from shared.kv_transport import write_blocks
 from shared.models.registry import load_model, load_tokenizer
 
 ARCHS = ["t5", "t5-v1_1", "bart", "mbart", "marian"]
 MAX_NEW = 24
-BLOCK = 7
 
 
 def hf_model(path):
@@ -43,28 +39,6 @@ def hf_greedy(hf, src: list[int], max_new: int) -> list[int]:
     with torch.inference_mode():
         out = hf.generate(torch.tensor([src]), max_new_tokens=max_new, do_sample=False, num_beams=1)[0].tolist()
     return out[1:]
-
-
-def engine_greedy(model, tokenizer, srcs: list[list[int]], max_new: int) -> list[list[int]]:
-    """All sources in one continuous batch through ``DecoderEngine``; generated ids (end token included)."""
-    c = model.config
-    n_cross = sum(-(-len(s) // BLOCK) for s in srcs) + 3
-    cross = torch.zeros(c.decoder_layers, 2, n_cross, BLOCK, c.num_heads, c.head_dim)
-    engine = DecoderEngine(
-        model, tokenizer, cross, num_self_blocks=len(srcs) * (-(-(max_new + 2) // BLOCK)) + 3, block_size=BLOCK
-    )
-    kv = dict(zip(map(str, range(len(srcs))), encode_batch(model, srcs)))
-    for i, s in enumerate(srcs):
-        engine.add_request(str(i), len(s), SamplingParams(max_tokens=max_new))
-    out = {str(i): [] for i in range(len(srcs))}
-    while engine.has_unfinished_requests():
-        step = engine.step()
-        for rid, blocks in step.to_encode:
-            write_blocks(cross, blocks, kv[rid])
-            engine.mark_encoded(rid)
-        for o in step.outputs:
-            out[o.request_id] += o.new_token_ids
-    return [out[str(i)] for i in range(len(srcs))]
 
 
 def explain_mismatch(model, tokenizer, path, srcs, got, expected) -> str:
