@@ -26,6 +26,18 @@ ONLINE_METRICS = ["TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms"]
 LABEL_KEYS = ("model", "workload", "payload", "system", "mode", "batch", "transport")
 
 
+def save_figure(fig, path: str | Path) -> Path:
+    """Lays out ``fig``, writes it to ``path`` (PNG at 100 dpi; parent folders made) and closes it; returns the path."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def _metric(name: str, rows: list[dict]) -> str | None:
     for m in METRICS.get(name, []):
         if any(isinstance(r.get(m), (int, float)) for r in rows):
@@ -87,12 +99,7 @@ def plot_results(benches: dict[str, dict], path: str | Path) -> Path:
         ax.set_title(name)
         for y, v in zip(ys, values):
             ax.text(v, y, " " + format_number(v), va="center", fontsize=7)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def plot_roofline(payloads: list[dict], path: str | Path) -> Path:
@@ -147,9 +154,4 @@ def plot_roofline(payloads: list[dict], path: str | Path) -> Path:
         ax.set_title(f"{title}\n{payload['threads']} threads: decode-step products{above}", fontsize=8)
         ax.legend(fontsize=7, loc="lower right")
         ax.grid(True, which="both", lw=0.3)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

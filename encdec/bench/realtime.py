@@ -29,6 +29,7 @@ from collections import Counter
 from pathlib import Path
 
 from encdec.bench import realtime_load as rl
+from encdec.bench.plot import save_figure
 from encdec.bench.realtime_fw import run_streams
 from encdec.bench.realtime_ours import REFUSED, run_ours
 
@@ -224,12 +225,7 @@ def plot(payload: dict, path: str) -> Path:
     ax.set_ylabel("seconds")
     ax.set_title(f"realtime: latency against N ({payload['model']})")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def main(args) -> int:
