@@ -13,7 +13,7 @@ from gateway_svc.backends import Backends
 from gateway_svc.config import GatewayConfig
 from gateway_svc.limits import CallLimitMiddleware
 from gateway_svc.metrics import GatewayMetrics, MetricsMiddleware
-from gateway_svc.route_support import require_api_key
+from gateway_svc.route_support import ApiKeyMiddleware, require_api_key
 from gateway_svc.routes import audio, completions, embeddings, meta, realtime
 from gateway_svc.upload import UploadLimitMiddleware
 
@@ -55,6 +55,7 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
         request_bytes=cfg.max_request_bytes,
         uploads_in_flight_bytes=int(cfg.max_uploads_in_flight_mb * 1_000_000),
     )
+    app.add_middleware(ApiKeyMiddleware, api_key=cfg.api_key)  # outside the body limit: no key, no body read
     app.add_middleware(  # outside the body limit: a refused call is answered before its body is read
         CallLimitMiddleware,
         per_client=cfg.max_requests_per_client,

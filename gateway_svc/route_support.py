@@ -35,22 +35,57 @@ async def config(request: Request) -> GatewayConfig:
     return request.app.state.config
 
 
+OPEN_PATHS = frozenset({"/health"})  # answered without the API key (the load balancer's probe)
+
+
+def api_key_refusal(headers, expected: str) -> GatewayError | None:
+    """The 401 of a call whose ``headers`` (name, value pairs) lack ``Authorization: Bearer <expected>``; None when
+    they have it, or when the gateway has no key (``expected`` empty)."""
+    if not expected:
+        return None
+    given = bearer_token_of(headers)
+    if given is None:
+        return GatewayError(
+            401, "missing API key: send the header 'Authorization: Bearer <key>'", code="invalid_api_key"
+        )
+    if not hmac.compare_digest(given.encode(), expected.encode()):
+        return GatewayError(401, "invalid API key", code="invalid_api_key")
+    return None
+
+
 async def require_api_key(request: Request) -> None:
     """With ``api_key`` set, the request must carry ``Authorization: Bearer <api_key>``.
 
     Raises:
         GatewayError: 401, the header missing or the key wrong.
     """
-    expected = request.app.state.config.api_key
-    if not expected:
-        return
-    given = bearer_token_of(request.headers.items())
-    if given is None:
-        raise GatewayError(
-            401, "missing API key: send the header 'Authorization: Bearer <key>'", code="invalid_api_key"
-        )
-    if not hmac.compare_digest(given.encode(), expected.encode()):
-        raise GatewayError(401, "invalid API key", code="invalid_api_key")
+    refusal = api_key_refusal(request.headers.items(), request.app.state.config.api_key)
+    if refusal is not None:
+        raise refusal
+
+
+class ApiKeyMiddleware:
+    """ASGI middleware answering an HTTP call without the API key with its 401 before the call's body is read (a
+    route's JSON body is read and parsed before its dependencies run, so a caller without the key could make the
+    gateway read and parse ``--max-request-mb`` per call). ``OPEN_PATHS`` pass; a WebSocket checks the key at its
+    handshake (``gateway_svc.routes.realtime``).
+
+    Args:
+        api_key: the gateway's API key; empty: every call passes.
+    """
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.api_key = api_key
+
+    async def __call__(self, scope, receive, send) -> None:
+        if self.api_key and scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            headers = ((name.decode("latin-1"), value.decode("latin-1")) for name, value in scope["headers"])
+            refusal = api_key_refusal(headers, self.api_key)
+            if refusal is not None:
+                await refusal.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 async def until_disconnect(request: Request) -> None:

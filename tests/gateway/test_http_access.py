@@ -50,6 +50,28 @@ def test_no_api_key_is_401_with_www_authenticate(keyed_gateway):
         assert error["type"] == "authentication_error" and error["code"] == "invalid_api_key", error
 
 
+def test_a_call_without_the_key_is_401_before_its_body_is_read(keyed_gateway):
+    """A break test (issue 34): a route's JSON body was read and parsed before the key was checked, so a caller
+    without the key got a 400 for a broken body and could make the gateway read --max-request-mb per call. The 401
+    now comes before the body: here it answers a call whose promised 8 MB body is never sent."""
+    import socket
+    from urllib.parse import urlsplit
+
+    for headers in ({}, {"Authorization": "Bearer sk-wrong"}):
+        response = httpx.post(
+            keyed_gateway + "/v1/completions", content=b"{", headers={"content-type": "application/json", **headers}
+        )
+        assert response.status_code == 401, response.text  # before: 400 "the request body is not valid JSON"
+    where = urlsplit(keyed_gateway)
+    with socket.create_connection((where.hostname, where.port), timeout=10) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 8000000\r\n\r\n{"
+        )
+        head = sock.recv(4096)  # the body never comes: an answer that waited for it would time out here
+    assert head.startswith(b"HTTP/1.1 401"), head[:200]
+
+
 @pytest.mark.parametrize("header", [f"Bearer {API_KEY}x", "Bearer sk-wrong", f"Basic {API_KEY}", "Bearer", API_KEY])
 def test_a_wrong_api_key_is_401(keyed_gateway, header):
     response = httpx.get(keyed_gateway + "/v1/models", headers={"Authorization": header}, timeout=30)
