@@ -79,7 +79,6 @@ class Ticket:
         deadline: ``time.monotonic()`` by which its gRPC call ends; None without a deadline.
         order: admission order (ties of priority: first come first served).
         started: its first token is out (it left the queue).
-        started_at: ``time.monotonic()`` of its first token (it holds a batch seat from then to its end); None before.
         encoding: its first Encode was sent: it is never displaced.
         refusal: why it was displaced by a higher-priority request; delivered through ``bind``'s callback.
     """
@@ -89,7 +88,6 @@ class Ticket:
     deadline: float | None
     order: int
     started: bool = False
-    started_at: float | None = None
     encoding: bool = False
     refusal: ServiceError | None = None
     _fail: Callable[[BaseException], None] | None = field(default=None, repr=False)
@@ -168,7 +166,7 @@ class AdmissionQueue:
         self.seats = seats
         self._clock = clock
         self._queued: dict[int, Ticket] = {}  # id(ticket) -> ticket, not yet started
-        self._in_service: dict[int, Ticket] = {}  # id(ticket) -> ticket: first token out, not yet ended
+        self._in_service: dict[int, float] = {}  # id(ticket) -> its first token's time: it holds a batch seat
         self._services: deque[float] = deque(maxlen=SERVICE_SAMPLES)  # seconds from first token to a finished end
         self._orders = itertools.count()
         # [when, busy seconds, departures]: one sample per departure, or per batch of departures (BATCH_GAP_S)
@@ -251,8 +249,7 @@ class AdmissionQueue:
         if self._queued.pop(id(ticket), None) is None:
             return
         now = self._clock()
-        ticket.started_at = now
-        self._in_service[id(ticket)] = ticket
+        self._in_service[id(ticket)] = now
         if self._last_event is not None and self._since_departure:  # between two departures of a busy queue
             gap = max(now - self._last_event, 0.0)
             if gap >= BATCH_GAP_S:
@@ -276,8 +273,9 @@ class AdmissionQueue:
         ticket.started = True
         if self._queued.pop(id(ticket), None) is not None and not self._queued:
             self._last_event, self._since_departure = None, False
-        if self._in_service.pop(id(ticket), None) is not None and finished and ticket.started_at is not None:
-            self._services.append(max(self._clock() - ticket.started_at, 0.0))
+        started_at = self._in_service.pop(id(ticket), None)
+        if started_at is not None and finished:
+            self._services.append(max(self._clock() - started_at, 0.0))
 
     # --- what it looks like -----------------------------------------------------
     def _estimate(self, ahead: int, now: float) -> float:
@@ -302,8 +300,7 @@ class AdmissionQueue:
         if beyond <= 0:
             return 0.0
         services = sorted(self._services)
-        ran = [now - t.started_at for t in self._in_service.values() if t.started_at is not None]
-        first_free = min((_residual(services, r) for r in ran), default=0.0)
+        first_free = min((_residual(services, now - t) for t in self._in_service.values()), default=0.0)
         per_seat = _median(services) / self.seats if services else 0.0
         return first_free + (beyond - 1) * per_seat
 

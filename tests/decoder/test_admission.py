@@ -304,10 +304,11 @@ def test_held_seats_count_beside_a_measured_departure_gap():
     nothing queued, the estimate is the wait for a seat, not the empty queue's 0."""
     clock = Clock()
     q = AdmissionQueue(32, 30.0, clock, seats=2)
-    for t in [q.admit(0, None) for _ in range(3)]:  # a busy queue: two departures 0.5 s apart are gap samples
+    first = [q.admit(0, None) for _ in range(3)]
+    for t in first:  # a busy queue: two departures 0.5 s apart are gap samples
         clock.now += 0.5
         q.started(t)
-    for t in list(q._in_service.values()):
+    for t in first:
         clock.now += 4.0
         q.leave(t, finished=True)  # services of 4.5-10 s
     held = [q.admit(0, None) for _ in range(2)]
