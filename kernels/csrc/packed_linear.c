@@ -396,9 +396,9 @@ TARGET static void epilogue(const job_t* j, size_t p, size_t m0, size_t mr, cons
 /* Panels [first_panel, end_panel) of the output. */
 TARGET static void run_panels(const void* ctx, size_t first_panel, size_t end_panel) {
     const job_t* j = (const job_t*)ctx;
-    __m256 acc[2 * (MR512_MAX > MR_BF16_MAX ? MR512_MAX : MR_BF16_MAX) > 2 * WIDE_PANELS_MAX * WIDE_MAX_ROWS
-                   ? 2 * (MR512_MAX > MR_BF16_MAX ? MR512_MAX : MR_BF16_MAX)
-                   : 2 * WIDE_PANELS_MAX * WIDE_MAX_ROWS];
+    __m256 acc[2 * (MR512_MAX > MR_BF16_MAX ? MR512_MAX : MR_BF16_MAX)];
+    _Static_assert(WIDE_PANELS_MAX * WIDE_MAX_ROWS <= (MR512_MAX > MR_BF16_MAX ? MR512_MAX : MR_BF16_MAX),
+                   "a wide micro-kernel's sums fit acc");
     size_t panel_bytes = j->steps * 64; /* a panel step is 64 bytes in both layouts */
     size_t p = first_panel;
     if (j->wide && j->m <= WIDE_MAX_ROWS) { /* one or two rows: up to 4 panels at a time; a last single one below */
