@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import contextlib
 
-from fastapi import Depends, FastAPI
+from fastapi import FastAPI
 
 from gateway_svc import errors
 from gateway_svc.backends import Backends
 from gateway_svc.config import GatewayConfig
 from gateway_svc.limits import CallLimitMiddleware
 from gateway_svc.metrics import GatewayMetrics, MetricsMiddleware
-from gateway_svc.route_support import ApiKeyMiddleware, require_api_key
+from gateway_svc.route_support import ApiKeyMiddleware
 from gateway_svc.routes import audio, completions, embeddings, meta, realtime
 from gateway_svc.upload import UploadLimitMiddleware
 
@@ -42,12 +42,11 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
     app.state.config = cfg
     app.state.metrics = GatewayMetrics()
     errors.install(app)
-    guarded = [Depends(require_api_key)]
-    app.include_router(meta.public)
-    app.include_router(meta.router, dependencies=guarded)
-    app.include_router(audio.router, dependencies=guarded)
-    app.include_router(completions.router, dependencies=guarded)
-    app.include_router(embeddings.router, dependencies=guarded)
+    app.include_router(meta.public)  # OPEN_PATHS; every other HTTP route needs the key (ApiKeyMiddleware)
+    app.include_router(meta.router)
+    app.include_router(audio.router)
+    app.include_router(completions.router)
+    app.include_router(embeddings.router)
     app.include_router(realtime.router)  # a WebSocket: it checks the API key at its handshake itself
     app.add_middleware(
         UploadLimitMiddleware,

@@ -38,37 +38,30 @@ async def config(request: Request) -> GatewayConfig:
 OPEN_PATHS = frozenset({"/health"})  # answered without the API key (the load balancer's probe)
 
 
-def api_key_refusal(headers, expected: str) -> GatewayError | None:
-    """The 401 of a call whose ``headers`` (name, value pairs) lack ``Authorization: Bearer <expected>``; None when
-    they have it, or when the gateway has no key (``expected`` empty)."""
+def api_key_refusal(headers, expected: str, also=(), how: str = "") -> GatewayError | None:
+    """The 401 of a call whose ``headers`` (name, value pairs) carry no ``Authorization: Bearer <expected>`` and
+    none of whose keys ``also`` (a WebSocket's subprotocol keys) is ``expected``; None when one is, or when the
+    gateway has no key (``expected`` empty). ``how``: the other way to send the key, named in the message."""
     if not expected:
         return None
-    given = bearer_token_of(headers)
-    if given is None:
+    token = bearer_token_of(headers)
+    given = [*([] if token is None else [token]), *also]
+    if not given:
         return GatewayError(
-            401, "missing API key: send the header 'Authorization: Bearer <key>'", code="invalid_api_key"
+            401,
+            f"missing API key: send the header 'Authorization: Bearer <key>'{f' ({how})' if how else ''}",
+            code="invalid_api_key",
         )
-    if not hmac.compare_digest(given.encode(), expected.encode()):
+    if not any(hmac.compare_digest(key.encode(), expected.encode()) for key in given):
         return GatewayError(401, "invalid API key", code="invalid_api_key")
     return None
 
 
-async def require_api_key(request: Request) -> None:
-    """With ``api_key`` set, the request must carry ``Authorization: Bearer <api_key>``.
-
-    Raises:
-        GatewayError: 401, the header missing or the key wrong.
-    """
-    refusal = api_key_refusal(request.headers.items(), request.app.state.config.api_key)
-    if refusal is not None:
-        raise refusal
-
-
 class ApiKeyMiddleware:
-    """ASGI middleware answering an HTTP call without the API key with its 401 before the call's body is read (a
-    route's JSON body is read and parsed before its dependencies run, so a caller without the key could make the
-    gateway read and parse ``--max-request-mb`` per call). ``OPEN_PATHS`` pass; a WebSocket checks the key at its
-    handshake (``gateway_svc.routes.realtime``).
+    """ASGI middleware answering an HTTP call without the API key with its 401 before the call's body is read: the
+    one check of the key on HTTP routes (a route dependency ran after FastAPI had read and parsed the JSON body, so a
+    caller without the key could make the gateway read and parse ``--max-request-mb`` per call). ``OPEN_PATHS``
+    pass; a WebSocket checks the key at its handshake (``gateway_svc.routes.realtime``).
 
     Args:
         api_key: the gateway's API key; empty: every call passes.
@@ -80,7 +73,7 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope, receive, send) -> None:
         if self.api_key and scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            headers = ((name.decode("latin-1"), value.decode("latin-1")) for name, value in scope["headers"])
+            headers = ((name.decode("latin-1"), value) for name, value in scope["headers"])  # bearer_token_of decodes
             refusal = api_key_refusal(headers, self.api_key)
             if refusal is not None:
                 await refusal.response()(scope, receive, send)

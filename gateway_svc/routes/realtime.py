@@ -10,48 +10,31 @@ HTTP 401 in OpenAI's error shape, and no socket. Query: ``model`` (when the sess
 
 from __future__ import annotations
 
-import hmac
-
 from fastapi import APIRouter, WebSocket
 
 from gateway_svc.config import GatewayConfig
 from gateway_svc.errors import GatewayError
 from gateway_svc.realtime_connection import ENDPOINT, RealtimeConnection
-from shared.public_auth import bearer_token_of
+from gateway_svc.route_support import api_key_refusal
 
 router = APIRouter()
 
 KEY_SUBPROTOCOL = "openai-insecure-api-key."  # OpenAI's browser form of the API key
 
 
-def api_key_refusal(websocket: WebSocket, expected: str) -> GatewayError | None:
+def handshake_refusal(websocket: WebSocket, expected: str) -> GatewayError | None:
     """The 401 of a handshake without ``expected`` (the gateway's API key) as a bearer token or in a subprotocol
     ``openai-insecure-api-key.<key>``; None when it has it, or when the gateway has no key."""
-    if not expected:
-        return None
-    token = bearer_token_of(websocket.headers.items())
-    given = [] if token is None else [token]
-    given += [
-        p.removeprefix(KEY_SUBPROTOCOL)
-        for p in websocket.scope.get("subprotocols", ())
-        if p.startswith(KEY_SUBPROTOCOL)
-    ]
-    if not given:
-        return GatewayError(
-            401,
-            f"missing API key: send the header 'Authorization: Bearer <key>' (or the subprotocol {KEY_SUBPROTOCOL}<key>)",
-            code="invalid_api_key",
-        )
-    if not any(hmac.compare_digest(key.encode(), expected.encode()) for key in given):
-        return GatewayError(401, "invalid API key", code="invalid_api_key")
-    return None
+    protocols = websocket.scope.get("subprotocols", ())
+    keys = [p.removeprefix(KEY_SUBPROTOCOL) for p in protocols if p.startswith(KEY_SUBPROTOCOL)]
+    return api_key_refusal(websocket.headers.items(), expected, keys, f"or the subprotocol {KEY_SUBPROTOCOL}<key>")
 
 
 @router.websocket(ENDPOINT)
 async def realtime(websocket: WebSocket) -> None:
     """Checks the key, accepts the socket and serves it until either side closes it."""
     cfg: GatewayConfig = websocket.app.state.config
-    refusal = api_key_refusal(websocket, cfg.api_key)
+    refusal = handshake_refusal(websocket, cfg.api_key)
     if refusal is not None:
         try:
             await websocket.send_denial_response(refusal.response())
