@@ -547,6 +547,13 @@ def _add_quality_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--corpus-dir", default=None, help="where the corpus is built / reused (default: a keyed cache folder)"
     )
+    p.add_argument(
+        "--corpus-seed",
+        type=int,
+        default=None,
+        help="build the corpus from another seed (default: the fixed one): new files of the same kinds, to check "
+        "that a change holds beyond the files it was measured on",
+    )
     p.add_argument("--skip-ct2", action="store_true", help="no faster-whisper systems (CTranslate2)")
     p.add_argument("--skip-hf", action="store_true", help="no HF transformers system")
     p.add_argument(

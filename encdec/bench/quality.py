@@ -18,7 +18,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from encdec.bench.quality_corpus import SUBSETS, build_corpus, corpus_key, load_corpus
+from encdec.bench.quality_corpus import SEED, SUBSETS, build_corpus, corpus_key, load_corpus
 from encdec.bench.quality_systems import CT2_SYSTEMS, NAMES, SYSTEMS
 
 ENGLISH_SUBSETS = tuple(s for s in SUBSETS if not s.startswith("lang-"))
@@ -87,7 +87,8 @@ def run(args) -> dict:
 
     model_dir = resolve_model(args.model)[1]
     subsets, systems, notes = choose(args, multilingual(Path(model_dir)))
-    root = build_corpus(args.corpus_dir, subsets=[*subsets, "long"])  # long-1: the file timed alone
+    seed = SEED if getattr(args, "corpus_seed", None) is None else args.corpus_seed
+    root = build_corpus(args.corpus_dir, seed=seed, subsets=[*subsets, "long"])  # long-1: the file timed alone
     corpus, everything = load_corpus(root, subsets), load_corpus(root)
     alone, warmup = max(everything, key=lambda f: f.seconds), min(everything, key=lambda f: f.seconds)
     paths = {f.name: str(root / f"{f.name}.wav") for f in corpus}
@@ -120,7 +121,7 @@ def run(args) -> dict:
         "model": args.model,
         "threads": args.threads,
         "subsets": subsets,
-        "corpus": {"root": str(root), "key": corpus_key(), "audio_s": audio_s, "alone": alone.name},
+        "corpus": {"root": str(root), "key": corpus_key(seed), "seed": seed, "audio_s": audio_s, "alone": alone.name},
         "columns": COLUMNS,
         "rows": rows,
         "tables": [{"title": "timings", "columns": TIMING_COLUMNS, "rows": timing_rows(corpus, alone, runs)}],

@@ -9,13 +9,14 @@ same bytes whichever other subsets are built with it. Subsets (``SUBSETS``):
 * ``pauses``: 85-110 s readings (16-20 sentences) with pauses of 0.3-5 s, sentences crossing the 30 s
   window boundaries.
 * ``long``: 2.5 and 5 minute readings (short pauses); ``long-1`` is the corpus's longest file.
-* ``gaps``: long readings broken by silence of 10, 25, 40 and 60 s (digital silence, and a faint noise
-  floor 45 dB under the speech), the classic trigger of invented text.
+* ``gaps``: long readings broken by silence of 10-60 s (digital silence, and a faint noise floor 45 dB under
+  the speech), the classic trigger of invented text.
 * ``noise``: speech under white, brown and babble noise (six other voices talking at once) at 20, 10 and
   5 dB SNR, the noise over the whole file.
 * ``noise-only``: speech with stretches of white and brown noise alone, 20 dB under the speech.
-* ``lang-de``, ``lang-es``, ``lang-fr``: a short clip and a 40 s reading that starts with 2 s of silence
-  (multilingual checkpoints only; the bench detects their language as a user's request would).
+* ``lang-de``, ``lang-es``, ``lang-fr``: four voices at 115-175 words per minute: a short clip, a 40 s
+  reading that starts with 2 s of silence, a fast short clip and a slow 45 s reading (multilingual
+  checkpoints only; the bench detects their language as a user's request would).
 
 Each file records its reference text and its ``gaps`` (silence and noise-only stretches, seconds), where a
 transcript should have no words. ``build_corpus`` writes ``corpus.json`` and the WAV files into a folder
@@ -52,16 +53,25 @@ ENGLISH_VOICES = (  # (espeak-ng voice, words per minute)
     ("en-us+m5", 180),
     ("en-gb+f2", 145),
 )
-LANGUAGE_VOICES = {
-    "de": (("de", 130), ("de+f2", 150)),
-    "es": (("es", 130), ("es-419+f3", 150)),
-    "fr": (("fr-fr", 130), ("fr-be+m3", 150)),
+LANGUAGE_VOICES = {  # per language: the short clip's, the reading's, the fast clip's and the slow reading's voice
+    "de": (("de", 130), ("de+f2", 150), ("de+m3", 175), ("de+f4", 115)),
+    "es": (("es", 130), ("es-419+f3", 150), ("es+m3", 175), ("es-419+f4", 115)),
+    "fr": (("fr-fr", 130), ("fr-be+m3", 150), ("fr-ch+m1", 175), ("fr-fr+f4", 115)),
 }
 NOISE_SNR_DB = (20, 10, 5)
 NOISES = ("white", "brown", "babble")
 GAP_LAYOUTS = (  # the gaps subset: ("speech", target_s) and ("gap", seconds, kind), in order
     [("speech", 30), ("gap", 10, "silence"), ("speech", 30), ("gap", 25, "silence"), ("speech", 25)],
     [("speech", 25), ("gap", 40, "faint-noise"), ("speech", 30), ("gap", 60, "silence"), ("speech", 20)],
+    [
+        ("speech", 20),
+        ("gap", 15, "silence"),
+        ("speech", 30),
+        ("gap", 30, "faint-noise"),
+        ("speech", 25),
+        ("gap", 50, "silence"),
+        ("speech", 20),
+    ],
 )
 NOISE_ONLY_LAYOUT = [
     ("speech", 15),
@@ -138,6 +148,8 @@ def _subset(subset: str, lay: Layout) -> Iterator[tuple[CorpusFile, np.ndarray]]
         lead = 2.0  # seconds of silence before the first word (under the 10 s of a gap)
         pcm = np.concatenate([np.zeros(int(lead * SAMPLE_RATE), np.float32), pcm])
         yield _file(f"{subset}-1", subset, language, pcm, texts, [[s + lead, e + lead] for s, e in spans])
+        yield _file(f"{subset}-2", subset, language, *lay.reading(language, *voices[2], (0.3, 0.8), count=3))
+        yield _file(f"{subset}-3", subset, language, *lay.reading(language, *voices[3], (0.3, 2.0), target_s=45))
     else:
         raise ValueError(f"unknown subset {subset!r}; choose from {', '.join(SUBSETS)}")
 

@@ -17,7 +17,7 @@ import jiwer
 import pytest
 import soundfile as sf
 
-from encdec.bench.quality_corpus import SAMPLE_RATE, CorpusFile, build_corpus, load_corpus
+from encdec.bench.quality_corpus import SAMPLE_RATE, SEED, CorpusFile, build_corpus, corpus_key, load_corpus
 from encdec.bench.quality_metrics import corpus_wer, repetition_loops, tandem_runs, words_in_gaps
 from encdec.bench.quality_report import quality_rows, timing_rows, verdicts
 from encdec.bench.quality_systems import NAMES
@@ -147,6 +147,16 @@ def test_corpus_is_reused(corpora):
     assert (one / "corpus.json").stat().st_mtime_ns == stamp
     with pytest.raises(ValueError, match="unknown subset"):
         build_corpus(one, subsets=["clean", "podcasts"])
+
+
+def test_another_seed_builds_other_files_of_the_same_kinds(corpora, tmp_path):
+    """``--corpus-seed``: held-out files to check that a change holds beyond the files it was measured on."""
+    one, _ = corpora
+    other = build_corpus(tmp_path, seed=SEED + 70, subsets=["clean"])
+    ours, theirs = load_corpus(one), load_corpus(other)
+    assert [f.name for f in ours] == [f.name for f in theirs]
+    assert all(a.reference != b.reference for a, b in zip(ours, theirs, strict=True))
+    assert corpus_key(SEED + 70) != corpus_key() and (other / "corpus.key").read_text().strip() == corpus_key(SEED + 70)
 
 
 # ---- the tables ----------------------------------------------------------------------------------------------
