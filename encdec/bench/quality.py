@@ -87,7 +87,7 @@ def run(args) -> dict:
 
     model_dir = resolve_model(args.model)[1]
     subsets, systems, notes = choose(args, multilingual(Path(model_dir)))
-    seed = SEED if getattr(args, "corpus_seed", None) is None else args.corpus_seed
+    seed = SEED if args.corpus_seed is None else args.corpus_seed
     root = build_corpus(args.corpus_dir, seed=seed, subsets=[*subsets, "long"])  # long-1: the file timed alone
     corpus, everything = load_corpus(root, subsets), load_corpus(root)
     alone, warmup = max(everything, key=lambda f: f.seconds), min(everything, key=lambda f: f.seconds)
