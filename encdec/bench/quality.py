@@ -79,8 +79,11 @@ def run(args) -> dict:
     "tables", "notes", ...}`` as ``encdec bench all`` renders it.
 
     Raises:
-        ValueError: see ``choose``. RuntimeError: espeak-ng or sox missing (``build_corpus``).
+        ValueError: see ``choose``; a negative ``corpus_seed``. RuntimeError: espeak-ng or sox missing
+            (``build_corpus``).
     """
+    if args.corpus_seed is not None and args.corpus_seed < 0:
+        raise ValueError(f"--corpus-seed must be an integer >= 0, got {args.corpus_seed}")
     from encdec.bench.machine import machine_info
     from encdec.bench.quality_report import COLUMNS, TIMING_COLUMNS, quality_rows, timing_rows, verdicts
     from shared.models.registry import resolve_model

@@ -159,6 +159,14 @@ def test_another_seed_builds_other_files_of_the_same_kinds(corpora, tmp_path):
     assert corpus_key(SEED + 70) != corpus_key() and (other / "corpus.key").read_text().strip() == corpus_key(SEED + 70)
 
 
+def test_a_negative_corpus_seed_is_refused_with_its_name(capsys):
+    from encdec.bench.quality import main
+    from encdec.parser import build_parser
+
+    assert main(build_parser().parse_args(["bench", "quality", "--corpus-seed", "-1"])) == 2
+    assert "--corpus-seed must be an integer >= 0, got -1" in capsys.readouterr().err
+
+
 # ---- the tables ----------------------------------------------------------------------------------------------
 def test_rows_timings_and_verdicts():
     corpus = [
