@@ -109,6 +109,31 @@ class WhisperJob:
         """Each accepted window's words are timed: asked for, or for ``hallucination_silence_threshold``."""
         return self.timestamps == "word" or self.hallucination_silence_threshold is not None
 
+    def speech_span(self, start: float, end: float) -> tuple[float, float]:
+        """A segment's ``[start, end]`` (seconds of ``pcm``) cut to the VAD gate's speech regions it overlaps.
+
+        Whisper often times a segment's end at its window's end, which the gate pads past the speech
+        (``clips.DEFAULT_GATE_PAD_S``), or its start at a window start before the speech: a segment that closes a
+        clip would then reach up to ~0.8 s into the silence after it. The regions carry silero's own 400 ms padding
+        (``vad.VadOptions.speech_pad_ms``), so what is cut is silence. Without the gate, or when the segment
+        overlaps no region, the span is returned as it is; otherwise ``start <= end`` still holds.
+        """
+        regions = self.gate_regions
+        if not regions or end <= start:
+            return start, end
+        lo = hi = None
+        a, b = start * SAMPLE_RATE, end * SAMPLE_RATE
+        for s, e in regions:  # sorted, apart
+            if s >= b:
+                break
+            if e > a:
+                lo = s if lo is None else lo
+                hi = e
+        if lo is None:
+            return start, end
+        start = min(max(start, lo / SAMPLE_RATE), hi / SAMPLE_RATE)
+        return start, max(min(end, hi / SAMPLE_RATE), start)
+
     def original_time(self, t: float) -> float:
         """Seconds in ``pcm`` -> seconds in the original audio (identity without VAD), clipped to its length."""
         if self.speech_map is not None:

@@ -49,11 +49,12 @@ def segment_messages(
         seg.text = text
         if not text.strip():
             continue
+        start, end = job.speech_span(seg.start, seg.end)  # not into the silence the gate padded a clip with
         pb = message.segments.add(
             id=first_id + len(message.segments),
             seek=seg.seek,
-            start=job.original_time(seg.start),
-            end=job.original_time(seg.end),
+            start=job.original_time(start),
+            end=job.original_time(end),
             text=text,
             tokens=seg.tokens,
             avg_logprob=_num(seg.avg_logprob),
@@ -62,8 +63,11 @@ def segment_messages(
             temperature=_num(seg.temperature),
         )
         for w in words[i] if words is not None else ():
+            w_start, w_end = w.start, w.end
+            if (start, end) != (seg.start, seg.end):  # the segment was cut to the speech: its words with it
+                w_start, w_end = min(max(w_start, start), end), min(max(w_end, start), end)
             pb.words.add(
-                word=w.word, start=job.original_time(w.start), end=job.original_time(w.end), probability=w.probability
+                word=w.word, start=job.original_time(w_start), end=job.original_time(w_end), probability=w.probability
             )
         message.text += text
     return message

@@ -87,6 +87,19 @@ def test_vad_gate_and_clip_timestamps_give_the_clips(base):
     assert parse(base, pb.WhisperOptions(vad_filter=True, vad_gate=True), pcm=noise).clips is None  # joined already
 
 
+def test_segment_times_are_cut_to_the_gates_speech(base):
+    """A segment that closes a clip ends where the VAD heard speech end, not in the silence the gate padded the
+    clip with (the bench's words in gaps); without the gate, or over no region, times are left as they are."""
+    job = parse(base, pb.WhisperOptions(vad_gate=False), pcm=LONG)
+    assert job.speech_span(1.0, 9.5) == (1.0, 9.5)
+    job.gate_regions = [(16000, 80000), (96000, 160000), (480000, 512000)]  # 1-5 s, 6-10 s, 30-32 s
+    assert job.speech_span(0.2, 9.96) == (1.0, 9.96)  # inside the regions' hull: only the lead-in is cut
+    assert job.speech_span(6.5, 10.87) == (6.5, 10.0)  # ends 0.87 s into the gap after 10 s: cut at 10 s
+    assert job.speech_span(29.1, 33.0) == (30.0, 32.0)
+    assert job.speech_span(12.0, 20.0) == (12.0, 20.0)  # no speech under it: as it is
+    assert job.speech_span(4.0, 4.0) == (4.0, 4.0)
+
+
 @pytest.mark.parametrize(
     ("options", "named"),
     [
