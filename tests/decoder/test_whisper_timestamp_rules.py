@@ -158,7 +158,8 @@ def random_history(sp, rng, n):
 
 @pytest.mark.parametrize("model", MODELS)
 def test_random_histories_match_hf_row_and_batch(specials, model):
-    """300 random histories (lengths 0..9 after the prompt); ``apply`` and mixed-length ``apply_batch`` vs HF."""
+    """300 random histories (lengths 0..9 after the prompt); ``apply``, mixed-length ``apply_batch`` and its
+    masked (GPU) form vs HF, bit for bit."""
     sp, rng, gen = specials[model], random.Random(7), torch.Generator().manual_seed(7)
     kinds = ("random", "timestamps_win", "text_wins")
     for prompt_name, prompt in prompts(sp):
@@ -170,8 +171,11 @@ def test_random_histories_match_hf_row_and_batch(specials, model):
             idx = [i for i, r in enumerate(rows) if len(r) == length]
             want[idx] = hf_scores(sp, len(prompt), 50, [rows[i] for i in idx], x[idx].clone())
         got = x.clone()
-        rules.apply_batch(got, rows)
+        rules.apply_batch(got, rows)  # on the CPU: row by row (slice fills)
         torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m, at=prompt_name: f"{at} batch: {m}")
+        masks = x.clone()
+        rules._apply_batched(masks, rows)  # what a GPU runs: [N, V] masks, no per-row op
+        torch.testing.assert_close(masks, want, rtol=0, atol=0, msg=lambda m, at=prompt_name: f"{at} masks: {m}")
         for i in range(0, len(rows), 10):
             one = x[i].clone()
             rules.apply(one, rows[i])
