@@ -85,7 +85,13 @@ def test_dtw_and_median_filter_match_hf():
             np.testing.assert_array_equal(got[0], want[0])
             np.testing.assert_array_equal(got[1], want[1])
     x = torch.randn(2, 5, 31)
-    torch.testing.assert_close(median_filter(x, 7), _median_filter(x, 7), rtol=0, atol=0)
+    torch.testing.assert_close(median_filter(x, 7), _median_filter(x, 7), rtol=0, atol=0)  # the sorting network
+    ties = torch.randint(-2, 3, (3, 4, 40)).float()  # many equal values in a window
+    torch.testing.assert_close(median_filter(ties, 7), _median_filter(ties, 7), rtol=0, atol=0)
+    for width in (1, 3, 5, 9):  # widths other than 7 sort each window
+        torch.testing.assert_close(median_filter(x, width), _median_filter(x, width), rtol=0, atol=0)
+    x[0, 1, 10] = float("nan")  # NaN: the sort, as HF's
+    torch.testing.assert_close(median_filter(x, 7), _median_filter(x, 7), rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(median_filter(x[..., :3], 7), x[..., :3])
     with pytest.raises(ValueError):
         median_filter(x, 4)
