@@ -88,11 +88,16 @@ def window_words(
         ``len(segments)`` lists of ``WordTiming``.
     """
     specials = job.specials
-    prompt = list(plan.prompt_ids)
-    token_ids = (prompt + list(generated))[: model.config.max_target_positions]
+    decoded = list(generated)
+    prompt, generated = alignment_sequence(job, list(plan.prompt_ids), decoded)
+    token_ids = (prompt + generated)[: model.config.max_target_positions]
     generated = token_ids[len(prompt) :]
     weights = alignment_weights(model, token_ids, cross_kv.to(torch.float32), specials.alignment_heads)
-    probs = [math.exp(lp) for lp in logprobs[: len(generated)]]
+    if job.rules.openai:  # each text token's own probability; the closing <|endoftext|>'s is never read
+        text_probs = [math.exp(lp) for t, lp in zip(decoded, logprobs) if t < specials.eot]
+        probs = (text_probs + [1.0])[: len(generated)]
+    else:
+        probs = [math.exp(lp) for lp in logprobs[: len(generated)]]
     found = find_words(
         tokenizer,
         specials,
@@ -113,6 +118,27 @@ def window_words(
         per_segment[seg].append(w)
         used += len(w.tokens)
     return per_segment
+
+
+def alignment_sequence(job, prompt: list[int], generated: list[int]) -> tuple[list[int], list[int]]:
+    """The ``(prompt, rest)`` whose cross-attention times a window's words.
+
+    ``"openai"`` rules: openai-whisper's ``timing.find_alignment`` (faster-whisper's too): the window's
+    ``<|startoftranscript|>`` sequence (language, task), ``<|notimestamps|>``, then its text tokens and
+    ``<|endoftext|>``: no previous text, no timestamp tokens (about a third of the tokens a conditioned window's
+    decode held, so a third of the recompute). ``"hf"`` rules: HF's ``_extract_token_timestamps`` sequence, the
+    decoder prompt and every generated token (``word_timing``'s module docstring).
+
+    Args:
+        job: the request's ``WhisperJob`` (its rules and special tokens).
+        prompt: the window's decoder prompt. generated: its generated ids.
+    """
+    specials = job.specials
+    if not job.rules.openai:
+        return prompt, generated
+    sot = prompt[prompt.index(specials.sot) :] if specials.sot in prompt else prompt
+    sot = [t for t in sot if t != specials.no_timestamps]
+    return [*sot, specials.no_timestamps], [t for t in generated if t < specials.eot] + [specials.eot]
 
 
 def _num(x: float | None) -> float:

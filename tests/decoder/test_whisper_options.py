@@ -195,3 +195,20 @@ def test_long_form_refuses_token_level_sampling(base, name):
     with pytest.raises(InvalidRequestError, match=f"sampling.{name} is not supported with long-form"):
         parse(base, sampling=sampling, pcm=LONG)
     parse(base, sampling=sampling)  # short-form takes it
+
+
+def test_words_are_aligned_over_openai_whispers_sequence_under_its_rules(base):
+    """openai rules: words are timed over openai-whisper's ``find_alignment`` sequence (sot sequence,
+    ``<|notimestamps|>``, the text tokens, ``<|endoftext|>``: no previous text, no timestamps); hf rules: over the
+    window's whole decode, as HF's token timestamps."""
+    from decoder_svc.whisper.segment_output import alignment_sequence
+
+    sp = base
+    prompt = [sp.sot_prev, 1000, 1001, sp.sot, sp.languages["en"], sp.transcribe]
+    generated = [sp.timestamp_begin, 2000, 2001, sp.timestamp_begin + 50, sp.timestamp_begin + 50, 2002,
+                 sp.timestamp_begin + 90, sp.eot]  # fmt: skip
+    want = ([sp.sot, sp.languages["en"], sp.transcribe, sp.no_timestamps], [2000, 2001, 2002, sp.eot])
+    assert alignment_sequence(parse(base), prompt, generated) == want
+    cut = generated[:3]  # a window cut by max_tokens: no <|endoftext|> decoded
+    assert alignment_sequence(parse(base), prompt, cut) == (want[0], [2000, 2001, sp.eot])
+    assert alignment_sequence(parse(base, rules="hf"), prompt, generated) == (prompt, generated)
