@@ -7,7 +7,10 @@ Sources: HF ``_extract_token_timestamps`` (``generation_whisper.py``, with its
 filter width 7 (HF ``median_filter_width``, openai ``medfilt_width``), ``qk_scale`` 1
 (the model's own softmax, as HF), 0.02 s per encoder frame, two mel frames per frame.
 
-Token sequence. The weights are computed over the sequence the window decoded,
+Token sequence. Under openai rules (the default) the weights are computed over openai-whisper's
+``find_alignment`` sequence: ``[*sot_sequence, <|notimestamps|>, *text_tokens, <|endoftext|>]``
+(``segment_output.alignment_sequence``), the "prompt" below being the sot sequence and ``<|notimestamps|>``.
+Under HF rules they are computed over the sequence the window decoded,
 as HF does: ``[*prompt, *generated]``, where ``prompt`` is the decoder prompt
 (``WhisperSpecials.decoder_prompt``: previous text, ``<|startoftranscript|>``,
 language, task, ``<|notimestamps|>`` when timestamps are off) and ``generated``

@@ -67,8 +67,9 @@ def alignment_weights(
 
     Args:
         model: the Whisper model (any of the weight forms in the module docstring).
-        token_ids: the sequence, ``T`` ids from position 0: for word timestamps, the
-            decoder prompt followed by every generated token (``word_timing`` says why).
+        token_ids: the sequence, ``T`` ids from position 0: for word timestamps, openai-whisper's
+            ``find_alignment`` sequence, or under HF rules the decoder prompt followed by every generated token
+            (``decoder_svc.whisper.word_timing`` says which).
         cross_kv: ``[num_decoder_layers, 2, S, H, Dh]`` (index 0 = K, 1 = V): one
             sequence's slice ``[:, :, b]`` of ``model.compute_cross_kv(encoder_out)``,
             on the model's device.
