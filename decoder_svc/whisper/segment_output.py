@@ -63,7 +63,7 @@ def segment_messages(
             temperature=_num(seg.temperature),
         )
         for w in words[i] if words is not None else ():
-            w_start, w_end = w.start, w.end
+            w_start, w_end = job.speech_span(w.start, w.end)  # a first word timed from the window's lead-in
             if (start, end) != (seg.start, seg.end):  # the segment was cut to the speech: its words with it
                 w_start, w_end = min(max(w_start, start), end), min(max(w_end, start), end)
             pb.words.add(
