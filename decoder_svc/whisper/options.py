@@ -16,6 +16,7 @@ to decode (``decoder_svc.whisper.clips``).
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -121,18 +122,14 @@ class WhisperJob:
         regions = self.gate_regions
         if not regions or end <= start:
             return start, end
-        lo = hi = None
         a, b = start * SAMPLE_RATE, end * SAMPLE_RATE
-        for s, e in regions:  # sorted, apart
-            if s >= b:
-                break
-            if e > a:
-                lo = s if lo is None else lo
-                hi = e
-        if lo is None:
+        first = bisect.bisect_right(regions, a, key=lambda r: r[1])  # sorted and apart: the first ending after a
+        last = bisect.bisect_left(regions, b, key=lambda r: r[0])  # the regions starting before b end at last - 1
+        if first >= last:  # no region overlaps
             return start, end
-        start = min(max(start, lo / SAMPLE_RATE), hi / SAMPLE_RATE)
-        return start, max(min(end, hi / SAMPLE_RATE), start)
+        lo, hi = regions[first][0] / SAMPLE_RATE, regions[last - 1][1] / SAMPLE_RATE
+        start = min(max(start, lo), hi)
+        return start, max(min(end, hi), start)
 
     def original_time(self, t: float) -> float:
         """Seconds in ``pcm`` -> seconds in the original audio (identity without VAD), clipped to its length."""

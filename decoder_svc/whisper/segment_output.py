@@ -89,7 +89,7 @@ def window_words(
     """
     specials = job.specials
     decoded = list(generated)
-    prompt, generated = alignment_sequence(job, list(plan.prompt_ids), decoded)
+    prompt, generated = alignment_sequence(job, list(plan.prompt_ids), plan.sot_index, decoded)
     token_ids = (prompt + generated)[: model.config.max_target_positions]
     generated = token_ids[len(prompt) :]
     weights = alignment_weights(model, token_ids, cross_kv.to(torch.float32), specials.alignment_heads)
@@ -120,7 +120,7 @@ def window_words(
     return per_segment
 
 
-def alignment_sequence(job, prompt: list[int], generated: list[int]) -> tuple[list[int], list[int]]:
+def alignment_sequence(job, prompt: list[int], sot_index: int, generated: list[int]) -> tuple[list[int], list[int]]:
     """The ``(prompt, rest)`` whose cross-attention times a window's words.
 
     ``"openai"`` rules: openai-whisper's ``timing.find_alignment`` (faster-whisper's too): the window's
@@ -131,14 +131,14 @@ def alignment_sequence(job, prompt: list[int], generated: list[int]) -> tuple[li
 
     Args:
         job: the request's ``WhisperJob`` (its rules and special tokens).
-        prompt: the window's decoder prompt. generated: its generated ids.
+        prompt: the window's decoder prompt; sot_index: its ``<|startoftranscript|>`` (``WindowPlan.sot_index``).
+        generated: its generated ids.
     """
     specials = job.specials
     if not job.rules.openai:
         return prompt, generated
-    sot = prompt[prompt.index(specials.sot) :] if specials.sot in prompt else prompt
-    sot = [t for t in sot if t != specials.no_timestamps]
-    return [*sot, specials.no_timestamps], [t for t in generated if t < specials.eot] + [specials.eot]
+    sot = [t for t in prompt[sot_index:] if t != specials.no_timestamps]  # a prompt without timestamps ends with it
+    return [*sot, specials.no_timestamps], specials.text_tokens(generated) + [specials.eot]
 
 
 def _num(x: float | None) -> float:

@@ -90,20 +90,19 @@ def median_filter(x: torch.Tensor, width: int = MEDIAN_FILTER_WIDTH) -> torch.Te
         return x
     lead, n = x.shape[:-1], x.shape[-1]
     padded = torch.nn.functional.pad(x.reshape(1, -1, n), (pad, pad), mode="reflect")  # [1, rows, N + 2p]
-    if width == len(_SORT7_INPUTS) and not bool(torch.isnan(x).any()):
+    if width == 7 and not bool(torch.isnan(x).any()):
         # the width-7 windows' 4th smallest by a sorting network of elementwise min / max over 7 shifted views:
         # the same values as sorting each window (a minimum or maximum rounds nothing), ~6x faster than sort on a
         # window's [heads, tokens, 1500] scores; NaN (which sort puts last) takes the sort below
-        views = [padded[0, :, i : i + n] for i in _SORT7_INPUTS]
+        views = [padded[0, :, i : i + n] for i in range(7)]
         for i, j in _SORT7:
             views[i], views[j] = torch.minimum(views[i], views[j]), torch.maximum(views[i], views[j])
         return views[3].reshape(*lead, n)
     return padded.unfold(-1, width, 1).sort(dim=-1).values[..., pad].reshape(*lead, n)
 
 
-# A 16-comparator sorting network for 7 inputs (Knuth, TAOCP vol. 3, 5.3.4; checked on all 2^7 0-1 inputs, which
-# by the 0-1 principle sorts every input): after these compare-exchanges the inputs are in order.
-_SORT7_INPUTS = range(7)
+# A sorting network for 7 inputs with 16 comparators, the fewest possible (Knuth, TAOCP vol. 3, 5.3.4); this one
+# sorts all 2^7 inputs of 0s and 1s (tests/models/test_whisper_word_timing.py), so by the 0-1 principle every input.
 _SORT7 = ((0, 6), (2, 3), (4, 5), (0, 2), (1, 4), (3, 6), (0, 1), (2, 5), (3, 4), (1, 2), (4, 6), (2, 3), (4, 5),
           (1, 2), (3, 4), (5, 6))  # fmt: skip
 

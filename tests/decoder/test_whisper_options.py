@@ -208,7 +208,9 @@ def test_words_are_aligned_over_openai_whispers_sequence_under_its_rules(base):
     generated = [sp.timestamp_begin, 2000, 2001, sp.timestamp_begin + 50, sp.timestamp_begin + 50, 2002,
                  sp.timestamp_begin + 90, sp.eot]  # fmt: skip
     want = ([sp.sot, sp.languages["en"], sp.transcribe, sp.no_timestamps], [2000, 2001, 2002, sp.eot])
-    assert alignment_sequence(parse(base), prompt, generated) == want
+    assert alignment_sequence(parse(base), prompt, 3, generated) == want
     cut = generated[:3]  # a window cut by max_tokens: no <|endoftext|> decoded
-    assert alignment_sequence(parse(base), prompt, cut) == (want[0], [2000, 2001, sp.eot])
-    assert alignment_sequence(parse(base, rules="hf"), prompt, generated) == (prompt, generated)
+    assert alignment_sequence(parse(base), prompt, 3, cut) == (want[0], [2000, 2001, sp.eot])
+    untimed = [*prompt, sp.no_timestamps]  # a window decoded without timestamps: <|notimestamps|> once
+    assert alignment_sequence(parse(base), untimed, 3, [2000, sp.eot]) == (want[0], [2000, sp.eot])
+    assert alignment_sequence(parse(base, rules="hf"), prompt, 3, generated) == (prompt, generated)

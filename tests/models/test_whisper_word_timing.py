@@ -88,6 +88,11 @@ def test_dtw_and_median_filter_match_hf():
     torch.testing.assert_close(median_filter(x, 7), _median_filter(x, 7), rtol=0, atol=0)  # the sorting network
     ties = torch.randint(-2, 3, (3, 4, 40)).float()  # many equal values in a window
     torch.testing.assert_close(median_filter(ties, 7), _median_filter(ties, 7), rtol=0, atol=0)
+    # every window of 0s and 1s (the 0-1 principle: a network that sorts them all sorts every input), in the middle
+    # of a row of 13 so that the reflect padding does not touch it
+    zero_one = torch.tensor([[0.0] * 3 + [(p >> i) & 1 for i in range(7)] + [0.0] * 3 for p in range(128)])
+    ties = zero_one.view(2, 64, 13)
+    torch.testing.assert_close(median_filter(ties, 7), _median_filter(ties, 7), rtol=0, atol=0)
     for width in (1, 3, 5, 9):  # widths other than 7 sort each window
         torch.testing.assert_close(median_filter(x, width), _median_filter(x, width), rtol=0, atol=0)
     x[0, 1, 10] = float("nan")  # NaN: the sort, as HF's
