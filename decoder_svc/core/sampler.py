@@ -44,6 +44,7 @@ finite logprob, and a greedy row's token is its top-1 alternative.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -63,6 +64,30 @@ from decoder_svc.core.outputs import SamplerOutput, TokenLogprobs
 from decoder_svc.core.sampling_params import SamplingParams
 from decoder_svc.core.sequence import sample_seq_id
 from kernels.cpu_argmax import argmax_rows
+
+
+def multinomial_one(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token drawn from ``probs`` ``[V]``: the token ``torch.multinomial(probs, 1, generator=generator)``
+    returns, leaving the generator in the same state, for less on a CPU float32 row.
+
+    ``torch.multinomial`` without replacement draws one sample as ``argmax(probs / q)`` with ``q ~ Exp(1)``
+    from ``exponential_`` (ATen ``Distributions.cpp``, the Gumbel-max trick), and the CPU ``exponential_``
+    computes each ``q`` as ``-log1p(-u)`` in double precision from one uniform double ``u`` of the generator,
+    one element after another (ATen ``TransformationHelper.h``), then rounds it to float32. Here the ``u``
+    come from ``uniform_`` on a float64 tensor (the same draws in the same order) and ``log1p`` runs
+    vectorised instead of element by element, which is where ``torch.multinomial`` spends its time on a
+    Whisper row (measured: docs/benchmarks.md). ``tests/decoder/test_sampler.py`` checks the tokens and the
+    generator's state against ``torch.multinomial``. Other devices, dtypes and shapes call ``torch.multinomial``.
+
+    Args:
+        probs: ``[V]`` probabilities (finite, >= 0, positive sum: softmax output).
+        generator: the request's generator (advanced by ``V`` draws, as ``torch.multinomial`` advances it).
+    """
+    if probs.device.type != "cpu" or probs.dtype != torch.float32 or probs.dim() != 1:
+        return int(torch.multinomial(probs, 1, generator=generator).item())
+    u = torch.empty(probs.shape, dtype=torch.float64).uniform_(generator=generator)
+    q = u.neg_().log1p_().neg_().to(torch.float32)  # [V] float32 Exp(1) draws, as exponential_ rounds them
+    return int(torch.div(probs, q).argmax())
 
 
 def sample_seed(seed: int | None, index: int) -> int | None:
@@ -274,8 +299,10 @@ class Sampler:
             warped = self.warp(scores, row.params)
             probs = warped.softmax(dim=-1)  # [V]
             gen = self.generator(row.request_id, sample_seed(row.params.seed, row.index), probs.device)
-            if bool(torch.isfinite(probs).all()):  # an overflowing row keeps its argmax and never fails the batch
-                token = int(torch.multinomial(probs, 1, generator=gen).item())
+            # softmax output lies in [0, 1] or is NaN, so its sum is finite exactly when every entry is: an
+            # overflowing row keeps its argmax and never fails the batch (one reduction, not isfinite + all)
+            if math.isfinite(float(probs.sum())):
+                token = multinomial_one(probs, gen)
                 scores = warped
                 if row.num_samples > 1:
                     result.extra_token_ids[row.request_id] = self._draw_extra_samples(
@@ -297,11 +324,7 @@ class Sampler:
         extra = []
         for k in range(1, row.num_samples):
             sid = sample_seq_id(row.request_id, k)
-            tok = int(
-                torch.multinomial(
-                    probs, 1, generator=self.generator(sid, sample_seed(row.params.seed, k), probs.device)
-                ).item()
-            )
+            tok = multinomial_one(probs, self.generator(sid, sample_seed(row.params.seed, k), probs.device))
             extra.append(tok)
             if row.params.logprobs:
                 logprobs[sid] = token_logprobs(warped, tok, row.params.top_logprobs)

@@ -21,11 +21,18 @@ Banned positions are set to ``-inf``; every other score is left bit-identical.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from shared.models.whisper_specials import MAX_INITIAL_TIMESTAMP_INDEX, WhisperSpecials
+
+# Rule 5's float64 decision stands when it clears this many nats (``TimestampRules._timestamps_win``); closer
+# calls go to HF's float32 ops. Chosen far above float32 rounding (~1e-6 of logits of magnitude tens), far below
+# any margin a real decision turns on.
+RULE5_MARGIN = 1e-3
 
 
 class TimestampRules:
@@ -149,18 +156,45 @@ class TimestampRules:
 
     def _apply_row(self, row: torch.Tensor, bounds: tuple[int, int, int]) -> None:
         """``apply_batch`` for one ``[1, V]`` CPU row: the bans as slice fills (the same positions as the batched
-        masks, no ``[N, V]`` index and mask tensors), rule 5 with the same ops as the batched path, so the row is
-        bit-identical to it (about 4x fewer microseconds per step on a 51865-token vocabulary)."""
+        masks), rule 5 decided as ``_timestamps_win`` says, so the row is bit-identical to the batched path's.
+
+        A float32 row is handled through its numpy view: a handful of numpy calls in place of a dozen small
+        torch ops, each of which can pay for waking torch's OpenMP workers between the decode step's C
+        kernels (measured: docs/benchmarks.md)."""
         text_end, ts_low, ts_high = bounds
         ts_begin, inf = self.specials.timestamp_begin, float("-inf")
-        row[:, :text_end] = inf
-        row[:, ts_begin : max(ts_low, ts_begin)] = inf
-        row[:, max(ts_high, ts_begin) :] = inf
-        row[:, self.specials.no_timestamps] = inf
+        x = row[0].numpy() if row.dtype == torch.float32 and row.is_contiguous() else row[0]
+        x[:text_end] = inf
+        x[ts_begin : max(ts_low, ts_begin)] = inf
+        x[max(ts_high, ts_begin) :] = inf
+        x[self.specials.no_timestamps] = inf
+        if self._timestamps_win(row, x):
+            x[:ts_begin] = inf
+
+    def _timestamps_win(self, row: torch.Tensor, x) -> bool:
+        """Rule 5 on one banned ``[1, V]`` row (``x``: its ``[V]`` numpy view, or the tensor row itself): whether
+        ``logsumexp(log_softmax(row)[ts:]) > max(log_softmax(row)[:ts])``, the decision of HF's ops.
+
+        The shift by the row's log-sum-exp cancels on both sides, so for a float32 view the decision is first
+        taken in float64 from the raw scores, ``logsumexp(x[ts:]) - max(x[:ts])``: where that margin is wider
+        than ``RULE5_MARGIN`` nats, HF's float32 ops (whose rounding is of the order of 1e-6 of the scores'
+        magnitude) cannot decide otherwise. A margin that close, a row with NaN or ``+inf``, or a tensor row
+        is decided by HF's own ops (log_softmax, then logsumexp against amax), so ties resolve as HF's."""
+        ts_begin = self.specials.timestamp_begin
+        if isinstance(x, np.ndarray):
+            ts, text_max = x[ts_begin:], float(x[:ts_begin].max())
+            ts_max = float(ts.max())
+            if ts_max == -math.inf:  # every timestamp banned: logsumexp is -inf, never greater
+                return False
+            if math.isfinite(ts_max) and not math.isnan(text_max) and text_max != math.inf:
+                if text_max == -math.inf:  # every text token banned: any finite timestamp mass wins
+                    return True
+                margin = ts_max + math.log(float(np.exp(ts.astype(np.float64) - ts_max).sum())) - text_max
+                if abs(margin) > RULE5_MARGIN:
+                    return margin > 0
         logprobs = torch.log_softmax(row.float(), dim=-1)  # [1, V]
         # amax: the same value as max(dim).values (a maximum rounds nothing) without its [1] index tensor
-        if bool(logprobs[:, ts_begin:].logsumexp(dim=-1) > logprobs[:, :ts_begin].amax(dim=-1)):
-            row[:, :ts_begin] = inf
+        return bool(logprobs[:, ts_begin:].logsumexp(dim=-1) > logprobs[:, :ts_begin].amax(dim=-1))
 
     def _vocab(self, device: torch.device, vocab_size: int) -> torch.Tensor:
         key = (device, vocab_size)

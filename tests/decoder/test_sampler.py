@@ -312,3 +312,32 @@ def test_seed_bound_is_documented_and_named():
     at = next(i for i, line in enumerate(lines) if "uint64 seed = 4;" in line)
     comment = " ".join(line for line in lines[at - 2 : at + 1] if "//" in line)  # the field's own comment lines
     assert "[0, 2**63 - 1]" in comment and "INVALID_ARGUMENT" in comment, comment
+
+
+def test_multinomial_one_draws_torch_multinomials_tokens_and_advances_the_generator_alike():
+    """The fast draw (uniform doubles -> -log1p(-u) -> argmax(p / q)) must pick torch.multinomial's token from the
+    same generator and leave it in the same state: sampled Whisper windows (temperature fallback) and seeded
+    requests depend on it. Rows of Whisper's width at the temperatures of the fallback ladder, rows with zeros
+    (top-k / top-p leave them), exact ties, a one-hot row, and a float64 row (the torch.multinomial fallback)."""
+    from decoder_svc.core.sampler import multinomial_one
+
+    width = 51865
+    rows = []
+    for seed in range(40):
+        logits = torch.randn(width, generator=torch.Generator().manual_seed(seed)) * (1 + seed % 6)
+        temperature = (0.2, 0.4, 0.6, 0.8, 1.0)[seed % 5]
+        probs = (logits / temperature).softmax(-1)
+        if seed % 4 == 0:  # a top-k / top-p row: most entries exactly 0
+            probs[probs < probs.quantile(0.999)] = 0
+            probs /= probs.sum()
+        rows.append(probs)
+    rows.append(torch.full((width,), 1.0 / width))  # every entry tied
+    one_hot = torch.zeros(width)
+    one_hot[12345] = 1.0
+    rows.append(one_hot)
+    rows.append(torch.randn(width, dtype=torch.float64).softmax(-1))  # not float32: torch.multinomial itself
+    for i, probs in enumerate(rows):
+        ours, ref = torch.Generator().manual_seed(1000 + i), torch.Generator().manual_seed(1000 + i)
+        for _ in range(4):
+            assert multinomial_one(probs, ours) == int(torch.multinomial(probs, 1, generator=ref)), f"row {i}"
+        assert torch.equal(ours.get_state(), ref.get_state()), f"row {i}: the generator advanced differently"

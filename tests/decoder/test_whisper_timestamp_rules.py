@@ -184,6 +184,35 @@ def test_random_histories_match_hf_row_and_batch(specials, model):
         assert banned_text.any() and not banned_text.all()  # both sides of the summed-probability rule seen
 
 
+@pytest.mark.parametrize("model", MODELS)
+def test_summed_timestamp_rule_near_a_tie_matches_hf(specials, model):
+    """Rule 5 on a CPU float32 row is first decided in float64 and left to HF's float32 ops only within
+    ``RULE5_MARGIN`` of a tie: rows whose summed timestamp probability sits from 1e-2 down to 1e-8 nats (and
+    exactly 0) either side of the likeliest text token, on both paths, against HF bit for bit."""
+    from decoder_svc.whisper.timestamp_rules import RULE5_MARGIN
+
+    sp, gen = specials[model], torch.Generator().manual_seed(11)
+    prompt = prompts(sp)[0][1]
+    t = sp.timestamp_begin
+    history = prompt + [t, 400]  # after '<|0.00|> text': every timestamp from <|0.02|> on is allowed
+    rules = TimestampRules(sp, len(prompt))
+    allowed = sp.vocab_size - (t + 1)
+    deltas = [0.0] + [
+        sign * d for d in (1e-2, 2 * RULE5_MARGIN, 5e-4, 1e-4, 1e-5, 1e-6, 1e-7, 1e-8) for sign in (1, -1)
+    ]
+    decisions = set()
+    for delta in deltas:
+        x = torch.randn(sp.vocab_size, generator=gen)  # text scores well below 10
+        x[400] = 10.0
+        x[t:] = 10.0 - torch.log(torch.tensor(float(allowed), dtype=torch.float64)).item() + delta
+        want = hf_scores(sp, len(prompt), 50, [history], x[None].clone())[0]
+        got = x.clone()
+        rules.apply(got, history)
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m, d=delta: f"delta {d}: {m}")
+        decisions.add(bool(torch.isinf(got[:t]).all()))
+    assert decisions == {True, False}
+
+
 def test_rules_reject_bad_shapes(specials):
     sp = specials["whisper-tiny.en"]
     rules = TimestampRules(sp, 1)
