@@ -77,6 +77,8 @@ def _services(args: argparse.Namespace, log_level: str = "INFO"):
 def _up(args: argparse.Namespace) -> int:
     from shared.redis_url import redact_url
 
+    if args.host:  # what every service reads as its --host default; the launcher keeps the encoder on loopback
+        os.environ["ENCDEC_HOST"] = args.host
     services = _services(args, log_level=args.log_level)
     print(
         "starting redis, encoder, decoder" + (", embed" if args.embed_model else "") + " and the HTTP gateway ..."

@@ -388,9 +388,13 @@ class Services:
                 "serve-encoder",
                 "--port",
                 str(self.encoder_port),
+                # internal: only this host's decoder calls it (encoder_address is loopback), whatever ENCDEC_HOST
+                # opens for the public ports; an explicit --host in extra_encoder_args (later) still wins
+                "--host",
+                "127.0.0.1",
                 *model,
                 *token,
-                *_local_metrics(self.extra_encoder_args),
+                *_local_metrics(["--host", "127.0.0.1", *self.extra_encoder_args]),
                 *self.extra_encoder_args,
             ],
         )

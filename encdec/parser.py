@@ -297,6 +297,13 @@ def _add_services(
         p.add_argument(
             "--http-port", type=int, default=http_port, help="the OpenAI-compatible HTTP gateway; 0 picks a free port"
         )
+        p.add_argument(
+            "--host",
+            default=None,
+            help="address the public ports bind: the decoder's gRPC, --embed-model's and the HTTP API (default "
+            "$ENCDEC_HOST, else 127.0.0.1). Beyond loopback they need a generated token / API key (files printed "
+            "at start); the encoder stays on 127.0.0.1",
+        )
         p.add_argument("--no-http", action="store_true", help="do not start the HTTP gateway")
         p.add_argument("--http-args", default="", help="more serve-http flags, one string: --http-args='--api-key k'")
     p.add_argument(

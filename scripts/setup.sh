@@ -5,14 +5,14 @@
 #
 # Needs: python3.11 (or a python3 >= 3.11) and a C compiler.
 # Env: TORCH_INDEX_URL  optional package index for torch (e.g. PyTorch's CPU wheel index)
-#      EXTRAS           extras to install (default: test)
+#      EXTRAS           extras to install (default: test; EXTRAS= installs the runtime only)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 VENV="$ROOT/.venv"
 TORCH_SPEC="torch==2.13.0"   # pinned: an unpinned torch pulls a multi-GB CUDA build
-EXTRAS="${EXTRAS:-test}"
+EXTRAS="${EXTRAS-test}"  # set but empty: no extras
 say() { printf '[setup] %s\n' "$*"; }
 
 if [[ ! -x "$VENV/bin/python" ]]; then
@@ -65,7 +65,7 @@ if ! command -v espeak-ng >/dev/null 2>&1 || ! command -v sox >/dev/null 2>&1; t
 fi
 
 say "installing encdec-serve in editable mode with extras [$EXTRAS] (generates shared/proto)"
-"${PIP[@]}" install -q -e ".[$EXTRAS]"
+"${PIP[@]}" install -q -e ".${EXTRAS:+[$EXTRAS]}"
 
 "$VENV/bin/python" - <<'PY'
 from shared.proto import decoder_pb2, decoder_pb2_grpc, encoder_pb2, encoder_pb2_grpc  # noqa: F401

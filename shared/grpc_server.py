@@ -9,6 +9,7 @@ import functools
 import inspect
 import logging
 import signal
+import time
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -311,9 +312,15 @@ async def _set_health(health: HealthServicer, names: list[str], status) -> None:
         await health.set(name, status)
 
 
-async def _watch_readiness(health: HealthServicer, names: list[str], readiness: Readiness, interval_s: float) -> None:
-    """Sets every name's health from ``readiness`` every ``interval_s`` seconds, logging each change."""
+async def _watch_readiness(
+    health: HealthServicer, names: list[str], readiness: Readiness, interval_s: float, startup_grace_s: float = 30.0
+) -> None:
+    """Sets every name's health from ``readiness`` every ``interval_s`` seconds, logging each change.
+
+    Not ready at start is the normal order of a start (a decoder up before its encoder): logged at INFO, and as a
+    WARNING only if it lasts ``startup_grace_s`` seconds; losing readiness later is a WARNING at once."""
     serving: bool | None = None
+    started, ever_ready, warned = time.monotonic(), False, False
     while True:
         try:
             reason = await readiness()
@@ -325,7 +332,13 @@ async def _watch_readiness(health: HealthServicer, names: list[str], readiness: 
             await _set_health(health, names, status)
             if ready:
                 log.info("ready: health SERVING")
-            else:
+                warned = False
+        if not ready and not warned:
+            if ever_ready or time.monotonic() - started >= startup_grace_s:
                 log.warning("not ready (health NOT_SERVING): %s", reason)
-            serving = ready
+                warned = True
+            elif serving is None:
+                log.info("not ready yet (health NOT_SERVING): %s", reason)
+        ever_ready = ever_ready or ready
+        serving = ready
         await asyncio.sleep(interval_s)

@@ -166,11 +166,12 @@ def test_up_dtype_reaches_both_services_and_a_service_flag_wins(redis_url):
 
 
 def test_up_bound_beyond_loopback_serves_nothing_without_its_generated_secrets(redis_url):
-    """Issue 34 item 1: ``ENCDEC_HOST=0.0.0.0 encdec up`` generates a bearer token for the gRPC port (the gateway
-    sends it) and an API key for the HTTP port, says where they are, and refuses calls without them."""
+    """Issue 34 item 1: ``encdec up --host 0.0.0.0`` (``ENCDEC_HOST`` is its default) generates a bearer token for
+    the gRPC port (the gateway sends it) and an API key for the HTTP port, says where they are, and refuses calls
+    without them; the encoder (internal) stays on loopback (a new user found it on 0.0.0.0)."""
     import httpx
 
-    proc = _up("--redis-url", redis_url, env={**os.environ, "ENCDEC_HOST": "0.0.0.0"}, stderr=subprocess.DEVNULL)
+    proc = _up("--redis-url", redis_url, "--host", "0.0.0.0", stderr=subprocess.DEVNULL)
     try:
         ready = next((line for line in proc.stdout if line.startswith("ready:")), "")
         assert ready, "encdec up did not become ready"
@@ -195,6 +196,9 @@ def test_up_bound_beyond_loopback_serves_nothing_without_its_generated_secrets(r
         # machine's own address, where its gRPC port does answer (the break test found 9400-9402 on 0.0.0.0)
         decoder = _cmdline_of("serve-decoder", address.rsplit(":", 1)[1])
         assert decoder[decoder.index("--metrics-host") + 1] == "127.0.0.1", decoder
+        encoder_port = int(decoder[decoder.index("--encoder-address") + 1].rsplit(":", 1)[1])
+        encoder = _cmdline_of("serve-encoder", str(encoder_port))
+        assert encoder[len(encoder) - 1 - encoder[::-1].index("--host") + 1] == "127.0.0.1", encoder
         assert httpx.get("http://127.0.0.1:9400/metrics", timeout=30).status_code == 200
         own = _own_address()
         if own is not None:
@@ -202,6 +206,8 @@ def test_up_bound_beyond_loopback_serves_nothing_without_its_generated_secrets(r
                 pass
             with pytest.raises(OSError):
                 socket.create_connection((own, 9400), timeout=5).close()
+            with pytest.raises(OSError):  # Encode is internal: not on the machine's address
+                socket.create_connection((own, encoder_port), timeout=5).close()
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         proc.wait(timeout=60)
