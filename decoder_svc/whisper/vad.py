@@ -201,10 +201,15 @@ def has_speech(pcm: np.ndarray) -> bool:
     over its threshold) before it keeps that window's text: Whisper says " you" or "Thank you." over
     digital silence and low noise with a confident average logprob, which HF's skip rule keeps.
 
+    Runs the batched probabilities (``speech_regions(batched=True)``): silero's own window-after-window loop cost
+    several times more per 30 s window, once per window the model rates silent (tiny.en rates most windows so;
+    measured: docs/benchmarks.md); a region's edge may move by one 32 ms window, which a yes / no over regions
+    of 250 ms or more does not notice.
+
     Args:
         pcm: ``[N]`` float32 mono samples at 16 kHz.
     """
-    return bool(speech_regions(pcm, VadOptions(min_speech_duration_ms=SILENCE_CHECK_MIN_SPEECH_MS)))
+    return bool(speech_regions(pcm, VadOptions(min_speech_duration_ms=SILENCE_CHECK_MIN_SPEECH_MS), batched=True))
 
 
 class SpeechMap:

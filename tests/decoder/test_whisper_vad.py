@@ -163,3 +163,17 @@ def test_loading_keeps_torch_threads():
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "3"
+
+
+def test_has_speech_hears_the_clip_and_not_silence_or_low_noise(padded_speech):
+    """``has_speech`` (the check of a window the model rates silent, on the batched probabilities): the clip with
+    its silent lead-in is speech, as is a 30 s window holding 1 s of it; digital silence and low white noise
+    alone are not."""
+    pcm, speech_start, _ = padded_speech
+    assert vad.has_speech(pcm)
+    window = np.zeros(30 * SAMPLE_RATE, np.float32)
+    window[10 * SAMPLE_RATE : 11 * SAMPLE_RATE] = pcm[speech_start + SAMPLE_RATE : speech_start + 2 * SAMPLE_RATE]
+    assert vad.has_speech(window)
+    assert not vad.has_speech(np.zeros(30 * SAMPLE_RATE, np.float32))
+    noise = np.random.default_rng(0).normal(0, 0.003, 30 * SAMPLE_RATE).astype(np.float32)
+    assert not vad.has_speech(noise)
