@@ -100,6 +100,40 @@ def test_segment_times_are_cut_to_the_gates_speech(base):
     assert job.speech_span(4.0, 4.0) == (4.0, 4.0)
 
 
+def test_segment_messages_cut_segments_and_their_words_to_the_gates_speech(base):
+    """``segment_output.segment_messages`` sends a cut segment's start and end, and each word's, inside the speech
+    the gate heard: a first word timed from the window's lead-in starts where the speech does (even in a segment
+    the gate left whole), a word of a cut segment that lies in the silence after the speech is clamped to the
+    segment's new end, and a word within the speech keeps its times."""
+    from decoder_svc.whisper.segment_output import segment_messages
+    from decoder_svc.whisper.segments import Segment
+    from decoder_svc.whisper.word_timing import WordTiming
+
+    class Tokenizer:
+        def decode(self, ids, skip_special_tokens=True):
+            return " " + " ".join(f"w{i}" for i in ids)
+
+    job = parse(base, pb.WhisperOptions(vad_gate=False), pcm=LONG)
+    job.gate_regions = [(16000, 80000), (96000, 160000)]  # speech at 1-5 s and 6-10 s
+    cut = Segment(seek=0, start=0.2, end=5.8, tokens=[440, 441, 442])  # lead-in before 1 s, silence after 5 s
+    whole = Segment(seek=0, start=6.0, end=10.0, tokens=[443])  # exactly the second region: not cut
+    words = [
+        [
+            WordTiming(" w440", [440], 0.2, 1.4, 0.9),  # from the window's start: starts at the speech
+            WordTiming(" w441", [441], 2.0, 3.0, 0.8),  # within the speech: as it is
+            WordTiming(" w442", [442], 5.2, 5.6, 0.7),  # in the silence after it (no region): the segment's end
+        ],
+        [WordTiming(" w443", [443], 5.5, 6.4, 0.6)],  # timed from before its speech: starts at 6 s
+    ]
+    message = segment_messages("r", job, Tokenizer(), [cut, whole], words, 0)
+    first, second = message.segments
+    assert (first.start, first.end) == pytest.approx((1.0, 5.0))
+    assert [t for w in first.words for t in (w.start, w.end)] == pytest.approx([1.0, 1.4, 2.0, 3.0, 5.0, 5.0])
+    assert (second.start, second.end) == pytest.approx((6.0, 10.0))
+    assert [t for w in second.words for t in (w.start, w.end)] == pytest.approx([6.0, 6.4])
+    assert message.text == " w440 w441 w442 w443"
+
+
 @pytest.mark.parametrize(
     ("options", "named"),
     [
