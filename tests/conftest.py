@@ -16,6 +16,11 @@ from encdec import DATA_DIR
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The benches the tests run (in subprocesses, which inherit this) measure the machine's peak at their start and end
+# with small products: seconds each on a slow CPU otherwise, and no test reads the peak's value
+# (encdec/bench/peak.py default_sizes).
+os.environ.setdefault("ENCDEC_BENCH_PEAK_SIZES", "256")
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _torch_threads():

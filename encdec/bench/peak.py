@@ -23,6 +23,7 @@ measure at their start and their end).
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -96,10 +97,29 @@ def _bf16_missing() -> str | None:
     return None
 
 
+PEAK_SIZES_ENV = "ENCDEC_BENCH_PEAK_SIZES"
+
+
 def default_sizes(threads: int) -> tuple[int, ...]:
     """n of the square products, the best of which is the peak: 1536 and 3072 (7 and 58 GFLOP per product), twice
     that past 8 threads so each thread still gets large blocks. Not powers of two: a 2048-float leading dimension
-    maps a column's elements onto few cache sets, and MKL's sgemm then falls well short of its peak."""
+    maps a column's elements onto few cache sets, and MKL's sgemm then falls well short of its peak.
+
+    ``ENCDEC_BENCH_PEAK_SIZES`` (comma-separated n) replaces them: the test suite's bench runs use small products
+    (the measurement at a bench's start and end then takes milliseconds instead of seconds, and the peak it
+    prints means nothing: products that fit in cache).
+
+    Raises:
+        ValueError: ``ENCDEC_BENCH_PEAK_SIZES`` is not a comma-separated list of positive integers.
+    """
+    if value := os.environ.get(PEAK_SIZES_ENV, "").strip():
+        try:
+            sizes = tuple(int(n) for n in value.split(","))
+        except ValueError:
+            sizes = ()
+        if not sizes or min(sizes) < 1:
+            raise ValueError(f"{PEAK_SIZES_ENV} must be comma-separated positive integers, got {value!r}")
+        return sizes
     return (1536, 3072) if threads <= 8 else (3072, 6144)
 
 

@@ -127,3 +127,16 @@ def test_peak_sub_command_parses():
 
     args = build_parser().parse_args(["bench", "peak", "--rows", "1,32", "--cpu-isa", "avx2"])
     assert args.rows == "1,32" and args.threads == 2 and args.func.module == "products"
+
+
+def test_peak_sizes_from_the_environment(monkeypatch):
+    """``ENCDEC_BENCH_PEAK_SIZES`` replaces the peak's product sizes (the suite's bench runs use small ones); a
+    value that is not positive integers is refused with the variable's name."""
+    monkeypatch.delenv("ENCDEC_BENCH_PEAK_SIZES", raising=False)
+    assert peak.default_sizes(2) == (1536, 3072) and peak.default_sizes(16) == (3072, 6144)
+    monkeypatch.setenv("ENCDEC_BENCH_PEAK_SIZES", "128, 192")
+    assert peak.default_sizes(2) == (128, 192)
+    for bad in ("0", "abc", "128,", "-5"):
+        monkeypatch.setenv("ENCDEC_BENCH_PEAK_SIZES", bad)
+        with pytest.raises(ValueError, match="ENCDEC_BENCH_PEAK_SIZES"):
+            peak.default_sizes(2)
