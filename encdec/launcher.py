@@ -382,20 +382,19 @@ class Services:
         model = ["--model", self.model] if self.model else []
         token = self._token_args()
         public_token, backend_token = self._public_secrets()
+        # internal: only this host's decoder calls it (encoder_address is loopback), whatever ENCDEC_HOST opens for
+        # the public ports; an explicit --host in extra_encoder_args (later on its command line) still wins
+        encoder_args = ["--host", "127.0.0.1", *self.extra_encoder_args]
         encoder = self._spawn(
             "encoder",
             [
                 "serve-encoder",
                 "--port",
                 str(self.encoder_port),
-                # internal: only this host's decoder calls it (encoder_address is loopback), whatever ENCDEC_HOST
-                # opens for the public ports; an explicit --host in extra_encoder_args (later) still wins
-                "--host",
-                "127.0.0.1",
                 *model,
                 *token,
-                *_local_metrics(["--host", "127.0.0.1", *self.extra_encoder_args]),
-                *self.extra_encoder_args,
+                *_local_metrics(encoder_args),
+                *encoder_args,
             ],
         )
         decoder = self._spawn(
